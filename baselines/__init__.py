@@ -1,0 +1,4 @@
+"""Reimplemented baselines (CAA, ITI, NL-ITI, ReFT) behind ``mari_eval.methods.Intervention``.
+
+They register with ``mari_eval.methods.register_method`` when this package is imported.
+"""

@@ -1,0 +1,208 @@
+"""Data for the lm-eval tasks of this folder, read through ``mari_eval.data``.
+
+Every YAML here names one of the ``load_*`` functions below as its
+``custom_dataset``. lm-eval 0.4.13 calls it as ``fn(**metadata, **dataset_kwargs)``
+(``lm_eval/api/task.py``, ``ConfigurableTask.download``), where ``metadata`` is the
+YAML's ``metadata`` merged with ``--metadata`` and with the model's ``--model_args``
+(so it holds unrelated keys such as ``version``, ``config_source`` or ``pretrained``:
+every loader accepts ``**_``). The loaders return a ``datasets.DatasetDict`` keyed by
+the split names that the YAMLs use.
+
+The records come from ``$MARI_DATA_DIR`` when it is set (the local copy, see
+``shared/data/SOURCES.md``), otherwise from the Hugging Face Hub, exactly as
+``mari_eval.data`` reads them (each with its stable ``id``).
+
+Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, imported
+(not copied) so that the YAMLs can reference them as ``!function utils.<name>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import datasets
+
+try:
+    from mari_eval import data as mari_data
+except ImportError:  # a checkout that is not pip-installed: the package sits beside this folder
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from mari_eval import data as mari_data
+
+from lm_eval.tasks.bbq import utils as bbq_utils
+from lm_eval.tasks.truthfulqa import utils as truthfulqa_utils
+
+# A child of lm-eval's logger, so that these lines show at lm-eval's log level.
+log = logging.getLogger("lm_eval.harness_tasks.mari")
+
+SPLIT_SEED_KEY = "split_seed"  # metadata key (YAML `metadata:` or `--metadata`) of the split seed
+HELDOUT_DROP = ("pca", "train", "ctrl")  # the Splits fields that held-out tasks leave out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _source() -> str:
+    """Cache key for where records come from (the local copy or the Hub)."""
+    return os.environ.get(mari_data.DATA_ENV) or "hub"
+
+
+def _dataset(records: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_list(records)
+
+
+@functools.lru_cache(maxsize=None)
+def _truthfulqa(source: str) -> tuple[dict, ...]:
+    return tuple(mari_data.load_truthfulqa_mc())
+
+
+@functools.lru_cache(maxsize=None)
+def _bbq(source: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    records, covered = mari_data.load_bbq(None)  # both contexts, like the built-in's "All" config
+    return tuple(records), tuple(covered)
+
+
+@functools.lru_cache(maxsize=None)
+def _mmlu(split: str, source: str) -> dict[str, list[dict]]:
+    by_subject: dict[str, list[dict]] = {}
+    for r in mari_data.load_mmlu(split):
+        by_subject.setdefault(r["subject"], []).append(r)
+    return by_subject
+
+
+@functools.lru_cache(maxsize=None)
+def _splits(dataset: str, seed: int, source: str) -> mari_data.Splits:
+    return mari_data.make_splits(dataset, seed)
+
+
+def _seed(value) -> int:
+    """The split seed from metadata: an int, or a string of one (``--metadata`` may pass either)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError(f"metadata '{SPLIT_SEED_KEY}' must be an integer, got {value!r}")
+
+
+def splits_for(dataset: str, split_seed=0) -> mari_data.Splits:
+    """The ``mari_eval.data.make_splits`` result that the held-out tasks use (cached)."""
+    return _splits(dataset, _seed(split_seed), _source())
+
+
+def _heldout(records, dataset: str, split_seed, *, keep_only_test: bool, task: str) -> list[dict]:
+    """Records without any pca/train/ctrl id (or exactly the test ids), tagged with the split."""
+    splits = splits_for(dataset, split_seed)
+    fingerprint = splits.fingerprint()
+    if keep_only_test:
+        wanted = set(splits.test)
+        kept = [r for r in records if r["id"] in wanted]
+        missing = wanted - {r["id"] for r in kept}
+        if missing:
+            raise mari_data.DataError(
+                f"{task}: {len(missing)} test id(s) of the {dataset} split (seed {splits.seed}) are not in "
+                f"the loaded records, e.g. {sorted(missing)[:3]}; the data changed since the split was made"
+            )
+    else:
+        dropped = {i for name in HELDOUT_DROP for i in getattr(splits, name)}
+        kept = [r for r in records if r["id"] not in dropped]
+    log.info(
+        "%s: make_splits(%r, seed=%d), fingerprint %s: kept %d of %d records (%s; split sizes %s)",
+        task, dataset, splits.seed, fingerprint, len(kept), len(records),
+        "exactly the test ids" if keep_only_test else "every id not in pca/train/ctrl",
+        ", ".join(f"{n}={len(getattr(splits, n))}" for n in (*HELDOUT_DROP, "test")),
+    )
+    # Every held-out doc carries the split it was cut with (visible in --log_samples output).
+    return [{**r, "split_seed": splits.seed, "split_fingerprint": fingerprint} for r in kept]
+
+
+# ----------------------------------------------------------------------------- loaders (custom_dataset)
+
+
+def load_truthfulqa(**_) -> datasets.DatasetDict:
+    """All 817 TruthfulQA MC questions as the ``validation`` split (training questions included)."""
+    return datasets.DatasetDict({"validation": _dataset(list(_truthfulqa(_source())))})
+
+
+def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """TruthfulQA MC without the pca/train/ctrl questions of ``make_splits("truthfulqa", split_seed)``."""
+    records = _heldout(_truthfulqa(_source()), "truthfulqa", split_seed, keep_only_test=False, task="truthfulqa_heldout")
+    return datasets.DatasetDict({"validation": _dataset(records)})
+
+
+def bbq_categories() -> list[str]:
+    """The BBQ categories that ``mari_eval.data.load_bbq`` could read (locally or from the Hub)."""
+    return list(_bbq(_source())[1])
+
+
+def _bbq_records() -> tuple[dict, ...]:
+    records, covered = _bbq(_source())
+    absent = [c for c in mari_data.BBQ_CATEGORIES if c not in covered]
+    if absent:
+        log.warning("BBQ covers %d of 11 categories: %s (absent: %s)", len(covered), ", ".join(covered), ", ".join(absent))
+    return records
+
+
+def load_bbq(**_) -> datasets.DatasetDict:
+    """Every BBQ record of the covered categories (ambiguous and disambiguated) as ``test``."""
+    return datasets.DatasetDict({"test": _dataset(list(_bbq_records()))})
+
+
+def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """BBQ (both contexts) without the pca/train/ctrl ids of ``make_splits("bbq", split_seed)``."""
+    records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=False, task="bbq_heldout")
+    return datasets.DatasetDict({"test": _dataset(records)})
+
+
+def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """Exactly the test ids of ``make_splits("bbq", split_seed)`` (disambiguated contexts)."""
+    records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=True, task="bbq_disambig_heldout")
+    return datasets.DatasetDict({"test": _dataset(records)})
+
+
+def load_mmlu(mmlu_subject: str, **_) -> datasets.DatasetDict:
+    """One MMLU subject: ``dev`` (the 5 few-shot examples), ``validation`` and ``test``."""
+    out = {}
+    for split in ("dev", "validation", "test"):
+        rows = _mmlu(split, _source()).get(mmlu_subject)
+        if not rows:
+            raise mari_data.DataError(f"MMLU subject '{mmlu_subject}' has no records in split '{split}'")
+        out[split] = _dataset(rows)
+    return datasets.DatasetDict(out)
+
+
+def _arc(task: str) -> datasets.DatasetDict:
+    return datasets.DatasetDict(
+        {split: _dataset(mari_data.load_arc(task, split)) for split in ("train", "validation", "test")}
+    )
+
+
+def load_arc_easy(**_) -> datasets.DatasetDict:
+    return _arc("arc_easy")
+
+
+def load_arc_challenge(**_) -> datasets.DatasetDict:
+    return _arc("arc_challenge")
+
+
+def load_gsm8k(**_) -> datasets.DatasetDict:
+    return datasets.DatasetDict({split: _dataset(mari_data.load_gsm8k(split)) for split in ("train", "test")})
+
+
+# ----------------------------------------------------------------------------- lm-eval's scoring, reused
+
+# TruthfulQA (lm_eval/tasks/truthfulqa/utils.py)
+process_results_mc2 = truthfulqa_utils.process_results_mc2
+
+# BBQ (lm_eval/tasks/bbq/utils.py)
+bbq_process_docs = bbq_utils.process_docs
+bbq_process_docs_disambig = bbq_utils.process_docs_disambig
+bbq_process_results_multiple_choice = bbq_utils.process_results_multiple_choice
+bbq_doc_to_target = bbq_utils.doc_to_target
+bbq_doc_to_choice = bbq_utils.doc_to_choice
+bbq_agg_accuracy_amb = bbq_utils.agg_accuracy_amb
+bbq_agg_accuracy_disamb = bbq_utils.agg_accuracy_disamb
+bbq_agg_amb_bias_scores = bbq_utils.agg_amb_bias_scores
+bbq_agg_disamb_bias_scores = bbq_utils.agg_disamb_bias_scores

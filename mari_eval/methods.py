@@ -1,0 +1,146 @@
+"""The one interface every method implements, and the bundle format that stores it.
+
+A method (MARI or a baseline) is an ``Intervention``: fitted on a training split, it
+edits the hidden state at the site (through ``mari_eval.site``), and it is saved as a
+*bundle*: a directory with ``bundle.json`` (method, base model, site, hyperparameters,
+splits, provenance) and ``weights.safetensors``. Loading never unpickles anything.
+
+Methods register themselves with ``@register_method("name")``; ``load_bundle`` reads
+``bundle.json`` and hands the directory to the registered class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from mari_eval import site
+
+BUNDLE_JSON = "bundle.json"
+BUNDLE_WEIGHTS = "weights.safetensors"
+_METHODS: dict[str, type["Intervention"]] = {}
+
+
+class BundleError(ValueError):
+    """A bundle is missing, damaged, or was trained for another model."""
+
+
+def register_method(name: str):
+    def decorate(cls: type[Intervention]) -> type[Intervention]:
+        cls.method = name
+        _METHODS[name] = cls
+        return cls
+
+    return decorate
+
+
+def method_names() -> list[str]:
+    _import_builtin_methods()
+    return sorted(_METHODS)
+
+
+def _import_builtin_methods() -> None:
+    # Methods live in their own modules and register on import; none is loaded at start-up.
+    import importlib
+
+    for module in ("mari_eval.mari", "baselines"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+
+
+class Intervention(ABC):
+    """Base class: what the lm-eval model, the trainer and the diagnostics may rely on."""
+
+    method: ClassVar[str] = "abstract"
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.config = config  # everything bundle.json records (model, site, hyperparameters, splits...)
+        self.tensors = tensors
+
+    @property
+    def layer(self) -> int:
+        return int(self.config["site"]["layer"])
+
+    # -- applying ----------------------------------------------------------------
+
+    @abstractmethod
+    def edit(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Map hidden states at p* ([B, d]) to their replacements."""
+
+    def applied(self, model: torch.nn.Module, positions: torch.Tensor | None) -> AbstractContextManager:
+        """Context in which ``model``'s forward passes carry this intervention at ``positions``."""
+        return site.edit_site(model, self.layer, self.edit, positions)
+
+    # -- identity and compatibility -------------------------------------------
+
+    def check_compatible(self, model: torch.nn.Module, model_name: str) -> None:
+        base = self.config["base_model"]
+        hidden, layers = int(model.config.get_text_config().hidden_size), site.num_layers(model)
+        problems = []
+        if base["hidden_size"] != hidden:
+            problems.append(f"hidden size {base['hidden_size']} (this model: {hidden})")
+        if base["num_layers"] != layers:
+            problems.append(f"{base['num_layers']} layers (this model: {layers})")
+        if problems:
+            raise BundleError(
+                f"This {self.method} bundle was trained for '{base['name']}' with " + " and ".join(problems)
+                + f"; it cannot be applied to '{model_name}'. Load it with pretrained={base['name']} or retrain."
+            )
+        site.check_layer(model, self.layer)
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
+        for name in sorted(self.tensors):
+            digest.update(name.encode())
+            digest.update(self.tensors[name].detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.method, "fingerprint": self.fingerprint(), "site": self.config.get("site")}
+
+    # -- persistence ------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}, directory / BUNDLE_WEIGHTS)
+        config = {"method": self.method, **self.config}
+        (directory / BUNDLE_JSON).write_text(json.dumps(config, indent=2, sort_keys=True))
+        return directory
+
+
+def load_bundle(directory: str | Path) -> Intervention:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    meta_path, weights_path = directory / BUNDLE_JSON, directory / BUNDLE_WEIGHTS
+    for path in (meta_path, weights_path):
+        if not path.is_file():
+            raise BundleError(f"{path} is missing: '{directory}' is not a complete bundle (train one with `mari-eval train`)")
+    try:
+        config = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{meta_path} is not valid JSON ({e.msg}); the bundle is damaged, retrain it") from None
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise BundleError(
+            f"{weights_path} is not a readable safetensors file ({e}); bundles are never loaded from pickles"
+        ) from None
+    name = config.pop("method", None)
+    _import_builtin_methods()
+    if name not in _METHODS:
+        raise BundleError(f"{meta_path} names method {name!r}; known methods: {sorted(_METHODS) or 'none'}")
+    return _METHODS[name](config, tensors)

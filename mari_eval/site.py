@@ -1,0 +1,197 @@
+"""The injection site: find a transformer's decoder layers, read and edit the residual stream.
+
+This is the only module that knows how to reach a model's layers and how forward hooks
+are installed. Training, evaluation, the energy gate, the baselines and the diagnostics
+all go through it.
+
+Conventions
+-----------
+* ``layer`` is a 0-based decoder-layer index ``l``; "the hidden state after layer l" is
+  that layer's output, i.e. ``output_hidden_states[l + 1]`` in transformers' numbering.
+  The paper's l* (eq:single_pos_edit) is such an index.
+* ``positions`` holds one token index per batch row: the last prompt token p*. With
+  right padding (lm-eval scoring) it differs per row; with left padding (generation) it
+  is the last column. ``last_token_positions`` derives it from an attention mask.
+* An edit replaces ``h[i, positions[i]]`` by ``edit(h[:, positions])`` (eq:single_pos_edit).
+  With ``once=True`` only the first forward pass inside the context is edited: under
+  ``generate`` that is the prefill, so the edited state enters the KV cache once and
+  the decode steps run untouched, as in the paper's single-position edit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+Edit = Callable[[torch.Tensor], torch.Tensor]  # [B, d] hidden states at p* -> [B, d] replacements
+
+# Attribute paths, from the CausalLM wrapper, of the decoder-layer list of supported families.
+_LAYER_PATHS = (
+    "model.layers",  # Llama, Mistral, Qwen2, Gemma, Gemma3ForCausalLM, Phi3
+    "model.language_model.layers",  # Gemma3ForConditionalGeneration (text tower)
+    "transformer.h",  # GPT-2, GPT-J, GPT-Neo, Falcon
+    "gpt_neox.layers",  # Pythia / GPT-NeoX
+    "model.decoder.layers",  # OPT
+)
+
+
+class SiteError(ValueError):
+    """The site does not exist in this model (unknown architecture or layer out of range)."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for path in _LAYER_PATHS:
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    raise SiteError(
+        f"Cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}. "
+        "Add the attribute path of its layer list to mari_eval.site._LAYER_PATHS."
+    )
+
+
+def num_layers(model: nn.Module) -> int:
+    return len(decoder_layers(model))
+
+
+def check_layer(model: nn.Module, layer: int) -> int:
+    n = num_layers(model)
+    if not isinstance(layer, int) or not 0 <= layer < n:
+        raise SiteError(
+            f"Layer {layer} is out of range for {type(model).__name__} with {n} decoder layers; "
+            f"choose a layer in 0..{n - 1}."
+        )
+    return layer
+
+
+def last_token_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-pad token of every row, for left- or right-padded batches."""
+    mask = attention_mask.to(torch.long)
+    if (mask.sum(-1) == 0).any():
+        raise ValueError("A row of the batch has no tokens (empty prompt)")
+    idx = torch.arange(mask.shape[-1], device=mask.device)
+    return (mask * idx).argmax(-1)
+
+
+def _hidden_of(output):
+    """Decoder layers return a tensor (transformers 5) or a tuple whose first item is it."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_hidden(output, hidden: torch.Tensor):
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+@contextmanager
+def forward_hook(module: nn.Module, hook) -> Iterator[None]:
+    """Install a forward hook for the duration of the block; it is removed on exit and on error."""
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def edit_site(
+    model: nn.Module,
+    layer: int,
+    edit: Edit,
+    positions: torch.Tensor | None = None,
+    once: bool = True,
+) -> Iterator[dict]:
+    """Replace the hidden state after ``layer`` at ``positions`` (default: the last column).
+
+    Yields a small state dict; ``state["calls"]`` counts the forward passes edited.
+    """
+    check_layer(model, layer)
+    state = {"calls": 0}
+
+    def hook(module, args, output):
+        if once and state["calls"] > 0:
+            return None
+        hidden = _hidden_of(output)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        cols = (
+            torch.full_like(rows, hidden.shape[1] - 1)
+            if positions is None
+            else positions.to(hidden.device)
+        )
+        if cols.shape[0] != hidden.shape[0]:
+            raise ValueError(f"{cols.shape[0]} site positions for a batch of {hidden.shape[0]} rows")
+        new = edit(hidden[rows, cols]).to(hidden.dtype)
+        state["calls"] += 1
+        # Out of place, so that gradients flow to the editor during training.
+        return _with_hidden(output, hidden.index_put((rows, cols), new))
+
+    with forward_hook(decoder_layers(model)[layer], hook):
+        yield state
+
+
+@contextmanager
+def capture_site(
+    model: nn.Module,
+    layers: Iterable[int],
+    positions: torch.Tensor | None = None,
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the hidden state after each of ``layers`` at ``positions`` ([B, d] per layer).
+
+    Hooks run in installation order, so a capture entered inside ``edit_site`` on the
+    same layer records the edited state.
+    """
+    seen: dict[int, torch.Tensor] = {}
+    blocks = decoder_layers(model)
+    hooks = []
+    for layer in layers:
+        check_layer(model, layer)
+
+        def hook(module, args, output, layer=layer):
+            if layer in seen:  # keep the prefill only
+                return None
+            hidden = _hidden_of(output)
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            cols = torch.full_like(rows, hidden.shape[1] - 1) if positions is None else positions.to(hidden.device)
+            seen[layer] = hidden[rows, cols]
+            return None
+
+        hooks.append(blocks[layer].register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+class _StopForward(Exception):
+    pass
+
+
+@torch.no_grad()
+def hidden_at_site(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """h^{(layer)}_{p*} for every row, stopping the forward pass right after ``layer``."""
+    if positions is None:
+        positions = last_token_positions(attention_mask)
+
+    def stop(module, args, output):
+        raise _StopForward
+
+    with capture_site(model, [layer], positions) as seen:
+        try:
+            with forward_hook(decoder_layers(model)[layer], stop):
+                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+    return seen[layer]
