@@ -19,12 +19,15 @@ Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, impor
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 try:
     from mari_eval import data as mari_data
@@ -54,6 +57,35 @@ def _dataset(records: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_list(records)
 
 
+def _dataset_on_disk(name: str, records: list[dict]) -> datasets.Dataset:
+    """``records`` as a memory-mapped Arrow file under the datasets cache, for tasks with process_docs.
+
+    lm-eval runs a task's process_docs (for BBQ a ``datasets.map`` over every doc, about 5 s
+    for the 17,628 docs) each time it asks for the docs, two or three times per task. On an
+    in-memory dataset datasets cannot cache that map; on a file-backed one it does, as it does
+    for the built-in's Hub download. The file name holds a hash of the content, so changed
+    data (or another split seed) get a new file. Falls back to an in-memory dataset when the
+    cache folder cannot be written.
+    """
+    ds = _dataset(records)
+    if not datasets.is_caching_enabled():
+        return ds
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = Path(datasets.config.HF_DATASETS_CACHE) / "mari_eval_harness" / f"{name}-{digest}.arrow"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            table = ds.data.table
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+            os.replace(tmp, path)
+        return datasets.Dataset.from_file(str(path))
+    except OSError as e:
+        log.warning("Could not write %s (%s); using an in-memory dataset (process_docs is then not cached)", path, e)
+        return ds
+
+
 @functools.lru_cache(maxsize=None)
 def _truthfulqa(source: str) -> tuple[dict, ...]:
     return tuple(mari_data.load_truthfulqa_mc())
@@ -62,6 +94,9 @@ def _truthfulqa(source: str) -> tuple[dict, ...]:
 @functools.lru_cache(maxsize=None)
 def _bbq(source: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     records, covered = mari_data.load_bbq(None)  # both contexts, like the built-in's "All" config
+    absent = [c for c in mari_data.BBQ_CATEGORIES if c not in covered]
+    if absent:  # once per process (cached): results on these tasks cover only these categories
+        log.warning("BBQ covers %d of 11 categories: %s (absent: %s)", len(covered), ", ".join(covered), ", ".join(absent))
     return tuple(records), tuple(covered)
 
 
@@ -132,34 +167,25 @@ def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"validation": _dataset(records)})
 
 
-def bbq_categories() -> list[str]:
-    """The BBQ categories that ``mari_eval.data.load_bbq`` could read (locally or from the Hub)."""
-    return list(_bbq(_source())[1])
-
-
 def _bbq_records() -> tuple[dict, ...]:
-    records, covered = _bbq(_source())
-    absent = [c for c in mari_data.BBQ_CATEGORIES if c not in covered]
-    if absent:
-        log.warning("BBQ covers %d of 11 categories: %s (absent: %s)", len(covered), ", ".join(covered), ", ".join(absent))
-    return records
+    return _bbq(_source())[0]
 
 
 def load_bbq(**_) -> datasets.DatasetDict:
     """Every BBQ record of the covered categories (ambiguous and disambiguated) as ``test``."""
-    return datasets.DatasetDict({"test": _dataset(list(_bbq_records()))})
+    return datasets.DatasetDict({"test": _dataset_on_disk("bbq", list(_bbq_records()))})
 
 
 def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """BBQ (both contexts) without the pca/train/ctrl ids of ``make_splits("bbq", split_seed)``."""
     records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=False, task="bbq_heldout")
-    return datasets.DatasetDict({"test": _dataset(records)})
+    return datasets.DatasetDict({"test": _dataset_on_disk("bbq_heldout", records)})
 
 
 def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """Exactly the test ids of ``make_splits("bbq", split_seed)`` (disambiguated contexts)."""
     records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=True, task="bbq_disambig_heldout")
-    return datasets.DatasetDict({"test": _dataset(records)})
+    return datasets.DatasetDict({"test": _dataset_on_disk("bbq_disambig_heldout", records)})
 
 
 def load_mmlu(mmlu_subject: str, **_) -> datasets.DatasetDict:

