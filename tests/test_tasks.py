@@ -142,19 +142,18 @@ def test_every_name_resolves_to_our_yaml_not_the_builtin(tm, tasks):
     assert tm.task_index["mari_heldout"].tags == set(HELDOUT)
 
 
+def _map_leaves(value, leaf):
+    """Apply ``leaf`` to every non-container value of a nested dict/list config."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(x, leaf) for k, x in value.items()}
+    if isinstance(value, list):
+        return [_map_leaves(x, leaf) for x in value]
+    return leaf(value)
+
+
 def _comparable(cfg: dict) -> dict:
     """Config values with functions replaced by their qualified names."""
-
-    def norm(v):
-        if callable(v):
-            return f"{v.__module__}.{v.__qualname__}"
-        if isinstance(v, dict):
-            return {k: norm(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [norm(x) for x in v]
-        return v
-
-    return {k: norm(v) for k, v in cfg.items()}
+    return _map_leaves(cfg, lambda v: f"{v.__module__}.{v.__qualname__}" if callable(v) else v)
 
 
 def _builtin_config(name: str) -> dict:
@@ -167,16 +166,12 @@ def _builtin_config(name: str) -> dict:
     cfg = load_yaml(BUILTIN / OVERRIDES[name], resolve_func=False)
     prefix = str(BUILTIN) + os.sep
 
-    def norm(v):
+    def qualified(v):
         if isinstance(v, str) and v.startswith(prefix) and "/utils." in v:  # "<dir>/utils.fn"
             return "lm_eval.tasks." + v[len(prefix):].replace(os.sep, ".")
-        if isinstance(v, dict):
-            return {k: norm(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [norm(x) for x in v]
         return v
 
-    return {k: norm(v) for k, v in cfg.items()}
+    return _map_leaves(cfg, qualified)
 
 
 @pytest.mark.parametrize("name", sorted(OVERRIDES))
