@@ -89,6 +89,16 @@ def _with_hidden(output, hidden: torch.Tensor):
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
+def _site_index(hidden: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of p* in a [B, T, d] hidden state; no positions means the last column."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if positions is None:
+        return rows, torch.full_like(rows, hidden.shape[1] - 1)
+    if positions.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{positions.shape[0]} site positions for a batch of {hidden.shape[0]} rows")
+    return rows, positions.to(hidden.device)
+
+
 @contextmanager
 def forward_hook(module: nn.Module, hook) -> Iterator[None]:
     """Install a forward hook for the duration of the block; it is removed on exit and on error."""
@@ -118,14 +128,7 @@ def edit_site(
         if once and state["calls"] > 0:
             return None
         hidden = _hidden_of(output)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        cols = (
-            torch.full_like(rows, hidden.shape[1] - 1)
-            if positions is None
-            else positions.to(hidden.device)
-        )
-        if cols.shape[0] != hidden.shape[0]:
-            raise ValueError(f"{cols.shape[0]} site positions for a batch of {hidden.shape[0]} rows")
+        rows, cols = _site_index(hidden, positions)
         new = edit(hidden[rows, cols]).to(hidden.dtype)
         state["calls"] += 1
         # Out of place, so that gradients flow to the editor during training.
@@ -156,9 +159,7 @@ def capture_site(
             if layer in seen:  # keep the prefill only
                 return None
             hidden = _hidden_of(output)
-            rows = torch.arange(hidden.shape[0], device=hidden.device)
-            cols = torch.full_like(rows, hidden.shape[1] - 1) if positions is None else positions.to(hidden.device)
-            seen[layer] = hidden[rows, cols]
+            seen[layer] = hidden[_site_index(hidden, positions)]
             return None
 
         hooks.append(blocks[layer].register_forward_hook(hook))
