@@ -41,6 +41,30 @@ def _splits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import logging
+
+    from mari_eval.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            hp[key] = json.loads(value)
+        except json.JSONDecodeError:
+            hp[key] = value
+    if args.single:
+        hp["single"] = True
+    hp = {k: v for k, v in hp.items() if v is not None}
+    path = train(args.method, args.attribute, args.model, args.seed, args.out, layer=args.layer,
+                 max_train=args.max_train, hyperparameters=hp)
+    print(f"bundle: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mari-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write JSON here instead of printing it")
     p.set_defaults(run=_splits)
+
+    p = sub.add_parser("train", help="train a method on an attribute's D_train and save a bundle")
+    p.add_argument("--method", default="mari", help="mari (default) or a baseline: caa, iti, nl_iti, reft")
+    p.add_argument("--attribute", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or local directory")
+    p.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--layer", type=int, help="injection layer l* (default: num_layers // 2)")
+    p.add_argument("--K", type=int, help="number of experts (MARI; default 4)")
+    p.add_argument("--rank", type=int, help="adapter rank (default 4)")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--rho", type=float, help="gate quantile (default 0.9; can be changed at evaluation)")
+    p.add_argument("--max-train", type=int, help="train on at most this many D_train examples (seeded subset)")
+    p.add_argument("--single", action="store_true",
+                   help="MARI: also train a single adapter (evaluate it with experts=single)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
+    p.set_defaults(run=_train)
     return parser
 
 
@@ -62,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError, ImportError, OSError) as e:
+    except (ValueError, RuntimeError, ImportError, OSError, ArithmeticError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

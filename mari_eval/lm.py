@@ -16,15 +16,16 @@ parallelism through ``accelerate launch``, ``parallelize=True``) is HFLM's.
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from mari_eval import methods, site
+from mari_eval import methods, runner
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 
 
@@ -36,6 +37,10 @@ class MariLM(HFLM):
         bundle: str | None = None,
         device: str | None = None,
         dtype: str = "float32",
+        gate: bool | str = True,
+        rho: float | None = None,
+        experts: str | int = "routed",
+        diagnostics: str | None = None,
         **kwargs: Any,
     ) -> None:
         if device is None:
@@ -52,58 +57,129 @@ class MariLM(HFLM):
         if bundle:
             self.intervention = methods.load_bundle(bundle)
             self.intervention.check_compatible(self.model, self.model_name)
+            ablation = {"gate": _as_bool(gate), "rho": None if rho is None else float(rho), "experts": str(experts)}
+            if hasattr(self.intervention, "configure"):
+                self.intervention.configure(**ablation)
+            elif ablation != {"gate": True, "rho": None, "experts": "routed"}:
+                raise ValueError(f"gate/rho/experts apply to MARI bundles; this bundle is {self.intervention.method}")
+        self.diagnostics_path = diagnostics
+        self.records: list[dict] = []  # one per prompt: the method's choice (expert, gate, energy...)
+        self._request_meta: list | None = None
 
     # ------------------------------------------------------------------ the site
 
-    def _site_edit(self, positions: torch.Tensor | None):
+    def _variants(self) -> tuple[list[int], Any, list[int], list[int]]:
+        """(variants, apply, captured layers, site-only variants) of the intervention, BASE alone without one."""
+        iv = self.intervention
+        if iv is None:
+            return [runner.BASE], lambda ids, pos: contextlib.nullcontext(), [], []
+        variants = ([runner.BASE] if iv.uses_base else []) + iv.variants()
+
+        def apply(variant_ids, positions):
+            return iv.applied(self.model, positions, variant_ids)
+
+        return variants, apply, iv.captured_layers(), iv.site_only_variants()
+
+    def _choose(self, run: runner.VariantRun) -> tuple[int, dict]:
         if self.intervention is None:
-            return contextlib.nullcontext()
-        return self.intervention.applied(self.model, positions)
+            return runner.BASE, {}
+        return self.intervention.choose(run)
 
     # ------------------------------------------------------------------ scoring
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        # Keep which question each request belongs to: a method that chooses among
+        # variants (MARI's entropy routing) sees all options of a question together.
+        self._request_meta = [(r.task_name, r.doc_id, r.doc) for r in requests]
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._request_meta = None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """Sum of continuation log-probs and whether it is the greedy continuation, per request.
 
-        Rows are right-padded and run without an attention mask, as HFLM does: with a
-        causal mask the trailing pads cannot influence the scored positions.
+        Requests are grouped by question (task, doc, context tokens). Each group's context
+        before p* is run once (sharing the preamble common with the previous question,
+        e.g. a few-shot prompt) and its options run as short suffixes under every variant
+        of the intervention (``mari_eval.runner``); the method then picks the variant that
+        answers. Without a bundle this equals HFLM's scoring (tested to 1e-4).
         """
-        batch_size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        meta = self._request_meta if self._request_meta and len(self._request_meta) == len(requests) else None
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, context_enc, cont_enc) in enumerate(requests):
+            if not context_enc or not cont_enc:
+                raise ValueError("A log-likelihood request has an empty context or continuation")
+            if len(cont_enc) > self.max_length:
+                raise ValueError(f"A continuation of {len(cont_enc)} tokens exceeds max_length={self.max_length}")
+            key = (meta[i][0], meta[i][1]) if meta else (None, None)
+            groups.setdefault((*key, tuple(context_enc)), []).append(i)
+        variants, apply, capture, site_only = self._variants()
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            rows, conts = [], []
-            for i in chunk:
-                _, context_enc, cont_enc = requests[i]
-                if not context_enc or not cont_enc:
-                    raise ValueError("A log-likelihood request has an empty context or continuation")
-                if len(cont_enc) > self.max_length:
-                    raise ValueError(f"A continuation of {len(cont_enc)} tokens exceeds max_length={self.max_length}")
-                rows.append((context_enc + cont_enc)[-(self.max_length + 1) :][:-1])
-                conts.append(cont_enc)
-            width = max(map(len, rows))
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            inps = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
-            # p*: the last context token kept in the row (the row ends with cont[:-1]).
-            p_star = torch.tensor([len(r) - len(c) for r, c in zip(rows, conts)], device=self.device)
-            with torch.no_grad(), self._site_edit(p_star.clamp(min=0)):
-                logits = self.model(inps).logits
-            for j, i in enumerate(chunk):
-                n = len(conts[j])
-                first = len(rows[j]) - n  # the logit at p* predicts the first continuation token
-                logprobs = F.log_softmax(logits[j, first : first + n].float(), dim=-1)
-                target = torch.tensor(conts[j], device=logprobs.device)
-                answer = (
-                    float(logprobs.gather(-1, target[:, None]).sum()),
-                    bool((logprobs.argmax(-1) == target).all()),
-                )
+        shared: runner.Prefix | None = None
+        previous: tuple[int, ...] = ()
+        for (task, doc_id, context), idxs in groups.items():
+            conts = [requests[i][2] for i in idxs]
+            # Left-truncate like HFLM so that the longest row fits in max_length.
+            context = context[-(self.max_length + 1 - max(map(len, conts))):]
+            shared, previous = self._shared_preamble(shared, previous, context[:-1])
+            prefix = runner.encode_prefix(self.model, context[:-1], base=shared)
+            with torch.no_grad():
+                run = runner.score_variants(self.model, prefix, context[-1], conts, variants, apply, capture, site_only)
+            chosen, record = self._choose(run)
+            row = run.row(chosen)
+            for m, i in enumerate(idxs):
+                answer = (float(run.logprobs[row, m]), bool(run.greedy[row, m]))
                 results[i] = answer
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-                pbar.update(1)
+            if self.intervention is not None:
+                doc = meta[idxs[0]][2] if meta else None
+                self._record(record, task, doc_id, run, variants, _gold_options(task, doc, len(conts)))
+            pbar.update(len(idxs))
         pbar.close()
+        self._write_diagnostics()
         return results
+
+    def _shared_preamble(self, shared, previous, tokens):
+        """A prefix cache of the tokens this context shares with the previous one (few-shot preambles)."""
+        tokens = tuple(tokens)
+        if shared is not None and tokens[: len(shared.tokens)] == shared.tokens:
+            return shared, tokens
+        common = 0
+        for a, b in zip(previous, tokens):
+            if a != b:
+                break
+            common += 1
+        if common >= 32:  # worth a cache of its own
+            return runner.encode_prefix(self.model, tokens[:common]), tokens
+        return None, tokens
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def _record(self, record: dict, task, doc_id, run: runner.VariantRun, variants, gold: set[int] | None) -> None:
+        record = {"task": task, "doc_id": doc_id, **record}
+        if gold is not None and run.logprobs is not None and "entropy" in record:
+            answering = [v for v in variants if v != runner.BASE and v in getattr(self.intervention, "answering_variants", lambda: [])()]
+            correct = [int(run.logprobs[run.row(v)].argmax()) in gold for v in answering]
+            if answering and any(correct):
+                # Appendix C.2: does the entropy choice pick an expert whose answer is correct?
+                record["routing_agrees"] = bool(correct[answering.index(record["expert"])])
+        self.records.append(record)
+
+    def diagnostics_summary(self) -> dict:
+        if self.intervention is None:
+            return {}
+        return self.intervention.summarize(self.records)
+
+    def _write_diagnostics(self) -> None:
+        if not self.diagnostics_path or self.intervention is None:
+            return
+        path = Path(self.diagnostics_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"summary": self.diagnostics_summary(), "records": self.records}, indent=1))
+        tmp.replace(path)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         if self.intervention is not None:
@@ -116,9 +192,37 @@ class MariLM(HFLM):
     # ------------------------------------------------------------------ generation
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        # HFLM left-pads generation batches, so p* is the last column of the prefill.
-        with self._site_edit(None):
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        iv = self.intervention
+        if iv is None or (len(iv.variants()) == 1 and not iv.uses_base):
+            # One edit: HFLM's generation inside it; the edit reaches the prefill's last column
+            # (HFLM left-pads) and, once=True, the decode steps run untouched.
+            with contextlib.nullcontext() if iv is None else iv.applied(self.model, None):
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        return self._routed_generate(context, max_length, stop, **generation_kwargs)
+
+    def _routed_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        """Every variant for T_ent greedy steps as one batch, then the chosen one continues (eq:entropy_gen)."""
+        from lm_eval.models.utils import stop_sequences_criteria
+
+        kwargs = dict(generation_kwargs)
+        attention_mask = kwargs.pop("attention_mask", None)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(context)
+        if kwargs.get("temperature", 0.0) == 0.0 and not kwargs.get("do_sample"):
+            kwargs.pop("temperature", None)
+            kwargs["do_sample"] = False
+        variants, apply, capture, _ = self._variants()
+        window = int(self.intervention.config.get("hyperparameters", {}).get("T_ent", 8))
+        sequences, records = runner.generate_variants(
+            self.model, context, attention_mask, variants, apply, self.intervention.choose, window, max_length,
+            capture=capture, pad_token_id=self.tokenizer.pad_token_id,
+            stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, context.shape[1], context.shape[0]),
+            **kwargs,
+        )
+        for record in records:
+            self.records.append({"task": None, "doc_id": None, **record})
+        self._write_diagnostics()
+        return sequences
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -141,4 +245,37 @@ class MariLM(HFLM):
         info = super().get_model_info()
         info["mari_model"] = self.model_name
         info["mari_intervention"] = None if self.intervention is None else self.intervention.describe()
+        if self.intervention is not None:
+            info["mari_diagnostics"] = self.diagnostics_summary()
         return info
+
+
+def _as_bool(value) -> bool:
+    if isinstance(value, str):
+        if value.lower() in ("true", "on", "1", "yes"):
+            return True
+        if value.lower() in ("false", "off", "0", "no"):
+            return False
+        raise ValueError(f"gate={value!r}: use true/false")
+    return bool(value)
+
+
+def _gold_options(task: str | None, doc: dict | None, n_options: int) -> set[int] | None:
+    """Indices of the correct options of a known multiple-choice doc (for routing agreement), else None."""
+    if not task or not isinstance(doc, dict):
+        return None
+    try:
+        if task.startswith("truthfulqa"):
+            targets = doc["mc2_targets" if "mc2" in task else "mc1_targets"]
+            gold = {i for i, label in enumerate(targets["labels"]) if label == 1}
+        elif task.startswith("bbq"):
+            gold = {int(doc["label"])}
+        elif task.startswith("arc"):
+            gold = {list(doc["choices"]["label"]).index(doc["answerKey"])}
+        elif task.startswith("mmlu"):
+            gold = {int(doc["answer"])}
+        else:
+            return None
+    except (KeyError, ValueError, TypeError):
+        return None
+    return gold if all(0 <= g < n_options for g in gold) else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from abc import ABC, abstractmethod
+from abc import ABC
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,6 +38,13 @@ def register_method(name: str):
         return cls
 
     return decorate
+
+
+def method_class(name: str) -> type["Intervention"]:
+    _import_builtin_methods()
+    if name not in _METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(_METHODS))}")
+    return _METHODS[name]
 
 
 def method_names() -> list[str]:
@@ -71,14 +78,67 @@ class Intervention(ABC):
         return int(self.config["site"]["layer"])
 
     # -- applying ----------------------------------------------------------------
+    #
+    # A method proposes one or more *variants* (alternative edits) for a prompt; the
+    # runner (mari_eval.runner) runs them side by side over the shared prompt prefix
+    # and ``choose`` picks which one answers. Single-edit methods keep the defaults:
+    # one variant, always chosen. MARI proposes its K experts and its gate probe.
 
-    @abstractmethod
+    uses_base: ClassVar[bool] = False  # whether ``choose`` reads the untouched model's run
+
+    def variants(self) -> list[int]:
+        """Ids of the edits run for every prompt (``runner.BASE`` = -1 is the untouched model)."""
+        return [0]
+
+    def site_only_variants(self) -> list[int]:
+        """Variants whose outputs are not needed, only their hidden states at p*."""
+        return []
+
+    def captured_layers(self) -> list[int]:
+        """Layers whose hidden state at p* ``choose`` reads (``run.site``)."""
+        return []
+
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Map hidden states at p* ([B, d]) to their replacements."""
+        """Map hidden states at p* ([B, d]) to their replacements (single-edit methods)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement edit() or edit_variants()")
 
-    def applied(self, model: torch.nn.Module, positions: torch.Tensor | None) -> AbstractContextManager:
-        """Context in which ``model``'s forward passes carry this intervention at ``positions``."""
-        return site.edit_site(model, self.layer, self.edit, positions)
+    def edit_variants(self, hidden: torch.Tensor, variant_ids: torch.Tensor) -> torch.Tensor:
+        """Edit row i of ``hidden`` ([B, d]) with variant ``variant_ids[i]``; BASE rows pass through."""
+        edited = self.edit(hidden)
+        return torch.where((variant_ids >= 0)[:, None], edited, hidden)
+
+    def applied(
+        self, model: torch.nn.Module, positions: torch.Tensor | None, variant_ids: torch.Tensor | None = None
+    ) -> AbstractContextManager:
+        """Context in which ``model``'s forward passes carry this intervention at ``positions``.
+
+        Without ``variant_ids`` every row gets variant 0.
+        """
+        if variant_ids is None:
+            return site.edit_site(model, self.layer, self.edit_variants_default, positions)
+        return site.edit_site(model, self.layer, lambda h: self.edit_variants(h, variant_ids.to(h.device)), positions)
+
+    def edit_variants_default(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.edit_variants(hidden, torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device))
+
+    def choose(self, run) -> tuple[int, dict[str, Any]]:
+        """Which variant of ``run`` (a ``runner.VariantRun``) answers, and a diagnostics record."""
+        return self.variants()[0], {}
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Aggregate the ``choose`` records of an evaluation (expert usage, gate rate...)."""
+        return {"prompts": len(records)}
+
+    # -- training ----------------------------------------------------------------
+
+    @classmethod
+    def fit(cls, session, data, config: dict[str, Any], hyperparameters: dict[str, Any], seed: int) -> "Intervention":
+        """Train on ``data`` (a ``train.AttributeData``) through ``session`` (a ``train.Session``).
+
+        ``config`` holds the provenance (base model, site, splits...); the returned
+        intervention's config adds the method's hyperparameters and results.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot be trained with `mari-eval train`")
 
     # -- identity and compatibility -------------------------------------------
 

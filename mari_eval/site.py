@@ -89,8 +89,16 @@ def _with_hidden(output, hidden: torch.Tensor):
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-def _site_index(hidden: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) of p* in a [B, T, d] hidden state; no positions means the last column."""
+def _site_index(hidden: torch.Tensor, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the edited tokens in a [B, T, d] hidden state.
+
+    ``positions`` is None (the last column of every row), a [B] tensor (one column per
+    row), or an explicit ``(rows, cols)`` pair (several sites per row, as in a packed
+    sequence holding many suffixes).
+    """
+    if isinstance(positions, tuple):
+        rows, cols = positions
+        return rows.to(hidden.device), cols.to(hidden.device)
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     if positions is None:
         return rows, torch.full_like(rows, hidden.shape[1] - 1)
@@ -114,7 +122,7 @@ def edit_site(
     model: nn.Module,
     layer: int,
     edit: Edit,
-    positions: torch.Tensor | None = None,
+    positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     once: bool = True,
 ) -> Iterator[dict]:
     """Replace the hidden state after ``layer`` at ``positions`` (default: the last column).
@@ -142,7 +150,7 @@ def edit_site(
 def capture_site(
     model: nn.Module,
     layers: Iterable[int],
-    positions: torch.Tensor | None = None,
+    positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Iterator[dict[int, torch.Tensor]]:
     """Record the hidden state after each of ``layers`` at ``positions`` ([B, d] per layer).
 
@@ -174,7 +182,6 @@ class _StopForward(Exception):
     pass
 
 
-@torch.no_grad()
 def hidden_at_site(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -185,6 +192,49 @@ def hidden_at_site(
     """h^{(layer)}_{p*} for every row, stopping the forward pass right after ``layer``."""
     if positions is None:
         positions = last_token_positions(attention_mask)
+    return states_after(model, layer, positions, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+# Families whose decoder layers return the hidden state as a plain tensor (transformers >= 5).
+_TENSOR_LAYER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def can_start_after(model: nn.Module) -> bool:
+    return getattr(model.config.get_text_config(), "model_type", None) in _TENSOR_LAYER_TYPES
+
+
+@contextmanager
+def start_after(model: nn.Module, layer: int, hidden: torch.Tensor) -> Iterator[None]:
+    """Forward passes inside run only the layers above ``layer``; ``layer`` outputs ``hidden``.
+
+    ``hidden`` ([B, T, d]) is the frozen model's state after ``layer`` for the same
+    tokens, computed earlier. Nothing below ``layer`` may be edited: those layers are
+    replaced by pass-throughs (their key/value cache is not extended, which is fine
+    because no later call reads it). Hooks on ``layer`` still run, so an edit there
+    applies to ``hidden``.
+    """
+    check_layer(model, layer)
+    if not can_start_after(model):
+        raise SiteError(f"{type(model).__name__}: skipping lower layers is supported for {', '.join(_TENSOR_LAYER_TYPES)}")
+    blocks = decoder_layers(model)
+
+    def passthrough(hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def replay(hidden_states, *args, **kwargs):
+        return hidden.to(hidden_states.dtype)
+
+    for i in range(layer + 1):
+        blocks[i].forward = replay if i == layer else passthrough
+    try:
+        yield
+    finally:
+        for i in range(layer + 1):
+            del blocks[i].forward  # back to the class's forward
+
+
+@torch.no_grad()
+def states_after(model: nn.Module, layer: int, positions, **forward_kwargs) -> torch.Tensor:
+    """Hidden states after ``layer`` at ``positions`` of one forward pass, stopping right after ``layer``."""
 
     def stop(module, args, output):
         raise _StopForward
@@ -192,7 +242,7 @@ def hidden_at_site(
     with capture_site(model, [layer], positions) as seen:
         try:
             with forward_hook(decoder_layers(model)[layer], stop):
-                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                model(**forward_kwargs)
         except _StopForward:
             pass
     return seen[layer]

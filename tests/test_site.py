@@ -2,31 +2,10 @@
 
 import pytest
 import torch
-import transformers
 
 from mari_eval import site
 
-VOCAB = 97
-
-
-def _tiny(family: str):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    if family == "llama":
-        config = transformers.LlamaConfig(**common)
-    elif family == "mistral":
-        config = transformers.MistralConfig(**common)
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**common)
-    elif family == "gemma3":
-        config = transformers.Gemma3TextConfig(**common, head_dim=8, sliding_window=16)
-    elif family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=128)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
-
+from .tiny import VOCAB, tiny_model as _tiny
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma3", "gpt2"]
 

@@ -1,0 +1,273 @@
+"""``mari-eval train``: build a method's training data from the paper's splits and fit it.
+
+The same for every method:
+
+1. the splits of ``mari_eval.data.make_splits`` (D_pca, D_train, D_ctrl = attribute
+   control examples + ARC-Easy train questions; the test split is never read here);
+2. every example is rendered by the lm-eval task that evaluates it (``harness_tasks/``:
+   same prompt, options and target delimiter) and tokenised by the same ``MariLM`` that
+   evaluates it, so training and evaluation see identical tokens;
+3. the frozen model's work that no edit can change is done once per example: the key/
+   value cache of the prompt before p* (sharing the longest common prefix of the set,
+   e.g. TruthfulQA's 6-shot preamble) and the hidden state at (l*, p*);
+4. the method's ``fit`` gets a ``Session`` (model + site + runner) and the examples and
+   returns an ``Intervention``, saved as a bundle with its provenance.
+
+Attributes and their examples:
+
+* truthfulqa: TruthfulQA MC1 (lm-eval ``truthfulqa_mc1`` prompt, gold = the true option);
+* bbq: BBQ disambiguated contexts (lm-eval ``bbq_disambig``, gold = the correct answer);
+* sorry_bench: SORRY-Bench instructions through the model's chat template (plain
+  "instruction\\n" when it has none); the target is a fixed refusal, ``REFUSAL_TARGET``,
+  scored by teacher-forced NLL. One short, generic refusal keeps the target about
+  refusing rather than about any wording of a category.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mari_eval import data, runner, site
+
+log = logging.getLogger(__name__)
+
+HARNESS_TASKS = Path(__file__).resolve().parents[1] / "harness_tasks"
+REFUSAL_TARGET = "I'm sorry, but I can't help with that request."
+ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
+ARC_CTRL_TASK = "arc_easy"
+
+
+@dataclass
+class Example:
+    """One tokenised training or control example."""
+
+    id: str
+    context: list[int]
+    options: list[list[int]]  # multiple choice options, or [target] for generation
+    gold: int | None  # index of the correct option; None = generation (loss = NLL of options[0])
+    prefix: runner.Prefix | None = field(default=None, repr=False)
+    lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
+
+
+class Session:
+    """The frozen model at one site, and the runner calls every method's training uses."""
+
+    def __init__(self, model_name: str, layer: int | None = None, device: str | None = None, max_tokens: int = 1024):
+        from mari_eval.lm import MariLM
+
+        self.model_name = model_name
+        self.lm = MariLM(pretrained=model_name, device=device)
+        self.model = self.lm.model
+        self.num_layers = site.num_layers(self.model)
+        self.layer = site.check_layer(self.model, self.num_layers // 2 if layer is None else layer)
+        self.hidden_size = int(self.model.config.get_text_config().hidden_size)
+        self.max_tokens = max_tokens
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode(self, context: str, continuations: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+        """lm-eval's encoding of (context, continuation) pairs (HFLM._encode_pair)."""
+        pairs = [self.lm._encode_pair(context, c) for c in continuations]
+        contexts = {tuple(c) for c, _ in pairs}
+        if len(contexts) != 1:  # trailing whitespace moved into the continuation differs per option
+            raise ValueError(f"options of one prompt tokenise to different contexts: {context[-60:]!r}")
+        return list(pairs[0][0]), [cont for _, cont in pairs]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.lm.tok_encode(text)
+
+    # ------------------------------------------------------------------ frozen work, once
+
+    @torch.no_grad()
+    def prepare(self, examples: list[Example], desc: str) -> None:
+        """Prefix cache and site hidden state of every example (shared common prefix computed once)."""
+        from tqdm import tqdm
+
+        shared = _common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else []
+        base = runner.encode_prefix(self.model, shared) if len(shared) > 1 else None
+        for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
+            ex.prefix = runner.encode_prefix(self.model, ex.context[:-1], base=base)
+            rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
+            ex.lower = runner.lower_states(self.model, ex.prefix, rows, self.layer)
+            ex.hidden = ex.lower[0][0]
+
+    def hidden_of_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
+        """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca."""
+        states = []
+        for tokens in prompts:
+            ids = torch.tensor([tokens], device=self.lm.device)
+            states.append(site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0])
+        return torch.stack(states)
+
+    # ------------------------------------------------------------------ runner
+
+    def run(
+        self,
+        ex: Example,
+        variants: Sequence[int],
+        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        capture: Sequence[int] = (),
+        site_only: Sequence[int] = (),
+    ) -> runner.VariantRun:
+        """``ex``'s options under each variant; ``apply(hidden [R, d], variant_ids [R])`` edits p*."""
+
+        def edits(variant_ids, positions):
+            if apply is None:
+                import contextlib
+
+                return contextlib.nullcontext()
+            return site.edit_site(self.model, self.layer, lambda h: apply(h, variant_ids), positions)
+
+        return runner.score_variants(
+            self.model, ex.prefix, ex.context[-1], ex.options, variants, edits,
+            capture=capture, site_only=site_only, max_tokens=self.max_tokens,
+            lower=(self.layer, ex.lower) if ex.lower is not None else None,
+        )
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    first = seqs[0]
+    n = len(first)
+    for s in seqs[1:]:
+        n = min(n, len(s))
+        for i in range(n):
+            if s[i] != first[i]:
+                n = i
+                break
+    return first[:n]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class AttributeData:
+    attribute: str
+    splits: data.Splits
+    pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
+    train: list[Example]
+    ctrl: list[Example]  # attribute control examples, then ARC-Easy ones
+    ctrl_source: list[str]  # "attribute" or "arc_easy" per ctrl example
+
+
+def _task_manager():
+    from lm_eval.tasks import TaskManager
+
+    if not HARNESS_TASKS.is_dir():
+        raise FileNotFoundError(f"{HARNESS_TASKS} is missing: install mari-eval from its repository checkout (pip install -e .)")
+    # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
+    return TaskManager(include_path=str(HARNESS_TASKS), include_defaults=False)
+
+
+def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:
+    task = manager.load_task_or_group([name])[name]
+    docs = {"test": task.test_docs, "validation": task.validation_docs, "train": task.training_docs}[split]()
+    return task, {doc["id"]: doc for doc in docs}
+
+
+def _mc_examples(session: Session, task, docs: dict[str, dict], ids: Sequence[str]) -> list[Example]:
+    out = []
+    delim = task.config.target_delimiter
+    for i in ids:
+        doc = docs[i]
+        context = task.fewshot_context(doc, 0)
+        choices = task.doc_to_choice(doc)
+        gold = task.doc_to_target(doc)
+        gold = choices.index(gold) if isinstance(gold, str) else int(gold)
+        ctx, conts = session.encode(context, [delim + c for c in choices])
+        out.append(Example(i, ctx, conts, gold))
+    return out
+
+
+def sorry_prompt(session: Session, instruction: str) -> str:
+    tok = session.lm.tokenizer
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True)
+    return instruction + "\n"
+
+
+def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
+    out = []
+    for i in ids:
+        ctx, conts = session.encode(sorry_prompt(session, records[i]["turns"][0]), [REFUSAL_TARGET])
+        out.append(Example(i, ctx, conts, None))
+    return out
+
+
+def attribute_data(session: Session, attribute: str, seed: int, max_train: int | None = None) -> AttributeData:
+    if attribute not in ATTRIBUTE_TASKS:
+        raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
+    splits = data.make_splits(attribute, seed)
+    manager = _task_manager()
+    if attribute == "sorry_bench":
+        records = {r["id"]: r for r in data.load_sorry_bench()}
+        pca = [session.encode_prompt(sorry_prompt(session, records[i]["turns"][0])) for i in splits.pca]
+        train = _sorry_examples(session, records, splits.train)
+        ctrl = _sorry_examples(session, records, splits.ctrl)
+    else:
+        task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
+        pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in splits.pca]
+        train = _mc_examples(session, task, docs, splits.train)
+        ctrl = _mc_examples(session, task, docs, splits.ctrl)
+    arc_task, arc_docs = _task_docs(manager, ARC_CTRL_TASK, "train")
+    arc = _mc_examples(session, arc_task, arc_docs, splits.ctrl_arc)
+    if max_train is not None and len(train) > max_train:
+        train = random.Random(f"max_train:{seed}").sample(train, max_train)
+    return AttributeData(attribute, splits, pca, train, ctrl + arc, ["attribute"] * len(ctrl) + ["arc_easy"] * len(arc))
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def provenance(session: Session, attribute: str, seed: int, splits: data.Splits, train_ids: Sequence[str]) -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "transformers", "lm_eval", "mari-eval", "safetensors"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "base_model": {"name": session.model_name, "hidden_size": session.hidden_size, "num_layers": session.num_layers},
+        "site": {"layer": session.layer, "position": "last prompt token"},
+        "attribute": attribute,
+        "seed": seed,
+        "splits": {**splits.to_json(), "fingerprint": splits.fingerprint(), "train_used": list(train_ids)},
+        "data_files": data.data_fingerprint(attribute),
+        "versions": {**versions, "python": platform.python_version()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
+          max_train: int | None = None, hyperparameters: dict[str, Any] | None = None) -> Path:
+    """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``."""
+    from mari_eval import methods
+
+    cls = methods.method_class(method)
+    torch.manual_seed(seed)
+    t0 = time.time()
+    session = Session(model, layer=layer)
+    attr = attribute_data(session, attribute, seed, max_train=max_train)
+    session.prepare(attr.train, "D_train")
+    for source in dict.fromkeys(attr.ctrl_source):  # each source shares its own prompt preamble
+        session.prepare([ex for ex, s in zip(attr.ctrl, attr.ctrl_source) if s == source], f"D_ctrl ({source})")
+    log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
+    config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
+    intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
+    intervention.config["train_seconds"] = round(time.time() - t0, 1)
+    path = intervention.save(out)
+    log.info("saved %s bundle to %s (%.0fs)", method, path, time.time() - t0)
+    return path

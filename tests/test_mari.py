@@ -1,0 +1,276 @@
+"""MARI's equations against brute-force references, its routing and gate rules, its bundle."""
+
+import contextlib
+import itertools
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from mari_eval import mari, methods, runner, site
+
+from .tiny import VOCAB, tiny_model
+
+
+# ----------------------------------------------------------------------------- equations
+
+
+def test_lowrank_delta_is_U_times_Vh_plus_b():
+    g = torch.Generator().manual_seed(0)
+    h, U, V, b = (torch.randn(3, 6, generator=g), torch.randn(3, 6, 2, generator=g),
+                  torch.randn(3, 6, 2, generator=g), torch.randn(3, 2, generator=g))
+    expected = torch.stack([U[i] @ (V[i].T @ h[i] + b[i]) for i in range(3)])
+    torch.testing.assert_close(mari.lowrank_delta(h, U, V, b), expected)
+
+
+def test_task_losses_mc_is_cross_entropy_and_gen_is_nll():
+    z = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -2.0]])
+    expected = [-(zk[1] - torch.logsumexp(zk, 0)) for zk in z]
+    torch.testing.assert_close(mari.task_losses(z, 1), torch.stack(expected))
+    torch.testing.assert_close(mari.task_losses(z[:, :1], None), torch.tensor([1.0, 3.0]))
+
+
+def test_inter_ortho_matches_pairwise_qr_overlap():
+    g = torch.Generator().manual_seed(1)
+    U = torch.randn(4, 10, 3, generator=g)
+    Q = [np.linalg.qr(U[k].numpy())[0] for k in range(4)]
+    pairs = [np.linalg.norm(Q[i].T @ Q[j]) ** 2 for i, j in itertools.combinations(range(4), 2)]
+    assert mari.inter_ortho_loss(U).item() == pytest.approx(2 / (4 * 3) * sum(pairs), rel=1e-5)
+    # Orthogonal subspaces have no overlap; one expert has nothing to compare.
+    eye = torch.eye(6)
+    assert mari.inter_ortho_loss(torch.stack([eye[:, :3], eye[:, 3:]])).item() == pytest.approx(0.0, abs=1e-7)
+    assert mari.inter_ortho_loss(U[:1]).item() == 0.0
+
+
+def test_balance_loss_by_hand():
+    losses = torch.tensor([[1.0, 2.0], [3.0, 0.5], [0.2, 0.2]])
+    q = [[math.exp(-l / 2.0) for l in row] for row in losses.tolist()]
+    q = [[x / sum(row) for x in row] for row in q]
+    p = [sum(row[k] for row in q) / 3 for k in range(2)]
+    assert mari.balance_loss(losses, T_bal=2.0).item() == pytest.approx(sum((pk - 0.5) ** 2 for pk in p), rel=1e-6)
+    assert mari.balance_loss(torch.ones(5, 3), 1.0).item() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_out_ortho_is_mean_pairwise_squared_cosine():
+    g = torch.Generator().manual_seed(2)
+    deltas = torch.randn(5, 3, 7, generator=g)
+    ref = []
+    for x in deltas:
+        cos2 = [float(torch.nn.functional.cosine_similarity(x[i], x[j], dim=0)) ** 2 for i, j in itertools.combinations(range(3), 2)]
+        ref.append(sum(cos2) / 3)
+    assert mari.out_ortho_loss(deltas).item() == pytest.approx(statistics.mean(ref), rel=1e-5)
+    parallel = torch.ones(1, 2, 4)
+    assert mari.out_ortho_loss(parallel).item() == pytest.approx(1.0)
+
+
+def test_pca_basis_and_offsubspace_penalty():
+    g = torch.Generator().manual_seed(3)
+    states = torch.randn(50, 3, generator=g) @ torch.randn(3, 8, generator=g)  # rank-3 data in 8 dims
+    B = mari.pca_basis(states, 3)
+    torch.testing.assert_close(B.T @ B, torch.eye(3), atol=1e-5, rtol=0)
+    centred = states - states.mean(0)
+    assert mari.offsubspace_penalty(centred, B).max().item() < 1e-6  # the data lie in span(B)
+    v = torch.randn(4, 8, generator=g)
+    expected = ((torch.eye(8) - B @ B.T) @ v.T).T.pow(2).sum(-1)
+    torch.testing.assert_close(mari.offsubspace_penalty(v, B), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_layers", [5, 6])
+def test_energy_is_the_median_per_layer_response(n_layers):
+    g = torch.Generator().manual_seed(n_layers)
+    base, probed = torch.randn(n_layers, 4, generator=g), torch.randn(n_layers, 4, generator=g)
+    norms = [float((probed[m] - base[m]).norm()) for m in range(n_layers)]
+    assert float(mari.propagation_energy(probed, base)) == pytest.approx(statistics.median(norms), rel=1e-6)
+
+
+def test_threshold_is_the_rho_quantile_of_non_applicable_energies():
+    energies = torch.arange(100, dtype=torch.float32)
+    applicable = torch.zeros(100, dtype=torch.bool)
+    applicable[::2] = True  # the odd energies are non-applicable
+    tau = mari.energy_threshold(energies, applicable, 0.9)
+    assert tau == pytest.approx(float(np.quantile(np.arange(1, 100, 2), 0.9)))
+    non = energies[~applicable]
+    gated_off = (~mari.gate_open(non, tau)).float().mean().item()
+    assert gated_off == pytest.approx(0.9, abs=0.02)  # a fraction rho of non-applicable inputs gets the base model
+    assert mari.energy_threshold(energies, torch.ones(100, dtype=torch.bool), 0.9) == -math.inf
+
+
+def test_option_entropy_and_routing_picks_the_lowest():
+    z = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.99, 0.01]]))
+    u = mari.option_entropy(z)
+    expected = [-(p * math.log(p) + (1 - p) * math.log(1 - p)) for p in (0.5, 0.9, 0.99)]
+    torch.testing.assert_close(u, torch.tensor(expected))
+    bundle = _bundle(K=3)
+    bundle.configure(gate=False)
+    run = runner.VariantRun([0, 1, 2], z, None, {})
+    assert bundle.choose(run)[0] == 2
+
+
+def test_winner_take_gradient_detaches_the_losers():
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    x = torch.tensor([[0.5], [2.0]])
+    losses = (x - w) ** 2  # [B=2, K=3]; example 0 is won by expert 0, example 1 by expert 1
+    loss, winners = mari.routed_loss(losses)
+    loss.backward()
+    assert winners.tolist() == [0, 1]
+    assert w.grad[2].item() == 0.0 and w.grad[0].item() != 0.0 and w.grad[1].item() == 0.0  # (2 - 2)^2 has zero slope
+    w.grad = None
+    mari.routed_loss((torch.tensor([[0.5], [2.5]]) - w) ** 2)[0].backward()
+    assert w.grad[2].item() == 0.0 and w.grad[1].item() != 0.0
+
+
+# ----------------------------------------------------------------------------- the method on a tiny model
+
+
+def _bundle(K=3, d=32, layers=4, layer=1, rank=2, seed=0, energies=None, applicable=None):
+    g = torch.Generator().manual_seed(seed)
+    hp = {**mari.DEFAULTS, "K": K, "rank": rank}
+    n = 20
+    tensors = {
+        "expert_U": torch.randn(K, d, rank, generator=g), "expert_V": torch.randn(K, d, rank, generator=g) / d,
+        "expert_b": torch.randn(K, rank, generator=g),
+        "single_U": torch.randn(1, d, rank, generator=g), "single_V": torch.randn(1, d, rank, generator=g) / d,
+        "single_b": torch.randn(1, rank, generator=g),
+        "probe_U": torch.randn(d, 2, generator=g), "probe_V": torch.randn(d, 2, generator=g) / d,
+        "probe_b": torch.randn(2, generator=g), "pca_basis": torch.linalg.qr(torch.randn(d, 16, generator=g)).Q,
+        "ctrl_energy": torch.rand(n, generator=g) if energies is None else energies,
+        "ctrl_applicable": (torch.arange(n) % 2).to(torch.uint8) if applicable is None else applicable,
+        "ctrl_applicable_single": (torch.arange(n) % 3 == 0).to(torch.uint8),
+    }
+    config = {"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": layer},
+              "hyperparameters": hp}
+    return mari.MARI(config, tensors)
+
+
+def _score(model, bundle, context, options, variants=None):
+    variants = variants if variants is not None else ([runner.BASE] if bundle is None else
+                                                      ([runner.BASE] if bundle.uses_base else []) + bundle.variants())
+    apply = (lambda ids, pos: contextlib.nullcontext()) if bundle is None else (
+        lambda ids, pos: bundle.applied(model, pos, ids))
+    prefix = runner.encode_prefix(model, context[:-1])
+    with torch.no_grad():
+        return runner.score_variants(model, prefix, context[-1], options, variants, apply,
+                                     capture=[] if bundle is None else bundle.captured_layers(),
+                                     site_only=[] if bundle is None else bundle.site_only_variants())
+
+
+CONTEXT = [5, 17, 33, 2, 41, 8, 9, 60, 11]
+OPTIONS = [[3, 4], [70, 71, 72], [5]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_variants_equal_scoring_each_edit_alone(family):
+    model = tiny_model(family, sliding_window=6)  # the 9-token context crosses Gemma's window: batched path
+    bundle = _bundle()
+    run = _score(model, bundle, CONTEXT, OPTIONS)
+    for v in bundle.answering_variants():
+        for m, option in enumerate(OPTIONS):
+            ids = torch.tensor([CONTEXT + option[:-1]])
+            edit = lambda h, v=v: bundle.edit_variants(h, torch.full((h.shape[0],), v))
+            with torch.no_grad(), site.edit_site(model, bundle.layer, edit, torch.tensor([len(CONTEXT) - 1])):
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, len(CONTEXT) - 1:], -1)
+            expected = logp.gather(-1, torch.tensor(option)[:, None]).sum()
+            assert float(run.logprobs[run.row(v), m]) == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_gate_with_infinite_threshold_is_exactly_vanilla():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    bundle.tau = math.inf
+    run = _score(model, bundle, CONTEXT, OPTIONS)
+    chosen, record = bundle.choose(run)
+    assert chosen == runner.BASE and record["gate_open"] is False
+    vanilla = _score(model, None, CONTEXT, OPTIONS)
+    assert torch.equal(run.logprobs[run.row(chosen)], vanilla.logprobs[0])
+
+
+def test_energy_is_read_from_the_probe_run():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    run = _score(model, bundle, CONTEXT, OPTIONS)
+    # Recompute by hand: hidden states at p* after every layer from l* on, with and without the probe.
+    ids = torch.tensor([CONTEXT])
+    layers = list(range(bundle.layer, 4))
+    with torch.no_grad(), site.capture_site(model, layers, torch.tensor([len(CONTEXT) - 1])) as base:
+        model(input_ids=ids)
+    probe = lambda h: bundle.edit_variants(h, torch.full((h.shape[0],), bundle.probe_id))
+    with torch.no_grad(), site.edit_site(model, bundle.layer, probe, torch.tensor([len(CONTEXT) - 1])), \
+            site.capture_site(model, layers, torch.tensor([len(CONTEXT) - 1])) as probed:
+        model(input_ids=ids)
+    norms = [float((probed[m] - base[m]).norm()) for m in layers]
+    assert float(bundle.energy(run)) == pytest.approx(statistics.median(norms), rel=1e-4)
+
+
+def test_ablation_switches():
+    bundle = _bundle(K=3)
+    bundle.configure(experts="single")
+    assert bundle.answering_variants() == [bundle.single_id]
+    bundle.configure(experts="2", gate=False)
+    assert bundle.variants() == [2] and not bundle.uses_base and bundle.tau == -math.inf
+    with pytest.raises(ValueError, match="out of range: this bundle has K=3"):
+        bundle.configure(experts="7")
+    bundle.configure(rho=0.5)
+    assert bundle.tau == pytest.approx(mari.energy_threshold(bundle.tensors["ctrl_energy"],
+                                                             bundle.tensors["ctrl_applicable"], 0.5))
+
+
+def test_bundle_round_trip_is_identical(tmp_path):
+    model = tiny_model("llama")
+    bundle = _bundle()
+    bundle.save(tmp_path / "b")
+    loaded = methods.load_bundle(tmp_path / "b")
+    assert isinstance(loaded, mari.MARI) and loaded.fingerprint() == bundle.fingerprint()
+    a, b = _score(model, bundle, CONTEXT, OPTIONS), _score(model, loaded, CONTEXT, OPTIONS)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0, equal_nan=True)
+    assert bundle.choose(a) == loaded.choose(b)
+
+
+def test_inconsistent_bundle_is_refused(tmp_path):
+    bundle = _bundle(K=3)
+    bundle.config["hyperparameters"]["K"] = 4
+    bundle.save(tmp_path / "b")
+    with pytest.raises(methods.BundleError, match=r"expert_U has shape \(3, 32, 2\), expected \(4, 32, 2\)"):
+        methods.load_bundle(tmp_path / "b")
+
+
+def test_routed_generation_keeps_the_winner_and_equals_its_own_generation():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])
+    mask = (prompts != 0).long()
+    mask[1] = 1
+    apply = lambda ids, pos: bundle.applied(model, pos, ids)
+    variants = [runner.BASE] + bundle.variants()
+    out, records = runner.generate_variants(model, prompts, mask, variants, apply, bundle.choose, window=3,
+                                            max_length=12, capture=bundle.captured_layers(), pad_token_id=0,
+                                            do_sample=False)
+    assert out.shape[0] == 2 and len(records) == 2
+    for p, record in enumerate(records):
+        chosen = record["variant"]
+        edit = (lambda h: h) if chosen == runner.BASE else (
+            lambda h, c=chosen: bundle.edit_variants(h, torch.full((h.shape[0],), c)))
+        with site.edit_site(model, bundle.layer, edit, None):
+            alone = model.generate(input_ids=prompts[p:p + 1], attention_mask=mask[p:p + 1], max_length=12,
+                                   do_sample=False, pad_token_id=0)
+        assert out[p, : alone.shape[1]].tolist() == alone[0].tolist()
+        # The entropies that chose it are the mean over the window of the chosen variant's own steps.
+        assert len(record["entropy"]) == len(bundle.answering_variants())
+
+
+# ----------------------------------------------------------------------------- training on the embedded model
+
+
+@pytest.mark.needs_data
+def test_training_lowers_the_routed_loss_on_the_embedded_model():
+    from mari_eval.train import Session, attribute_data
+
+    session = Session("smollm2-135m-instruct")
+    data = attribute_data(session, "truthfulqa", seed=0)
+    examples = data.train[:6]
+    session.prepare(examples, "test")
+    hp = {**mari.DEFAULTS, "K": 2, "epochs": 3, "batch_size": 3, "lr": 2e-2}
+    _, history = mari.fit_experts(session, examples, 2, hp, torch.Generator().manual_seed(0), "test")
+    assert history[-1]["routed"] < history[0]["routed"]
+    assert len(history) == 3 and all(abs(sum(h["usage"]) - 1) < 1e-6 for h in history)
