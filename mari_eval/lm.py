@@ -1,16 +1,21 @@
 """``lm_eval --model mari``: lm-eval's HFLM with an intervention applied at the site.
 
 The class knows only the method interface (``mari_eval.methods.Intervention``): with
-no ``bundle`` it is the frozen base model and scores exactly like ``--model hf``; with
-a bundle it applies that bundle's edit at (l*, p*), p* being the last prompt token:
+no ``bundle`` it is the frozen base model and scores like ``--model hf`` (to 1e-4);
+with a bundle it applies that bundle's edit at (l*, p*), p* being the last prompt token:
 
-* log-likelihood requests are right-padded rows ``(context + continuation)[:-1]``, so
-  p* differs per row and is ``len(row) - len(continuation)``;
+* log-likelihood requests are grouped by question; the context before p* is computed
+  once and every option runs as a short suffix under every variant the method proposes
+  (``mari_eval.runner``); the method's ``choose`` picks the variant that answers (MARI:
+  the gate, then the lowest option entropy). lm-eval's ``batch_size`` does not apply
+  to this path: each question is one packed forward pass (``max_tokens`` rows' worth);
 * generation requests are left-padded by HFLM, so p* is the last column of the prefill
-  and the edit is applied once, before decoding (``mari_eval.site.edit_site``).
+  and the edit is applied once, before decoding (``mari_eval.site.edit_site``); a
+  method with several variants runs them all for its routing window first.
 
-Everything else (chat templates, batching, ``--limit``, ``--log_samples``, data
-parallelism through ``accelerate launch``, ``parallelize=True``) is HFLM's.
+Model args beyond HFLM's: ``bundle``, and for MARI bundles ``gate``, ``rho``,
+``experts`` (ablations) and ``diagnostics`` (a JSON file of every routing decision).
+Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 """
 
 from __future__ import annotations
@@ -202,7 +207,7 @@ class MariLM(HFLM):
 
     def _routed_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """Every variant for T_ent greedy steps as one batch, then the chosen one continues (eq:entropy_gen)."""
-        from lm_eval.models.utils import stop_sequences_criteria
+        from lm_eval.models.utils_hf import stop_sequences_criteria
 
         kwargs = dict(generation_kwargs)
         attention_mask = kwargs.pop("attention_mask", None)

@@ -478,10 +478,12 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
         base = torch.stack([run.site[m][run.row(runner.BASE)] for m in layers])
         energies.append(float(propagation_energy(probed, base)))
         expert_rows = [run.row(k) for k in range(K)]
-        if ex.gold is None:
-            from mari_eval.runner import routing_entropy
+        if ex.gold is None:  # generation: route as inference does, over the first T_ent greedy steps
+            def edits(variant_ids, positions):
+                return site.edit_site(session.model, session.layer,
+                                      lambda h: apply_variants(tensors, hp, h, variant_ids.to(h.device)), positions)
 
-            u = routing_entropy(session.model, session.layer, ex, list(range(K)), lambda h, ids: apply_variants(tensors, hp, h, ids), hp["T_ent"])
+            u = runner.routing_entropy(session.model, ex.context, list(range(K)), edits, hp["T_ent"])
         else:
             u = option_entropy(run.logprobs[expert_rows])
         losses = task_losses(run.logprobs, ex.gold)

@@ -296,21 +296,10 @@ def generate_variants(
     the ``choose`` records.
     """
     n_prompts, n_var = input_ids.shape[0], len(variants)
-    ids = input_ids.repeat_interleave(n_var, 0)
     mask = attention_mask.repeat_interleave(n_var, 0)
-    variant_ids = torch.tensor(list(variants), device=ids.device).repeat(n_prompts)
     steps = max(1, min(window, max_length - input_ids.shape[1]))
-    with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
-        first = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=steps, pad_token_id=pad_token_id,
-            output_logits=True, return_dict_in_generate=True, use_cache=True, **generation_kwargs,
-        )
-    # eq:entropy_gen: mean next-token entropy over the window, up to each row's end-of-sequence token.
-    per_step = step_entropy(torch.stack(first.logits, dim=1))  # [P*V, steps]
-    generated = first.sequences[:, input_ids.shape[1]:]
-    ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=ids.device)).long()
-    live = ((ended.cumsum(-1) - ended) == 0).float()
-    entropy = (per_step * live).sum(-1) / live.sum(-1).clamp_min(1)
+    first, entropy, seen = _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps,
+                                           pad_token_id=pad_token_id, **generation_kwargs)
     chosen_rows, records = [], []
     for p in range(n_prompts):
         rows = slice(p * n_var, (p + 1) * n_var)
@@ -321,13 +310,45 @@ def generate_variants(
     sequences = first.sequences[chosen_rows]
     if sequences.shape[1] < max_length:
         cache = first.past_key_values
-        cache.batch_select_indices(torch.tensor(chosen_rows, device=ids.device))
+        cache.batch_select_indices(torch.tensor(chosen_rows, device=sequences.device))
         new_mask = torch.cat([mask[chosen_rows], torch.ones_like(sequences[:, input_ids.shape[1]:])], dim=1)
         sequences = model.generate(
             input_ids=sequences, attention_mask=new_mask, past_key_values=cache, max_length=max_length,
             pad_token_id=pad_token_id, stopping_criteria=stopping_criteria, use_cache=True, **generation_kwargs,
         )
     return _pad_after_eos(sequences, input_ids.shape[1], _eos_ids(model), pad_token_id), records
+
+
+def _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps, **generation_kwargs):
+    """Every prompt under every variant (rows prompt-major) for ``steps`` greedy steps.
+
+    Returns generate's output, each row's mean next-token entropy over the window up to
+    its end-of-sequence token (eq:entropy_gen), and the captured states at p*.
+    """
+    n_prompts, n_var = input_ids.shape[0], len(variants)
+    ids = input_ids.repeat_interleave(n_var, 0)
+    mask = attention_mask.repeat_interleave(n_var, 0)
+    variant_ids = torch.tensor(list(variants), device=ids.device).repeat(n_prompts)
+    with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, output_logits=True,
+                             return_dict_in_generate=True, use_cache=True, **generation_kwargs)
+    per_step = step_entropy(torch.stack(out.logits, dim=1))  # [P*V, steps]
+    generated = out.sequences[:, input_ids.shape[1]:]
+    ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=ids.device)).long()
+    live = ((ended.cumsum(-1) - ended) == 0).float()
+    return out, (per_step * live).sum(-1) / live.sum(-1).clamp_min(1), dict(seen)
+
+
+@torch.no_grad()
+def routing_entropy(model: torch.nn.Module, prompt: Sequence[int], variants: Sequence[int], apply: ApplyEdits,
+                    window: int) -> torch.Tensor:
+    """u_k of eq:entropy_gen for one prompt under each variant ([V])."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    _, entropy, _ = _routing_window(model, ids, torch.ones_like(ids), variants, apply, (), window,
+                                    pad_token_id=pad if pad is not None else (_eos_ids(model) or [0])[0], do_sample=False)
+    return entropy
 
 
 def _pad_after_eos(sequences: torch.Tensor, prompt_len: int, eos: list[int], pad: int | None) -> torch.Tensor:

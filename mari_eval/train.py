@@ -171,7 +171,7 @@ def _task_manager():
 
 
 def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:
-    task = manager.load_task_or_group([name])[name]
+    task = manager.load([name])["tasks"][name]
     docs = {"test": task.test_docs, "validation": task.validation_docs, "train": task.training_docs}[split]()
     return task, {doc["id"]: doc for doc in docs}
 
@@ -205,7 +205,8 @@ def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[st
     return out
 
 
-def attribute_data(session: Session, attribute: str, seed: int, max_train: int | None = None) -> AttributeData:
+def attribute_data(session: Session, attribute: str, seed: int, max_train: int | None = None,
+                   max_ctrl: int | None = None) -> AttributeData:
     if attribute not in ATTRIBUTE_TASKS:
         raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
     splits = data.make_splits(attribute, seed)
@@ -224,6 +225,9 @@ def attribute_data(session: Session, attribute: str, seed: int, max_train: int |
     arc = _mc_examples(session, arc_task, arc_docs, splits.ctrl_arc)
     if max_train is not None and len(train) > max_train:
         train = random.Random(f"max_train:{seed}").sample(train, max_train)
+    if max_ctrl is not None:  # smoke runs: a seeded subset of each control source
+        ctrl = random.Random(f"max_ctrl:{seed}").sample(ctrl, min(max_ctrl, len(ctrl)))
+        arc = random.Random(f"max_ctrl_arc:{seed}").sample(arc, min(max_ctrl, len(arc)))
     return AttributeData(attribute, splits, pca, train, ctrl + arc, ["attribute"] * len(ctrl) + ["arc_easy"] * len(arc))
 
 
@@ -252,7 +256,8 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
 
 
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
-          max_train: int | None = None, hyperparameters: dict[str, Any] | None = None) -> Path:
+          max_train: int | None = None, max_ctrl: int | None = None,
+          hyperparameters: dict[str, Any] | None = None) -> Path:
     """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``."""
     from mari_eval import methods
 
@@ -260,12 +265,13 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     torch.manual_seed(seed)
     t0 = time.time()
     session = Session(model, layer=layer)
-    attr = attribute_data(session, attribute, seed, max_train=max_train)
+    attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl)
     session.prepare(attr.train, "D_train")
     for source in dict.fromkeys(attr.ctrl_source):  # each source shares its own prompt preamble
         session.prepare([ex for ex, s in zip(attr.ctrl, attr.ctrl_source) if s == source], f"D_ctrl ({source})")
     log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
     config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
+    config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
     intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
     intervention.config["train_seconds"] = round(time.time() - t0, 1)
     path = intervention.save(out)

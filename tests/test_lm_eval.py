@@ -167,3 +167,67 @@ def test_cli_prints_its_table_offline(tmp_path):
     results = json.loads(result_file.read_text())["results"]
     assert 0.0 <= results["truthfulqa_mc1_heldout"]["acc,none"] <= 1.0
     assert results["bbq"]["alias"] == "bbq"
+
+
+# ----------------------------------------------------------------------------- MARI through lm-eval
+
+
+def _mari_bundle(tmp_path, model, gate_never_opens=False):
+    from .test_mari import _bundle
+
+    n = 20
+    energies = torch.full((n,), 1e9) if gate_never_opens else None
+    applicable = torch.zeros(n, dtype=torch.uint8) if gate_never_opens else None
+    bundle = _bundle(K=3, d=model.config.hidden_size, layers=site.num_layers(model), layer=15,
+                     energies=energies, applicable=applicable)
+    bundle.config["base_model"]["name"] = "smollm2-135m-instruct"
+    return bundle.save(tmp_path / ("closed" if gate_never_opens else "open"))
+
+
+def _mari(path, extra=""):
+    return get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=4{extra}")
+
+
+def test_mari_gate_that_never_opens_is_exactly_vanilla(tmp_path, mari_lm):
+    lm = _mari(_mari_bundle(tmp_path, mari_lm.model, gate_never_opens=True))
+    assert lm.loglikelihood(_requests()) == mari_lm.loglikelihood(_requests())
+    summary = lm.get_model_info()["mari_diagnostics"]
+    assert summary["gate_rate"] == 0.0 and summary["prompts"] == 3  # three distinct contexts
+
+
+def test_mari_routed_answer_is_the_chosen_experts_answer(tmp_path, mari_lm):
+    path = _mari_bundle(tmp_path, mari_lm.model)
+    diag = tmp_path / "diag.json"
+    routed = _mari(path, f",gate=false,diagnostics={diag}")
+    answers = routed.loglikelihood(_requests())
+    records = json.loads(diag.read_text())["records"]
+    assert len(records) == 3 and all(0 <= r["expert"] < 3 for r in records)
+    assert records[0]["expert"] == min(range(3), key=lambda k: records[0]["entropy"][k])  # eq:entropy_route
+    assert answers != mari_lm.loglikelihood(_requests())  # the experts do something
+    for k in range(3):
+        forced = _mari(path, f",gate=false,experts={k}").loglikelihood(_requests())
+        by_context = {}
+        for req, ans in zip(_requests(), forced):
+            by_context.setdefault(req.args[0], []).append(ans)
+        for record, context in zip(records, dict.fromkeys(r.args[0] for r in _requests())):
+            if record["expert"] == k:
+                mine = [a for req, a in zip(_requests(), answers) if req.args[0] == context]
+                assert [x for x, _ in mine] == pytest.approx([x for x, _ in by_context[context]], abs=1e-4)
+    usage = routed.get_model_info()["mari_diagnostics"]["expert_usage"]
+    assert sum(usage.values()) == pytest.approx(1.0)
+
+
+def test_mari_generation_routes_over_the_first_steps(tmp_path, mari_lm):
+    lm = _mari(_mari_bundle(tmp_path, mari_lm.model))
+    req = [Instance("generate_until", {}, ("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 12}), 0)]
+    out = lm.generate_until(req)
+    record = lm.records[-1]
+    assert isinstance(out[0], str) and len(record["entropy"]) == 3 and "energy" in record
+
+
+def test_mari_ablation_args_are_checked(tmp_path, mari_lm):
+    path = _mari_bundle(tmp_path, mari_lm.model)
+    with pytest.raises(ValueError, match="out of range: this bundle has K=3"):
+        _mari(path, ",experts=5")
+    with pytest.raises(ValueError, match="gate='maybe'"):
+        _mari(path, ",gate=maybe")

@@ -274,3 +274,33 @@ def test_training_lowers_the_routed_loss_on_the_embedded_model():
     _, history = mari.fit_experts(session, examples, 2, hp, torch.Generator().manual_seed(0), "test")
     assert history[-1]["routed"] < history[0]["routed"]
     assert len(history) == 3 and all(abs(sum(h["usage"]) - 1) < 1e-6 for h in history)
+
+
+@pytest.mark.needs_data
+def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
+    import json
+    import subprocess
+
+    from .conftest import HARNESS_TASKS
+
+    out = tmp_path / "bundle"
+    train = subprocess.run(
+        ["mari-eval", "train", "--attribute", "truthfulqa", "--K", "2", "--epochs", "1", "--max-train", "8",
+         "--max-ctrl", "6", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "experts (K=2) epoch 1: routed loss" in train.stderr and "gate: tau_E" in train.stderr
+    config = json.loads((out / "bundle.json").read_text())
+    assert config["method"] == "mari" and config["hyperparameters"]["K"] == 2 and config["seed"] == 3
+    assert config["base_model"] == {"name": "smollm2-135m-instruct", "hidden_size": 576, "num_layers": 30}
+    assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 12
+    assert not set(config["splits"]["train_used"]) & set(config["splits"]["test"])
+    results = tmp_path / "results"
+    evaluate = subprocess.run(
+        ["lm_eval", "--model", "mari", "--model_args", f"pretrained=smollm2-135m-instruct,bundle={out}",
+         "--tasks", "truthfulqa_mc1_heldout", "--include_path", str(HARNESS_TASKS), "--limit", "2",
+         "--output_path", str(results)], capture_output=True, text=True)
+    assert evaluate.returncode == 0, evaluate.stderr[-3000:]
+    (result_file,) = results.rglob("results_*.json")
+    saved = json.loads(result_file.read_text())
+    assert saved["config"]["mari_diagnostics"]["prompts"] == 2
+    assert 0.0 <= saved["config"]["mari_diagnostics"]["gate_rate"] <= 1.0
