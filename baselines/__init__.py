@@ -2,3 +2,5 @@
 
 They register with ``mari_eval.methods.register_method`` when this package is imported.
 """
+
+from baselines import caa  # noqa: F401  (registers "caa")

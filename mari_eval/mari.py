@@ -508,6 +508,7 @@ def fit_mari(cls, session, data, config, hyperparameters, seed):
         raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     hp = {**DEFAULTS, **{k: v for k, v in hyperparameters.items() if v is not None and k != "single"}}
     gen = torch.Generator().manual_seed(seed)
+    data.prepare(session)
     pca_states = session.hidden_of_prompts(data.pca_prompts)
     tensors: dict[str, torch.Tensor] = {"pca_basis": pca_basis(pca_states, hp["pca_rank"])}  # eq:proj_ops
     experts, expert_log = fit_experts(session, data.train, hp["K"], hp, gen, f"experts (K={hp['K']})")

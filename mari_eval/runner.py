@@ -154,7 +154,7 @@ def score_variants(
     return VariantRun(list(variants), logprobs, greedy, site_states)
 
 
-def _no_edit(variant_ids, positions):
+def no_edit(variant_ids, positions):
     return contextlib.nullcontext()
 
 
@@ -234,7 +234,7 @@ def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None
     sites = (torch.zeros_like(starts), starts)
     cache = _broadcast_cache(prefix.cache, 1)
     if bool((variant_ids == BASE).all()):
-        apply = _no_edit
+        apply = no_edit
     skip = contextlib.nullcontext()
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
@@ -251,7 +251,7 @@ def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
     at_p_star = torch.zeros(len(rows), dtype=torch.long, device=device)
     cache = _broadcast_cache(prefix.cache, len(rows))
     if bool((variant_ids == BASE).all()):
-        apply = _no_edit
+        apply = no_edit
     with apply(variant_ids, at_p_star), site.capture_site(model, capture, at_p_star) as seen:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits
     return [logits[j, : len(r)] for j, r in enumerate(rows)], dict(seen)

@@ -147,6 +147,38 @@ def edit_site(
 
 
 @contextmanager
+def edit_from_site(
+    model: nn.Module,
+    layer: int,
+    edit: Edit,
+    positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Iterator[dict]:
+    """Replace the hidden state after ``layer`` at p* and at every later position.
+
+    For steering methods that act on all tokens after the prompt (CAA, ITI): in the
+    first forward pass the tokens before each row's p* are left alone; every later pass
+    (decode steps under ``generate``) is edited entirely. ``edit`` maps [N, d] -> [N, d].
+    """
+    check_layer(model, layer)
+    state = {"calls": 0}
+
+    def hook(module, args, output):
+        hidden = _hidden_of(output)
+        batch, length = hidden.shape[:2]
+        start = torch.zeros(batch, dtype=torch.long, device=hidden.device)
+        if state["calls"] == 0:
+            rows, cols = _site_index(hidden, positions)
+            start = torch.full_like(start, length).scatter_reduce(0, rows, cols, reduce="amin")
+        state["calls"] += 1
+        after = torch.arange(length, device=hidden.device)[None, :] >= start[:, None]
+        edited = edit(hidden.reshape(batch * length, -1)).reshape(hidden.shape).to(hidden.dtype)
+        return _with_hidden(output, torch.where(after[..., None], edited, hidden))
+
+    with forward_hook(decoder_layers(model)[layer], hook):
+        yield state
+
+
+@contextmanager
 def capture_site(
     model: nn.Module,
     layers: Iterable[int],

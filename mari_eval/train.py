@@ -55,6 +55,8 @@ class Example:
     context: list[int]
     options: list[list[int]]  # multiple choice options, or [target] for generation
     gold: int | None  # index of the correct option; None = generation (loss = NLL of options[0])
+    question: str = ""  # the question or instruction alone (baselines build their own prompts from it)
+    choices: list[str] = field(default_factory=list)  # the options' text
     prefix: runner.Prefix | None = field(default=None, repr=False)
     lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
     hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
@@ -153,12 +155,20 @@ def _common_prefix(seqs: list[list[int]]) -> list[int]:
 
 @dataclass
 class AttributeData:
+    """An attribute's examples, tokenised; methods call ``Session.prepare`` on the ones they run."""
+
     attribute: str
     splits: data.Splits
     pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
     train: list[Example]
     ctrl: list[Example]  # attribute control examples, then ARC-Easy ones
     ctrl_source: list[str]  # "attribute" or "arc_easy" per ctrl example
+
+    def prepare(self, session: "Session") -> None:
+        """Frozen-model caches of D_train and D_ctrl (each control source shares its own preamble)."""
+        session.prepare(self.train, "D_train")
+        for source in dict.fromkeys(self.ctrl_source):
+            session.prepare([ex for ex, s in zip(self.ctrl, self.ctrl_source) if s == source], f"D_ctrl ({source})")
 
 
 def _task_manager():
@@ -186,7 +196,10 @@ def _mc_examples(session: Session, task, docs: dict[str, dict], ids: Sequence[st
         gold = task.doc_to_target(doc)
         gold = choices.index(gold) if isinstance(gold, str) else int(gold)
         ctx, conts = session.encode(context, [delim + c for c in choices])
-        out.append(Example(i, ctx, conts, gold))
+        question = doc.get("question", "")
+        if "context" in doc:  # BBQ: the context belongs to the question
+            question = f"{doc['context']}\n{question}"
+        out.append(Example(i, ctx, conts, gold, question=question, choices=list(choices)))
     return out
 
 
@@ -200,8 +213,9 @@ def sorry_prompt(session: Session, instruction: str) -> str:
 def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
     out = []
     for i in ids:
-        ctx, conts = session.encode(sorry_prompt(session, records[i]["turns"][0]), [REFUSAL_TARGET])
-        out.append(Example(i, ctx, conts, None))
+        instruction = records[i]["turns"][0]
+        ctx, conts = session.encode(sorry_prompt(session, instruction), [REFUSAL_TARGET])
+        out.append(Example(i, ctx, conts, None, question=instruction, choices=[REFUSAL_TARGET]))
     return out
 
 
@@ -266,9 +280,6 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     t0 = time.time()
     session = Session(model, layer=layer)
     attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl)
-    session.prepare(attr.train, "D_train")
-    for source in dict.fromkeys(attr.ctrl_source):  # each source shares its own prompt preamble
-        session.prepare([ex for ex, s in zip(attr.ctrl, attr.ctrl_source) if s == source], f"D_ctrl ({source})")
     log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
     config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
     config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]

@@ -11,7 +11,7 @@ import torch
 
 from mari_eval import mari, methods, runner, site
 
-from .tiny import VOCAB, tiny_model
+from .tiny import reloaded, tiny_model
 
 
 # ----------------------------------------------------------------------------- equations
@@ -219,9 +219,7 @@ def test_ablation_switches():
 def test_bundle_round_trip_is_identical(tmp_path):
     model = tiny_model("llama")
     bundle = _bundle()
-    bundle.save(tmp_path / "b")
-    loaded = methods.load_bundle(tmp_path / "b")
-    assert isinstance(loaded, mari.MARI) and loaded.fingerprint() == bundle.fingerprint()
+    loaded = reloaded(bundle, tmp_path / "b")
     a, b = _score(model, bundle, CONTEXT, OPTIONS), _score(model, loaded, CONTEXT, OPTIONS)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0, equal_nan=True)
     assert bundle.choose(a) == loaded.choose(b)

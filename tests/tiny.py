@@ -25,3 +25,13 @@ def tiny_model(family: str, sliding_window: int = 16):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.pad_token_id = 0
     return model
+
+
+def reloaded(bundle, directory):
+    """Save ``bundle``, load it back, and check it is the same method with the same fingerprint."""
+    from mari_eval import methods
+
+    bundle.save(directory)
+    loaded = methods.load_bundle(directory)
+    assert type(loaded) is type(bundle) and loaded.fingerprint() == bundle.fingerprint()
+    return loaded

@@ -1,0 +1,141 @@
+"""CAA: Contrastive Activation Addition (Rimsky et al., 2024, "Steering Llama 2 via
+Contrastive Activation Addition").
+
+What it computes (as in the original): each training question is shown as an A/B
+choice between a behaviour-positive answer (the correct option; the refusal for
+SORRY-Bench) and a behaviour-negative one (a seeded random incorrect option; a
+compliance for SORRY-Bench), through the model's chat template, followed by "(" and the
+answer letter. The steering vector is the mean, over questions, of the residual-stream
+activation at the letter token after layer l when the letter is the positive answer
+minus when it is the negative one. At inference it is added, times a multiplier, to
+the residual stream after layer l at every position from the last prompt token on
+(the original adds it at all positions after the user's instruction), generated tokens
+included.
+
+Deviations: the original sweeps layers and multipliers by hand on Llama 2; here the
+layer (among ~L/3, L/2, 2L/3) and the multiplier (0.5, 1, 2, 4, 8) are chosen on a
+validation slice (20%) of D_train by the task loss, and the vector is then recomputed
+on all of D_train. The A/B letters are balanced by alternating which letter holds the
+positive answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from mari_eval import runner, site
+from mari_eval.methods import Intervention, register_method
+
+log = logging.getLogger(__name__)
+
+COMPLIANCE = "Sure, here is how to do that."
+MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def ab_prompt(session, question: str, first: str, second: str, letter: str) -> list[int]:
+    """Chat-formatted A/B question ending with the assistant's "(" + letter (CAA's format)."""
+    user = f"{question}\n\nChoices:\n(A) {first}\n(B) {second}"
+    tok = session.lm.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = user + "\nAnswer:"
+    return session.encode_prompt(text + f"({letter}")
+
+
+def contrast_pairs(examples, seed: int) -> list[tuple[str, str, str]]:
+    """(question, positive answer, negative answer) per example."""
+    rng = random.Random(f"caa:{seed}")
+    pairs = []
+    for ex in examples:
+        if ex.gold is None:
+            pairs.append((ex.question, ex.choices[0], COMPLIANCE))
+        else:
+            wrong = [c for i, c in enumerate(ex.choices) if i != ex.gold]
+            pairs.append((ex.question, ex.choices[ex.gold], rng.choice(wrong)))
+    return pairs
+
+
+@torch.no_grad()
+def steering_vector(session, pairs, layer: int) -> torch.Tensor:
+    """mean(a(letter of positive)) - mean(a(letter of negative)) at ``layer``."""
+    diffs = []
+    for i, (question, positive, negative) in enumerate(pairs):
+        # Alternate which letter holds the positive answer so the letter itself cancels out.
+        first, second, pos_letter = (positive, negative, "A") if i % 2 == 0 else (negative, positive, "B")
+        neg_letter = "B" if pos_letter == "A" else "A"
+        acts = []
+        for letter in (pos_letter, neg_letter):
+            ids = torch.tensor([ab_prompt(session, question, first, second, letter)], device=session.lm.device)
+            acts.append(site.hidden_at_site(session.model, ids, torch.ones_like(ids), layer)[0])
+        diffs.append(acts[0] - acts[1])
+    return torch.stack(diffs).mean(0)
+
+
+@register_method("caa")
+class CAA(Intervention):
+    """Tensors: ``vector`` [d]; config: site.layer, hyperparameters.multiplier."""
+
+    def edit(self, hidden: torch.Tensor) -> torch.Tensor:
+        hp = self.config["hyperparameters"]
+        return hidden + hp["multiplier"] * self.tensors["vector"].to(hidden)
+
+    def applied(self, model, positions, variant_ids=None):
+        return site.edit_from_site(model, self.layer, self.edit, positions)
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        unknown = set(hyperparameters) - {"layers", "multipliers"}
+        if unknown:
+            raise ValueError(f"CAA takes the hyperparameters 'layers' and 'multipliers' (lists); got {sorted(unknown)}")
+        pairs = contrast_pairs(data.train, seed)
+        n_val = max(1, len(pairs) // 5)
+        order = list(range(len(pairs)))
+        random.Random(f"caa-val:{seed}").shuffle(order)
+        val_idx, fit_idx = order[:n_val], order[n_val:]
+        L = session.num_layers
+        layers = hyperparameters.get("layers") or sorted({L // 3, L // 2, (2 * L) // 3})
+        multipliers = hyperparameters.get("multipliers") or list(MULTIPLIERS)
+        val_examples = [data.train[i] for i in val_idx]
+        session.prepare(val_examples, "CAA validation slice")
+        scores = {}
+        for layer in layers:
+            vector = steering_vector(session, [pairs[i] for i in fit_idx], layer)
+            for mult in multipliers:
+                scores[(layer, mult)] = _validation_loss(session, val_examples, layer, mult * vector)
+                log.info("CAA layer %d multiplier %g: validation loss %.4f", layer, mult, scores[(layer, mult)])
+        base = _validation_loss(session, val_examples, layers[0], None)
+        layer, mult = min(scores, key=scores.get)
+        log.info("CAA: chose layer %d, multiplier %g (validation loss %.4f; base model %.4f)", layer, mult, scores[layer, mult], base)
+        vector = steering_vector(session, pairs, layer)
+        config = {
+            **config,
+            "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
+            "hyperparameters": {"multiplier": mult, "layers_tried": layers, "multipliers_tried": multipliers,
+                                "validation_fraction": 0.2, "negative_for_generation": COMPLIANCE},
+            "diagnostics": {"validation_loss": {f"{l}:{m}": v for (l, m), v in scores.items()},
+                            "validation_loss_base": base, "validation_ids": [data.train[i].id for i in val_idx]},
+        }
+        return cls(config, {"vector": vector.contiguous()})
+
+
+@torch.no_grad()
+def _validation_loss(session, examples, layer: int, shift: torch.Tensor | None) -> float:
+    """Mean task loss (option CE or target NLL) with ``shift`` added from p* on at ``layer``."""
+    from mari_eval.mari import task_losses
+
+    def apply(variant_ids, positions):
+        if shift is None:
+            return runner.no_edit(variant_ids, positions)
+        return site.edit_from_site(session.model, layer, lambda h: h + shift.to(h), positions)
+
+    losses = []
+    for ex in examples:
+        run = runner.score_variants(session.model, ex.prefix, ex.context[-1], ex.options, [0], apply,
+                                    max_tokens=session.max_tokens)
+        losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
+    return sum(losses) / len(losses)
