@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
 
 import torch
 
@@ -39,12 +38,7 @@ MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 8.0)
 def ab_prompt(session, question: str, first: str, second: str, letter: str) -> list[int]:
     """Chat-formatted A/B question ending with the assistant's "(" + letter (CAA's format)."""
     user = f"{question}\n\nChoices:\n(A) {first}\n(B) {second}"
-    tok = session.lm.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
-    else:
-        text = user + "\nAnswer:"
-    return session.encode_prompt(text + f"({letter}")
+    return session.encode_prompt(session.chat_prompt(user, without_template=user + "\nAnswer:") + f"({letter}")
 
 
 def contrast_pairs(examples, seed: int) -> list[tuple[str, str, str]]:

@@ -77,7 +77,7 @@ class MariLM(HFLM):
         """(variants, apply, captured layers, site-only variants) of the intervention, BASE alone without one."""
         iv = self.intervention
         if iv is None:
-            return [runner.BASE], lambda ids, pos: contextlib.nullcontext(), [], []
+            return [runner.BASE], runner.no_edit, [], []
         variants = ([runner.BASE] if iv.uses_base else []) + iv.variants()
 
         def apply(variant_ids, positions):
@@ -151,23 +151,20 @@ class MariLM(HFLM):
         tokens = tuple(tokens)
         if shared is not None and tokens[: len(shared.tokens)] == shared.tokens:
             return shared, tokens
-        common = 0
-        for a, b in zip(previous, tokens):
-            if a != b:
-                break
-            common += 1
-        if common >= 32:  # worth a cache of its own
-            return runner.encode_prefix(self.model, tokens[:common]), tokens
+        common = runner.common_prefix([previous, tokens])
+        if len(common) >= 32:  # worth a cache of its own
+            return runner.encode_prefix(self.model, common), tokens
         return None, tokens
 
     # ------------------------------------------------------------------ diagnostics
 
     def _record(self, record: dict, task, doc_id, run: runner.VariantRun, variants, gold: set[int] | None) -> None:
         record = {"task": task, "doc_id": doc_id, **record}
-        if gold is not None and run.logprobs is not None and "entropy" in record:
-            answering = [v for v in variants if v != runner.BASE and v in getattr(self.intervention, "answering_variants", lambda: [])()]
+        site_only = self.intervention.site_only_variants()
+        answering = [v for v in variants if v != runner.BASE and v not in site_only]
+        if gold is not None and answering and "expert" in record:
             correct = [int(run.logprobs[run.row(v)].argmax()) in gold for v in answering]
-            if answering and any(correct):
+            if any(correct):
                 # Appendix C.2: does the entropy choice pick an expert whose answer is correct?
                 record["routing_agrees"] = bool(correct[answering.index(record["expert"])])
         self.records.append(record)

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mari_eval import runner, site
-from mari_eval.methods import Intervention, register_method
+from mari_eval import runner
+from mari_eval.methods import BundleError, Intervention, register_method
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,13 @@ def energy_threshold(energies: torch.Tensor, applicable: torch.Tensor, rho: floa
     return float(torch.quantile(non.double(), rho))
 
 
+def run_energy(run: runner.VariantRun, probe_id: int, layers: list[int]) -> torch.Tensor:
+    """E(x) from a run holding the base model's and the probe's states at p* after ``layers``."""
+    probed = torch.stack([run.site[m][run.row(probe_id)] for m in layers])
+    base = torch.stack([run.site[m][run.row(runner.BASE)] for m in layers])
+    return propagation_energy(probed, base)
+
+
 def gate_open(energy: torch.Tensor, tau: float) -> torch.Tensor:
     """eq:energy_gate_rule: intervene (alpha_full) iff E >= tau_E, else the base model (alpha_safe = 0)."""
     return energy >= tau
@@ -273,16 +280,13 @@ class MARI(Intervention):
         return chosen, record
 
     def energy(self, run: runner.VariantRun) -> torch.Tensor:
-        layers = self.captured_layers()
-        probed = torch.stack([run.site[m][run.row(self.probe_id)] for m in layers])
-        base = torch.stack([run.site[m][run.row(runner.BASE)] for m in layers])
-        return propagation_energy(probed, base)
+        return run_energy(run, self.probe_id, self.captured_layers())
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         n = len(records)
         usage = {str(k): 0 for k in self.answering_variants()}
         for r in records:
-            if r.get("variant", r.get("expert")) != runner.BASE:
+            if r["variant"] != runner.BASE:
                 usage[str(r["expert"])] += 1
         out: dict[str, Any] = {
             "prompts": n,
@@ -314,8 +318,6 @@ class MARI(Intervention):
     # ------------------------------------------------------------------ consistency
 
     def check_shapes(self) -> None:
-        from mari_eval.methods import BundleError
-
         hp, base = self.config["hyperparameters"], self.config["base_model"]
         d, r, rp = int(base["hidden_size"]), int(hp["rank"]), int(hp["probe_rank"])
         expected = {
@@ -472,18 +474,15 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
     variants = [runner.BASE, *range(K), *([K] if has_single else []), K + 1]
     layers = list(range(session.layer, session.num_layers))
     energies, applicable, applicable_single, agrees = [], [], [], []
+    def edit(h, ids):
+        return apply_variants(tensors, hp, h, ids)
+
     for ex in tqdm(examples, desc="calibrating the energy gate on D_ctrl", leave=False):
-        run = session.run(ex, variants, lambda h, ids: apply_variants(tensors, hp, h, ids), capture=layers, site_only=[K + 1])
-        probed = torch.stack([run.site[m][run.row(K + 1)] for m in layers])
-        base = torch.stack([run.site[m][run.row(runner.BASE)] for m in layers])
-        energies.append(float(propagation_energy(probed, base)))
+        run = session.run(ex, variants, edit, capture=layers, site_only=[K + 1])
+        energies.append(float(run_energy(run, K + 1, layers)))
         expert_rows = [run.row(k) for k in range(K)]
         if ex.gold is None:  # generation: route as inference does, over the first T_ent greedy steps
-            def edits(variant_ids, positions):
-                return site.edit_site(session.model, session.layer,
-                                      lambda h: apply_variants(tensors, hp, h, variant_ids.to(h.device)), positions)
-
-            u = runner.routing_entropy(session.model, ex.context, list(range(K)), edits, hp["T_ent"])
+            u = runner.routing_entropy(session.model, ex.context, list(range(K)), session.edits(edit), hp["T_ent"])
         else:
             u = option_entropy(run.logprobs[expert_rows])
         losses = task_losses(run.logprobs, ex.gold)

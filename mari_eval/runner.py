@@ -158,6 +158,16 @@ def no_edit(variant_ids, positions):
     return contextlib.nullcontext()
 
 
+def common_prefix(seqs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The longest token prefix shared by all of ``seqs``."""
+    first = tuple(seqs[0])
+    n = len(first)
+    for seq in seqs[1:]:
+        n = min(n, len(seq))
+        n = next((i for i in range(n) if seq[i] != first[i]), n)
+    return first[:n]
+
+
 def _chunks(items: list, sizes: list[int], max_tokens: int) -> list[list]:
     out, current, total = [], [], 0
     for item, size in zip(items, sizes):
@@ -189,6 +199,8 @@ def forward_rows(
     with sliding-window layers whose window the rows would cross fall back to a padded
     batch over a broadcast cache. Both give the same numbers as running every row alone.
     """
+    if bool((variant_ids == BASE).all()):  # nothing to edit: no hook at all, as in a vanilla run
+        apply = no_edit
     if _packable(model, len(prefix.tokens), max(map(len, rows))):
         return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start)
     return _forward_batched(model, prefix, rows, variant_ids, apply, capture)
@@ -233,8 +245,6 @@ def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None
     inputs, starts, lengths = _packing(model, prefix, rows)
     sites = (torch.zeros_like(starts), starts)
     cache = _broadcast_cache(prefix.cache, 1)
-    if bool((variant_ids == BASE).all()):
-        apply = no_edit
     skip = contextlib.nullcontext()
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
@@ -250,8 +260,6 @@ def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
     ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
     at_p_star = torch.zeros(len(rows), dtype=torch.long, device=device)
     cache = _broadcast_cache(prefix.cache, len(rows))
-    if bool((variant_ids == BASE).all()):
-        apply = no_edit
     with apply(variant_ids, at_p_star), site.capture_site(model, capture, at_p_star) as seen:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits
     return [logits[j, : len(r)] for j, r in enumerate(rows)], dict(seen)
@@ -296,7 +304,6 @@ def generate_variants(
     the ``choose`` records.
     """
     n_prompts, n_var = input_ids.shape[0], len(variants)
-    mask = attention_mask.repeat_interleave(n_var, 0)
     steps = max(1, min(window, max_length - input_ids.shape[1]))
     first, entropy, seen = _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps,
                                            pad_token_id=pad_token_id, **generation_kwargs)
@@ -311,7 +318,8 @@ def generate_variants(
     if sequences.shape[1] < max_length:
         cache = first.past_key_values
         cache.batch_select_indices(torch.tensor(chosen_rows, device=sequences.device))
-        new_mask = torch.cat([mask[chosen_rows], torch.ones_like(sequences[:, input_ids.shape[1]:])], dim=1)
+        prompt_mask = attention_mask[[row // n_var for row in chosen_rows]]
+        new_mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, input_ids.shape[1]:])], dim=1)
         sequences = model.generate(
             input_ids=sequences, attention_mask=new_mask, past_key_values=cache, max_length=max_length,
             pad_token_id=pad_token_id, stopping_criteria=stopping_criteria, use_cache=True, **generation_kwargs,

@@ -226,6 +226,7 @@ def hidden_at_site(
         positions = last_token_positions(attention_mask)
     return states_after(model, layer, positions, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
 
+
 # Families whose decoder layers return the hidden state as a plain tensor (transformers >= 5).
 _TENSOR_LAYER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text")
 

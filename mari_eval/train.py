@@ -25,9 +25,7 @@ Attributes and their examples:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import random
 import time
@@ -89,6 +87,14 @@ class Session:
     def encode_prompt(self, text: str) -> list[int]:
         return self.lm.tok_encode(text)
 
+    def chat_prompt(self, user: str, without_template: str) -> str:
+        """``user`` as one user turn of the model's chat template, ready for the answer;
+        ``without_template`` for a model that has none (e.g. a base model)."""
+        tok = self.lm.tokenizer
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        return without_template
+
     # ------------------------------------------------------------------ frozen work, once
 
     @torch.no_grad()
@@ -96,7 +102,7 @@ class Session:
         """Prefix cache and site hidden state of every example (shared common prefix computed once)."""
         from tqdm import tqdm
 
-        shared = _common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else []
+        shared = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
         base = runner.encode_prefix(self.model, shared) if len(shared) > 1 else None
         for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
             ex.prefix = runner.encode_prefix(self.model, ex.context[:-1], base=base)
@@ -114,40 +120,28 @@ class Session:
 
     # ------------------------------------------------------------------ runner
 
+    def edits(self, apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> runner.ApplyEdits:
+        """The runner's ``apply`` for an edit ``apply(hidden [R, d], variant_ids [R])`` at (l*, p*)."""
+
+        def edits(variant_ids, positions):
+            return site.edit_site(self.model, self.layer, lambda h: apply(h, variant_ids.to(h.device)), positions)
+
+        return edits
+
     def run(
         self,
         ex: Example,
         variants: Sequence[int],
-        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         capture: Sequence[int] = (),
         site_only: Sequence[int] = (),
     ) -> runner.VariantRun:
         """``ex``'s options under each variant; ``apply(hidden [R, d], variant_ids [R])`` edits p*."""
-
-        def edits(variant_ids, positions):
-            if apply is None:
-                import contextlib
-
-                return contextlib.nullcontext()
-            return site.edit_site(self.model, self.layer, lambda h: apply(h, variant_ids), positions)
-
         return runner.score_variants(
-            self.model, ex.prefix, ex.context[-1], ex.options, variants, edits,
+            self.model, ex.prefix, ex.context[-1], ex.options, variants, self.edits(apply),
             capture=capture, site_only=site_only, max_tokens=self.max_tokens,
             lower=(self.layer, ex.lower) if ex.lower is not None else None,
         )
-
-
-def _common_prefix(seqs: list[list[int]]) -> list[int]:
-    first = seqs[0]
-    n = len(first)
-    for s in seqs[1:]:
-        n = min(n, len(s))
-        for i in range(n):
-            if s[i] != first[i]:
-                n = i
-                break
-    return first[:n]
 
 
 # ----------------------------------------------------------------------------- data
@@ -204,10 +198,7 @@ def _mc_examples(session: Session, task, docs: dict[str, dict], ids: Sequence[st
 
 
 def sorry_prompt(session: Session, instruction: str) -> str:
-    tok = session.lm.tokenizer
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True)
-    return instruction + "\n"
+    return session.chat_prompt(instruction, without_template=instruction + "\n")
 
 
 def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
