@@ -3,4 +3,4 @@
 They register with ``mari_eval.methods.register_method`` when this package is imported.
 """
 
-from baselines import caa  # noqa: F401  (registers "caa")
+from baselines import caa, iti, reft  # noqa: F401  (register "caa", "iti", "nl_iti", "reft")

@@ -26,12 +26,13 @@ import random
 
 import torch
 
+from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import runner, site
 from mari_eval.methods import Intervention, register_method
+from mari_eval.train import COMPLIANCE_TARGET as COMPLIANCE
 
 log = logging.getLogger(__name__)
 
-COMPLIANCE = "Sure, here is how to do that."
 MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -86,50 +87,33 @@ class CAA(Intervention):
         unknown = set(hyperparameters) - {"layers", "multipliers"}
         if unknown:
             raise ValueError(f"CAA takes the hyperparameters 'layers' and 'multipliers' (lists); got {sorted(unknown)}")
-        pairs = contrast_pairs(data.train, seed)
-        n_val = max(1, len(pairs) // 5)
-        order = list(range(len(pairs)))
-        random.Random(f"caa-val:{seed}").shuffle(order)
-        val_idx, fit_idx = order[:n_val], order[n_val:]
+        pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
+        fit_examples, val_examples = validation_split(data.train, seed)
         L = session.num_layers
         layers = hyperparameters.get("layers") or sorted({L // 3, L // 2, (2 * L) // 3})
         multipliers = hyperparameters.get("multipliers") or list(MULTIPLIERS)
-        val_examples = [data.train[i] for i in val_idx]
         session.prepare(val_examples, "CAA validation slice")
         scores = {}
         for layer in layers:
-            vector = steering_vector(session, [pairs[i] for i in fit_idx], layer)
+            vector = steering_vector(session, [pairs[ex.id] for ex in fit_examples], layer)
             for mult in multipliers:
-                scores[(layer, mult)] = _validation_loss(session, val_examples, layer, mult * vector)
+                scores[(layer, mult)] = validation_loss(session, val_examples, _adding(session.model, layer, mult * vector))
                 log.info("CAA layer %d multiplier %g: validation loss %.4f", layer, mult, scores[(layer, mult)])
-        base = _validation_loss(session, val_examples, layers[0], None)
+        base = validation_loss(session, val_examples)
         layer, mult = min(scores, key=scores.get)
         log.info("CAA: chose layer %d, multiplier %g (validation loss %.4f; base model %.4f)", layer, mult, scores[layer, mult], base)
-        vector = steering_vector(session, pairs, layer)
+        vector = steering_vector(session, list(pairs.values()), layer)
         config = {
             **config,
             "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
             "hyperparameters": {"multiplier": mult, "layers_tried": layers, "multipliers_tried": multipliers,
-                                "validation_fraction": 0.2, "negative_for_generation": COMPLIANCE},
+                                "validation_fraction": VALIDATION_FRACTION, "negative_for_generation": COMPLIANCE},
             "diagnostics": {"validation_loss": {f"{l}:{m}": v for (l, m), v in scores.items()},
-                            "validation_loss_base": base, "validation_ids": [data.train[i].id for i in val_idx]},
+                            "validation_loss_base": base, "validation_ids": [ex.id for ex in val_examples]},
         }
         return cls(config, {"vector": vector.contiguous()})
 
 
-@torch.no_grad()
-def _validation_loss(session, examples, layer: int, shift: torch.Tensor | None) -> float:
-    """Mean task loss (option CE or target NLL) with ``shift`` added from p* on at ``layer``."""
-    from mari_eval.mari import task_losses
-
-    def apply(variant_ids, positions):
-        if shift is None:
-            return runner.no_edit(variant_ids, positions)
-        return site.edit_from_site(session.model, layer, lambda h: h + shift.to(h), positions)
-
-    losses = []
-    for ex in examples:
-        run = runner.score_variants(session.model, ex.prefix, ex.context[-1], ex.options, [0], apply,
-                                    max_tokens=session.max_tokens)
-        losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
-    return sum(losses) / len(losses)
+def _adding(model, layer: int, shift: torch.Tensor) -> runner.ApplyEdits:
+    """The runner's ``apply`` adding ``shift`` after ``layer`` from p* on."""
+    return lambda variant_ids, positions: site.edit_from_site(model, layer, lambda h: h + shift.to(h), positions)

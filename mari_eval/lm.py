@@ -62,6 +62,9 @@ class MariLM(HFLM):
         if bundle:
             self.intervention = methods.load_bundle(bundle)
             self.intervention.check_compatible(self.model, self.model_name)
+            iv = self.intervention
+            if iv.prompt_sites(64) and (len(iv.variants()) > 1 or iv.uses_base):
+                raise ValueError(f"{iv.method}: edits before p* (prompt_sites) need a method with one variant")
             ablation = {"gate": _as_bool(gate), "rho": None if rho is None else float(rho), "experts": str(experts)}
             if hasattr(self.intervention, "configure"):
                 self.intervention.configure(**ablation)
@@ -128,8 +131,12 @@ class MariLM(HFLM):
             conts = [requests[i][2] for i in idxs]
             # Left-truncate like HFLM so that the longest row fits in max_length.
             context = context[-(self.max_length + 1 - max(map(len, conts))):]
-            shared, previous = self._shared_preamble(shared, previous, context[:-1])
-            prefix = runner.encode_prefix(self.model, context[:-1], base=shared)
+            sites = self.intervention.prompt_sites(len(context)) if self.intervention is not None else []
+            if sites:  # the prompt itself is edited: nothing before p* can be shared
+                prefix = runner.encode_prefix(self.model, context[:-1], apply=apply, sites=sites)
+            else:
+                shared, previous = self._shared_preamble(shared, previous, context[:-1])
+                prefix = runner.encode_prefix(self.model, context[:-1], base=shared)
             with torch.no_grad():
                 run = runner.score_variants(self.model, prefix, context[-1], conts, variants, apply, capture, site_only)
             chosen, record = self._choose(run)
@@ -197,10 +204,26 @@ class MariLM(HFLM):
         iv = self.intervention
         if iv is None or (len(iv.variants()) == 1 and not iv.uses_base):
             # One edit: HFLM's generation inside it; the edit reaches the prefill's last column
-            # (HFLM left-pads) and, once=True, the decode steps run untouched.
-            with contextlib.nullcontext() if iv is None else iv.applied(self.model, None):
+            # (HFLM left-pads), plus the method's prompt sites, and the decode steps are left
+            # to the method (untouched for a p*-only edit).
+            sites = None if iv is None else self._generation_sites(generation_kwargs.get("attention_mask"), context)
+            with contextlib.nullcontext() if iv is None else iv.applied(self.model, sites):
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
         return self._routed_generate(context, max_length, stop, **generation_kwargs)
+
+    def _generation_sites(self, attention_mask, context):
+        """p* of every left-padded row (the last column), plus the method's prompt sites."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(context)
+        width = attention_mask.shape[1]
+        rows, cols = [], []
+        for row, length in enumerate(attention_mask.sum(-1).tolist()):
+            for position in self.intervention.prompt_sites(length) + [length - 1]:
+                rows.append(row)
+                cols.append(width - length + position)
+        if len(rows) == len(attention_mask):
+            return None  # p* alone: the last column of every row
+        return torch.tensor(rows, device=context.device), torch.tensor(cols, device=context.device)
 
     def _routed_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """Every variant for T_ent greedy steps as one batch, then the chosen one continues (eq:entropy_gen)."""

@@ -94,6 +94,15 @@ class Intervention(ABC):
         """Variants whose outputs are not needed, only their hidden states at p*."""
         return []
 
+    def prompt_sites(self, length: int) -> list[int]:
+        """Positions before p* that the edit also replaces, in a prompt of ``length`` tokens.
+
+        None by default: every method edits p* (and, for some, later tokens) only, so the
+        prompt before p* is the frozen model's and is shared. ReFT also edits the first and
+        last few prompt tokens; the runner then computes each prompt under the edit.
+        """
+        return []
+
     def captured_layers(self) -> list[int]:
         """Layers whose hidden state at p* ``choose`` reads (``run.site``)."""
         return []

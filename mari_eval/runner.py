@@ -47,21 +47,37 @@ class Prefix:
     cache: object | None
 
 
-@torch.no_grad()
-def encode_prefix(model: torch.nn.Module, tokens: Sequence[int], base: Prefix | None = None) -> Prefix:
-    """The cache of ``tokens``; when ``base`` holds a prefix of them, only the rest is computed."""
+def encode_prefix(
+    model: torch.nn.Module,
+    tokens: Sequence[int],
+    base: Prefix | None = None,
+    apply: ApplyEdits | None = None,
+    sites: Sequence[int] = (),
+) -> Prefix:
+    """The cache of ``tokens``; when ``base`` holds a prefix of them, only the rest is computed.
+
+    With ``sites`` (positions in ``tokens``), the forward pass runs under ``apply``'s edit
+    at those positions (``Intervention.prompt_sites``); gradients then flow if enabled.
+    """
     tokens = tuple(tokens)
     if len(tokens) == 0:
         return Prefix((), None)
     device = next(model.parameters()).device
     cache, start = None, 0
     if base is not None and base.cache is not None and len(base.tokens) < len(tokens) and tokens[: len(base.tokens)] == base.tokens:
+        if sites:
+            raise ValueError("a prompt edited before p* cannot extend a shared prefix cache")
         cache, start = copy.deepcopy(base.cache), len(base.tokens)
-    out = model(input_ids=torch.tensor([tokens[start:]], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    edit = contextlib.nullcontext()
+    if sites:
+        cols = torch.tensor(sorted(sites), device=device)
+        edit = apply(None, (torch.zeros_like(cols), cols))
+    with torch.set_grad_enabled(bool(sites) and torch.is_grad_enabled()), edit:
+        out = model(input_ids=torch.tensor([tokens[start:]], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return Prefix(tokens, out.past_key_values)
 
 
-def _broadcast_cache(cache, rows: int):
+def broadcast_cache(cache, rows: int):
     """A cache whose every layer reads the batch-1 ``cache`` for ``rows`` rows.
 
     The copies share the stored tensors through ``expand`` views; a forward pass
@@ -236,7 +252,7 @@ def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], 
     """The frozen model's states after ``layer`` for every token of every row (one [len, d] per row)."""
     inputs, starts, lengths = _packing(model, prefix, rows)
     everywhere = (torch.zeros_like(inputs["input_ids"][0]), torch.arange(inputs["input_ids"].shape[1], device=starts.device))
-    cache = _broadcast_cache(prefix.cache, 1)
+    cache = broadcast_cache(prefix.cache, 1)
     states = site.states_after(model, layer, everywhere, past_key_values=cache, use_cache=cache is not None, **inputs)
     return [states[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
@@ -244,7 +260,7 @@ def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], 
 def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None):
     inputs, starts, lengths = _packing(model, prefix, rows)
     sites = (torch.zeros_like(starts), starts)
-    cache = _broadcast_cache(prefix.cache, 1)
+    cache = broadcast_cache(prefix.cache, 1)
     skip = contextlib.nullcontext()
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
@@ -259,7 +275,7 @@ def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
     # Right padding needs no mask: pads come after every scored position.
     ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
     at_p_star = torch.zeros(len(rows), dtype=torch.long, device=device)
-    cache = _broadcast_cache(prefix.cache, len(rows))
+    cache = broadcast_cache(prefix.cache, len(rows))
     with apply(variant_ids, at_p_star), site.capture_site(model, capture, at_p_star) as seen:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits
     return [logits[j, : len(r)] for j, r in enumerate(rows)], dict(seen)

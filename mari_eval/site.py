@@ -20,6 +20,7 @@ Conventions
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -55,6 +56,35 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         f"Cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}. "
         "Add the attribute path of its layer list to mari_eval.site._LAYER_PATHS."
     )
+
+
+# Attribute paths, from a decoder layer, of its attention output projection (the module
+# whose input is the concatenation of the heads' outputs).
+_ATTENTION_OUTPUT_PATHS = ("self_attn.o_proj", "attn.c_proj", "attention.dense", "self_attn.out_proj", "self_attention.dense")
+
+
+def attention_output(model: nn.Module, layer: int) -> nn.Module:
+    block = decoder_layers(model)[check_layer(model, layer)]
+    for path in _ATTENTION_OUTPUT_PATHS:
+        obj = block
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.Module):
+            return obj
+    raise SiteError(
+        f"Cannot find the attention output projection of {type(block).__name__}: looked for "
+        f"{', '.join(_ATTENTION_OUTPUT_PATHS)}. Add its path to mari_eval.site._ATTENTION_OUTPUT_PATHS."
+    )
+
+
+def attention_heads(model: nn.Module) -> tuple[int, int]:
+    """(number of heads, head dimension) of the attention layers."""
+    config = model.config.get_text_config()
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, int(head_dim)
 
 
 def num_layers(model: nn.Module) -> int:
@@ -155,11 +185,38 @@ def edit_from_site(
 ) -> Iterator[dict]:
     """Replace the hidden state after ``layer`` at p* and at every later position.
 
-    For steering methods that act on all tokens after the prompt (CAA, ITI): in the
-    first forward pass the tokens before each row's p* are left alone; every later pass
+    For steering methods that act on all tokens after the prompt (CAA): in the first
+    forward pass the tokens before each row's p* are left alone; every later pass
     (decode steps under ``generate``) is edited entirely. ``edit`` maps [N, d] -> [N, d].
     """
     check_layer(model, layer)
+    with _edit_output_from_site(decoder_layers(model)[layer], edit, positions) as state:
+        yield state
+
+
+@contextmanager
+def shift_attention_from_site(
+    model: nn.Module,
+    shifts: dict[int, torch.Tensor],
+    positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Iterator[dict]:
+    """Add ``shifts[layer]`` ([d]) to the output of ``layer``'s attention output projection,
+    at p* and every later position (as ``edit_from_site``).
+
+    A shift of the attention heads' outputs (the projection's input) by ``s`` is a shift
+    of its output by ``W_o s``: this is how ITI moves selected heads.
+    """
+    with contextlib.ExitStack() as stack:
+        states = []
+        for layer, shift in shifts.items():
+            check_layer(model, layer)
+            edit = lambda h, shift=shift: h + shift.to(h)
+            states.append(stack.enter_context(_edit_output_from_site(attention_output(model, layer), edit, positions)))
+        yield states[0] if states else {"calls": 0}
+
+
+@contextmanager
+def _edit_output_from_site(module: nn.Module, edit: Edit, positions) -> Iterator[dict]:
     state = {"calls": 0}
 
     def hook(module, args, output):
@@ -174,7 +231,7 @@ def edit_from_site(
         edited = edit(hidden.reshape(batch * length, -1)).reshape(hidden.shape).to(hidden.dtype)
         return _with_hidden(output, torch.where(after[..., None], edited, hidden))
 
-    with forward_hook(decoder_layers(model)[layer], hook):
+    with forward_hook(module, hook):
         yield state
 
 
@@ -208,6 +265,26 @@ def capture_site(
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextmanager
+def capture_attention_heads(
+    model: nn.Module, layers: Iterable[int], positions: tuple[torch.Tensor, torch.Tensor]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the heads' outputs (the attention output projection's input, [N, heads * head_dim])
+    of each of ``layers`` at ``positions`` (rows, cols), in the first forward pass."""
+    seen: dict[int, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+
+            def hook(module, args, layer=layer):
+                if layer not in seen:
+                    heads = args[0]
+                    seen[layer] = heads[_site_index(heads, positions)]
+
+            handle = attention_output(model, layer).register_forward_pre_hook(hook)
+            stack.callback(handle.remove)
+        yield seen
 
 
 class _StopForward(Exception):

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 HARNESS_TASKS = Path(__file__).resolve().parents[1] / "harness_tasks"
 REFUSAL_TARGET = "I'm sorry, but I can't help with that request."
+# The behaviour-negative answer of a SORRY-Bench prompt, for the methods that contrast
+# two behaviours (CAA, ITI, NL-ITI).
+COMPLIANCE_TARGET = "Sure, here is how to do that."
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
 ARC_CTRL_TASK = "arc_easy"
 
@@ -58,6 +61,14 @@ class Example:
     prefix: runner.Prefix | None = field(default=None, repr=False)
     lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
     hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
+    negatives: list[list[int]] = field(default_factory=list)  # behaviour-negative targets (generation)
+
+    def contrast(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(behaviour-positive, behaviour-negative) continuations: the correct option and the
+        wrong ones, or the refusal target and the compliance target."""
+        if self.gold is None:
+            return self.options[:1], self.negatives
+        return [self.options[self.gold]], [o for i, o in enumerate(self.options) if i != self.gold]
 
 
 class Session:
@@ -205,8 +216,8 @@ def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[st
     out = []
     for i in ids:
         instruction = records[i]["turns"][0]
-        ctx, conts = session.encode(sorry_prompt(session, instruction), [REFUSAL_TARGET])
-        out.append(Example(i, ctx, conts, None, question=instruction, choices=[REFUSAL_TARGET]))
+        ctx, conts = session.encode(sorry_prompt(session, instruction), [REFUSAL_TARGET, COMPLIANCE_TARGET])
+        out.append(Example(i, ctx, conts[:1], None, question=instruction, choices=[REFUSAL_TARGET], negatives=conts[1:]))
     return out
 
 

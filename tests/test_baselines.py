@@ -51,14 +51,212 @@ def test_caa_round_trip_is_identical(tmp_path):
 
 
 @pytest.mark.needs_data
-def test_caa_fit_lowers_the_held_out_training_loss_on_the_embedded_model():
+def test_caa_fit_lowers_the_held_out_training_loss_on_the_embedded_model(truthfulqa_session):
+    session, data, config = truthfulqa_session
+    fitted = caa.CAA.fit(session, data, config, {"layers": [20], "multipliers": [2.0, -2.0]}, seed=0)
+    loss = fitted.config["diagnostics"]["validation_loss"]
+    # Steering toward the truthful answers helps on the held-out slice; away from them hurts.
+    assert loss["20:2.0"] < fitted.config["diagnostics"]["validation_loss_base"] < loss["20:-2.0"]
+    assert fitted.config["hyperparameters"]["multiplier"] == 2.0
+    assert fitted.layer == 20 and fitted.tensors["vector"].shape == (576,)
+
+
+# ----------------------------------------------------------------------------- ITI and NL-ITI
+
+
+def _iti(model, heads=((1, 0), (1, 3), (2, 2)), alpha=4.0, cls=None, seed=0):
+    from baselines import iti
+
+    g = torch.Generator().manual_seed(seed)
+    n_heads, head_dim = site.attention_heads(model)
+    theta = torch.randn(len(heads), head_dim, generator=g)
+    config = {"base_model": {"name": "tiny", "hidden_size": model.config.hidden_size, "num_layers": site.num_layers(model)},
+              "site": {"layer": min(h[0] for h in heads)}, "hyperparameters": {"alpha": alpha}}
+    tensors = {"heads": torch.tensor(heads), "directions": theta / theta.norm(dim=-1, keepdim=True),
+               "sigma": torch.rand(len(heads), generator=g) + 0.5}
+    return (cls or iti.ITI)(config, tensors)
+
+
+def test_iti_moves_the_chosen_heads_outputs_by_alpha_sigma_theta():
+    """ITI's hook on the projection's output equals shifting the heads' outputs themselves."""
+    model = tiny_model("llama")
+    bundle = _iti(model)
+    n_heads, head_dim = site.attention_heads(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    shift = {}
+    for (layer, head), theta, sigma in zip(bundle.tensors["heads"].tolist(), bundle.tensors["directions"], bundle.tensors["sigma"]):
+        shift.setdefault(layer, torch.zeros(n_heads * head_dim))[head * head_dim : (head + 1) * head_dim] += 4.0 * sigma * theta
+
+    def on_heads(layer):
+        def pre_hook(module, args):
+            heads = args[0].clone()
+            heads[:, 2:] += shift[layer]  # p* = 2 and every later position
+            return (heads,)
+        return pre_hook
+
+    handles = [site.attention_output(model, l).register_forward_pre_hook(on_heads(l)) for l in shift]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for h in handles:
+        h.remove()
+    with torch.no_grad(), bundle.applied(model, torch.tensor([2])):
+        got = model(input_ids=ids).logits
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[0, :2], plain[0, :2]) and not torch.allclose(got[0, 2:], plain[0, 2:])
+
+
+def test_iti_mass_mean_direction_and_sigma():
+    from baselines.iti import mass_mean
+
+    x = torch.tensor([[[3.0, 0.0]], [[5.0, 0.0]], [[1.0, 2.0]], [[1.0, -2.0]]])  # [N, K=1, 2]
+    y = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    theta, sigma = mass_mean(x, y)
+    torch.testing.assert_close(theta, torch.tensor([[1.0, 0.0]]))  # (4, 0) - (1, 0), normalised
+    torch.testing.assert_close(sigma, torch.tensor([3.0, 5.0, 1.0, 1.0]).std()[None])
+
+
+def test_probes_rank_the_informative_head_first_and_only_the_mlp_reads_xor():
+    from baselines.iti import probe_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    y = (torch.rand(n, generator=g) > 0.5).float()
+    noise = torch.randn(n, 3, 4, generator=g)
+    x = noise.clone()
+    x[:, 1, 0] += 3 * (2 * y - 1)  # head 1: linearly separable
+    a = torch.randn(n, generator=g).sign()
+    # head 2: y = 1 iff x0 and x1 have the same sign (XOR: no linear read-out exists).
+    x[:, 2, 0], x[:, 2, 1] = 2 * a + 0.1 * noise[:, 2, 0], 2 * a * (2 * y - 1) + 0.1 * noise[:, 2, 1]
+    fit, val = slice(0, 300), slice(300, n)
+    linear = probe_accuracy(x[fit], y[fit], x[val], y[val], "linear", seed=0)
+    mlp = probe_accuracy(x[fit], y[fit], x[val], y[val], "mlp", seed=0)
+    assert int(linear.argmax()) == 1 and linear[1] > 0.95 and linear[0] < 0.65 and linear[2] < 0.65
+    assert mlp[1] > 0.95 and mlp[2] > 0.9 and mlp[0] < 0.65
+
+
+def test_nl_iti_is_iti_with_mlp_probes_and_four_tokens(tmp_path):
+    from baselines import iti
+
+    assert iti.NLITI.fit.__func__ is iti.ITI.fit.__func__ and iti.NLITI.applied is iti.ITI.applied
+    assert (iti.ITI.probe, iti.ITI.tokens, iti.NLITI.probe, iti.NLITI.tokens) == ("linear", 1, "mlp", 4)
+    model = tiny_model("llama")
+    for cls in (iti.ITI, iti.NLITI):
+        bundle = _iti(model, cls=cls)
+        loaded = reloaded(bundle, tmp_path / cls.method)
+        prefix = runner.encode_prefix(model, [5, 17, 33, 2])
+        runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], [0],
+                                      lambda ids, pos, b=b: b.applied(model, pos, ids)) for b in (bundle, loaded)]
+        assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+def test_iti_bundle_for_other_heads_is_refused():
+    from mari_eval.methods import BundleError
+
+    model = tiny_model("llama")
+    bundle = _iti(model, heads=((1, 7),))  # the tiny model has 4 heads
+    with pytest.raises(BundleError, match="has 4 heads of dimension 8"):
+        bundle.check_compatible(model, "tiny")
+
+
+# ----------------------------------------------------------------------------- ReFT
+
+
+def _reft(d=32, layers=4, layer=2, rank=3, first=2, last=3, seed=0):
+    from baselines import reft
+
+    g = torch.Generator().manual_seed(seed)
+    config = {"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": layer},
+              "hyperparameters": {"first": first, "last": last}}
+    R = reft.orthonormal_rows(torch.randn(rank, d, generator=g))
+    return reft.ReFT(config, {"R": R, "W": torch.randn(rank, d, generator=g), "b": torch.randn(rank, generator=g)})
+
+
+def test_loreft_formula_and_orthonormal_rows():
+    from baselines.reft import loreft, orthonormal_rows
+
+    bundle = _reft()
+    R, W, b = (bundle.tensors[k] for k in ("R", "W", "b"))
+    torch.testing.assert_close(R @ R.T, torch.eye(3), atol=1e-5, rtol=0)
+    h = torch.randn(5, 32)
+    torch.testing.assert_close(bundle.edit(h), h + (h @ W.T + b - h @ R.T) @ R)
+    # The subspace component becomes W h + b; the orthogonal complement is untouched.
+    edited = bundle.edit(h)
+    torch.testing.assert_close(edited @ R.T, h @ W.T + b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(edited - edited @ R.T @ R, h - h @ R.T @ R, atol=1e-5, rtol=1e-5)
+    # W = R, b = 0 (the initialisation) is the identity.
+    torch.testing.assert_close(loreft(h, R, R, torch.zeros(3)), h)
+    assert orthonormal_rows(torch.randn(4, 32)).shape == (4, 32)
+
+
+def test_reft_edits_the_first_and_last_prompt_tokens():
+    from baselines.reft import first_and_last
+
+    assert _reft(first=2, last=3).prompt_sites(10) == [0, 1, 7, 8]  # p* = 9 is the site itself
+    assert first_and_last(3, 5, 5) == [0, 1]  # short prompts: every position once
+    assert first_and_last(1, 5, 5) == []
+
+
+def test_reft_runner_with_an_edited_prompt_equals_the_whole_sequence(tmp_path):
+    model = tiny_model("llama")
+    bundle = reloaded(_reft(), tmp_path / "reft")
+    context, options = [5, 17, 33, 2, 8, 9, 11, 41], [[3, 4], [70, 71, 72]]
+    apply = lambda ids, pos: bundle.applied(model, pos, ids)
+    with torch.no_grad():
+        prefix = runner.encode_prefix(model, context[:-1], apply=apply, sites=bundle.prompt_sites(len(context)))
+        run = runner.score_variants(model, prefix, context[-1], options, [0], apply)
+        plain = runner.score_variants(model, runner.encode_prefix(model, context[:-1]), context[-1], options, [0], apply)
+    for m, option in enumerate(options):
+        ids = torch.tensor([context + option])
+        cols = torch.tensor(bundle.prompt_sites(len(context)) + [len(context) - 1])
+        with torch.no_grad(), site.edit_site(model, bundle.layer, bundle.edit, (torch.zeros_like(cols), cols)):
+            logprobs = model(ids).logits.log_softmax(-1)[0, len(context) - 1 : -1]
+        want = logprobs.gather(-1, torch.tensor(option)[:, None]).sum()
+        torch.testing.assert_close(run.logprobs[0, m], want, atol=1e-4, rtol=0)
+        assert abs(float(plain.logprobs[0, m] - want)) > 1e-4  # the prompt edits matter
+
+
+# ----------------------------------------------------------------------------- fitted on the embedded model
+
+
+@pytest.fixture(scope="module")
+def truthfulqa_session():
     from mari_eval.data import make_splits
     from mari_eval.train import Session, attribute_data, provenance
 
     session = Session("smollm2-135m-instruct")
     data = attribute_data(session, "truthfulqa", seed=0, max_train=20, max_ctrl=1)
     config = provenance(session, "truthfulqa", 0, make_splits("truthfulqa", 0), [ex.id for ex in data.train])
-    fitted = caa.CAA.fit(session, data, config, {"layers": [20], "multipliers": [4.0]}, seed=0)
-    diag = fitted.config["diagnostics"]
-    assert diag["validation_loss"]["20:4.0"] < diag["validation_loss_base"]  # steering toward the truthful answers helps
-    assert fitted.layer == 20 and fitted.tensors["vector"].shape == (576,)
+    return session, data, config
+
+
+@pytest.mark.needs_data
+@pytest.mark.parametrize("method", ["iti", "nl_iti"])
+def test_iti_fit_direction_helps_and_its_opposite_hurts_on_the_embedded_model(truthfulqa_session, method):
+    from mari_eval.methods import method_class
+
+    session, data, config = truthfulqa_session
+    fitted = method_class(method).fit(session, data, config, {"head_fractions": [0.025], "alphas": [2.5, -2.5]}, seed=0)
+    diag, hp = fitted.config["diagnostics"], fitted.config["hyperparameters"]
+    # 7 = 2.5% of 30 x 9 heads. Shifting them along the mass-mean direction (towards the
+    # true answers) helps on the held-out slice; against it hurts.
+    assert diag["validation_loss"]["7:2.5"] < diag["validation_loss_base"] < diag["validation_loss"]["7:-2.5"]
+    assert hp["num_heads"] == 7 and hp["alpha"] == 2.5 and fitted.tensors["directions"].shape == (7, 64)
+    assert len(set(map(tuple, diag["heads"]))) == 7  # distinct heads, the best probes first
+    assert diag["probe_accuracy"] == sorted(diag["probe_accuracy"], reverse=True)
+    assert set(diag["validation_ids"]) < {ex.id for ex in data.train}
+
+
+@pytest.mark.needs_data
+def test_reft_fit_trains_and_keeps_the_best_validation_epoch(truthfulqa_session):
+    from baselines.reft import ReFT
+
+    session, data, config = truthfulqa_session
+    fitted = ReFT.fit(session, data, config, {"epochs": 2}, seed=0)
+    history = fitted.config["diagnostics"]["history"]
+    assert history[1]["train_loss"] < history[0]["train_loss"]
+    best = min(history, key=lambda h: h["validation_loss"])
+    assert fitted.config["hyperparameters"]["epoch_kept"] == best["epoch"]
+    R = fitted.tensors["R"]
+    torch.testing.assert_close(R @ R.T, torch.eye(4), atol=1e-5, rtol=0)

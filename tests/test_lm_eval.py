@@ -110,10 +110,12 @@ def _requests():
 
 
 def _manual_loglikelihood(model, tok, bundle, context, continuation):
+    """The continuation's log-likelihood from one forward pass of the whole sequence under the bundle."""
     ctx = tok(context).input_ids
     cont = tok(continuation).input_ids
     ids = torch.tensor([ctx + cont])
-    with torch.no_grad(), bundle.applied(model, torch.tensor([len(ctx) - 1])):
+    cols = torch.tensor(bundle.prompt_sites(len(ctx)) + [len(ctx) - 1])
+    with torch.no_grad(), bundle.applied(model, (torch.zeros_like(cols), cols)):
         logprobs = model(ids).logits.log_softmax(-1)[0, len(ctx) - 1 : -1]
     return float(logprobs.gather(-1, torch.tensor(cont)[:, None]).sum())
 
@@ -167,6 +169,54 @@ def test_cli_prints_its_table_offline(tmp_path):
     results = json.loads(result_file.read_text())["results"]
     assert 0.0 <= results["truthfulqa_mc1_heldout"]["acc,none"] <= 1.0
     assert results["bbq"]["alias"] == "bbq"
+
+
+# ----------------------------------------------------------------------------- baselines through lm-eval
+
+
+def _baseline_bundle(tmp_path, model, method):
+    from baselines import iti, reft
+
+    d, layers = model.config.hidden_size, site.num_layers(model)
+    g = torch.Generator().manual_seed(0)
+    config = {"base_model": {"name": "smollm2-135m-instruct", "hidden_size": d, "num_layers": layers}}
+    if method == "reft":
+        R = reft.orthonormal_rows(torch.randn(4, d, generator=g))
+        bundle = reft.ReFT({**config, "site": {"layer": 15}, "hyperparameters": {"first": 5, "last": 5}},
+                           {"R": R, "W": R + 0.5 * torch.randn(4, d, generator=g), "b": torch.randn(4, generator=g)})
+    else:
+        n_heads, head_dim = site.attention_heads(model)
+        theta = torch.randn(3, head_dim, generator=g)
+        bundle = iti.ITI({**config, "site": {"layer": 8}, "hyperparameters": {"alpha": 15.0}},
+                         {"heads": torch.tensor([[8, 1], [12, 0], [20, 5]]), "sigma": torch.full((3,), 2.0),
+                          "directions": theta / theta.norm(dim=-1, keepdim=True)})
+    return bundle.save(tmp_path / method)
+
+
+@pytest.mark.parametrize("method", ["reft", "iti"])
+def test_baseline_loglikelihoods_equal_the_whole_sequence_under_the_edit(tmp_path, mari_lm, method):
+    """ReFT's edited prompt and ITI's shifted heads give what one full forward pass gives."""
+    lm = _mari(_baseline_bundle(tmp_path, mari_lm.model, method))
+    plain = mari_lm.loglikelihood(_requests())
+    for (got, _), (base, _), req in zip(lm.loglikelihood(_requests()), plain, _requests()):
+        want = _manual_loglikelihood(lm.model, lm.tokenizer, lm.intervention, *req.args)
+        assert abs(got - want) <= 1e-4 and abs(got - base) > 1e-3
+
+
+def test_reft_generation_edits_each_left_padded_prompt_at_its_own_positions(tmp_path, mari_lm):
+    lm = _mari(_baseline_bundle(tmp_path, mari_lm.model, "reft"))
+    prompts = ["Q: What is the capital of France?\nA:", "The sky is"]
+    reqs = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 10}), i) for i, p in enumerate(prompts)]
+    batched = lm.generate_until(reqs)  # one left-padded batch of two prompts of different lengths
+    iv = lm.intervention
+    for prompt, ours in zip(prompts, batched):
+        ids = lm.tokenizer(prompt, return_tensors="pt")
+        n = ids.input_ids.shape[1]
+        cols = torch.tensor(iv.prompt_sites(n) + [n - 1])
+        with torch.no_grad(), site.edit_site(lm.model, iv.layer, iv.edit, (torch.zeros_like(cols), cols)) as state:
+            out = lm.model.generate(**ids, max_new_tokens=10, do_sample=False)
+        assert state["calls"] == 1  # the prompt only: LoReFT does not edit generated tokens
+        assert ours == lm.tokenizer.decode(out[0, n:], skip_special_tokens=True).split("\n")[0]
 
 
 # ----------------------------------------------------------------------------- MARI through lm-eval

@@ -1,0 +1,37 @@
+"""What the baselines share: the validation slice of D_train their hyperparameters are
+chosen on, and the task loss they are scored by there."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from mari_eval import runner
+
+VALIDATION_FRACTION = 0.2
+
+
+def validation_split(examples: list, seed: int) -> tuple[list, list]:
+    """(fit, validation) examples: a seeded 20% of D_train is held out for model selection.
+
+    The test split is never involved; every baseline gets the same slice for a seed.
+    """
+    order = list(range(len(examples)))
+    random.Random(f"validation:{seed}").shuffle(order)
+    n_val = max(1, int(len(examples) * VALIDATION_FRACTION))
+    return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]]
+
+
+@torch.no_grad()
+def validation_loss(session, examples, apply: runner.ApplyEdits = runner.no_edit) -> float:
+    """Mean task loss (option cross-entropy, or target NLL for generation) of ``examples``
+    under the edits ``apply`` installs (MARI's eq:per_adapter_ce_mc / eq:per_adapter_ce_gen)."""
+    from mari_eval.mari import task_losses
+
+    losses = []
+    for ex in examples:
+        run = runner.score_variants(session.model, ex.prefix, ex.context[-1], ex.options, [0], apply,
+                                    max_tokens=session.max_tokens)
+        losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
+    return sum(losses) / len(losses)

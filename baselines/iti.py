@@ -1,0 +1,242 @@
+"""ITI: Inference-Time Intervention (Li et al., 2023), and NL-ITI (Hoscilowicz et al., 2024).
+
+What ITI computes (as in the original):
+
+1. For every training question, each continuation is appended to the prompt (the
+   correct option(s) labelled 1, the wrong ones 0; for SORRY-Bench the refusal target 1
+   and the compliance target 0) and every attention head's output (the input of the
+   layer's attention output projection, one ``head_dim`` slice per head) is read at the
+   last token.
+2. One linear probe per head is fitted on 80% of D_train and scored on the other 20%
+   (the validation slice); the heads are ranked by validation accuracy.
+3. For each of the top K heads, the *mass-mean* direction theta = mean(label 1) -
+   mean(label 0) of its outputs, normalised, and sigma = the standard deviation of the
+   outputs projected on it.
+4. At inference the head's output is shifted by alpha * sigma * theta at every position
+   from the last prompt token on, generated tokens included (the original adds the
+   shift at all positions it runs after the prompt). Shifting a head's output by s is
+   adding W_o s to the attention output, which is what the hooks do (the original folds
+   the same vector into the projection's bias).
+
+NL-ITI changes two things and nothing else (``NLITI``'s class attributes): the probes are
+MLPs (one hidden ReLU layer), and the head outputs are averaged over the last
+``tokens = 4`` tokens of each continuation instead of read at the last one (its
+"multi-token" representation), for probing and for the mass-mean direction alike.
+
+Hyperparameters: ITI used K = 48 of Llama-7B's 1024 heads (4.7%) and alpha = 15. Here
+K is chosen among 2.5%, 5% and 10% of the model's heads and alpha among 2.5, 5, 10, 15,
+by the task loss on the validation slice; the directions and sigmas are then recomputed
+on all of D_train.
+
+Deviations: probes are logistic regressions (or MLPs) trained with Adam on standardised
+features, all heads in one batched tensor, with class-balanced weights (a question has
+one correct option and several wrong ones) and ranked by balanced accuracy; ITI used
+scikit-learn's logistic regression and plain accuracy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
+from mari_eval import runner, site
+from mari_eval.methods import BundleError, Intervention, register_method
+
+log = logging.getLogger(__name__)
+
+HEAD_FRACTIONS = (0.025, 0.05, 0.1)
+ALPHAS = (2.5, 5.0, 10.0, 15.0)
+PROBE_STEPS = 300
+MLP_WIDTH = 32
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@torch.no_grad()
+def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
+    """[M, layers, heads * head_dim]: every head's output after ``ex``'s prompt + each
+    continuation, averaged over the continuation's last ``tokens`` tokens."""
+    model = session.model
+    rows = [[ex.context[-1]] + list(c) for c in continuations]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=session.lm.device)
+    owner, cols = [], []
+    for r, row in enumerate(rows):  # row position 0 is p*, the continuation starts at 1
+        span = range(max(1, len(row) - tokens), len(row))
+        owner += [r] * len(span)
+        cols += list(span)
+    owner_t = torch.tensor(owner, device=ids.device)
+    layers = range(session.num_layers)
+    cache = runner.broadcast_cache(ex.prefix.cache, len(rows))
+    # Right padding: every read position comes before the pads, so no mask is needed.
+    with site.capture_attention_heads(model, layers, (owner_t, torch.tensor(cols, device=ids.device))) as seen:
+        model(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+    count = torch.bincount(owner_t, minlength=len(rows))[:, None].float()
+    means = [torch.zeros(len(rows), seen[l].shape[-1]).index_add_(0, owner_t.cpu(), seen[l].float().cpu()) / count.cpu()
+             for l in layers]
+    return torch.stack(means, 1)
+
+
+def labelled_outputs(session, examples, tokens: int, desc: str):
+    """(features [N, layers, heads, head_dim], labels [N], example index [N]) over ``examples``."""
+    from tqdm import tqdm
+
+    heads, head_dim = site.attention_heads(session.model)
+    feats, labels, owner = [], [], []
+    for i, ex in enumerate(tqdm(examples, desc=desc, leave=False)):
+        positive, negative = ex.contrast()
+        acts = head_outputs(session, ex, positive + negative, tokens)
+        feats.append(acts.reshape(len(acts), session.num_layers, heads, head_dim))
+        labels += [1.0] * len(positive) + [0.0] * len(negative)
+        owner += [i] * len(acts)
+    return torch.cat(feats), torch.tensor(labels), torch.tensor(owner)
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def probe_accuracy(x_fit, y_fit, x_val, y_val, kind: str, seed: int) -> torch.Tensor:
+    """Balanced validation accuracy of one probe per head; x: [N, G, head_dim] -> [G]."""
+    gen = torch.Generator().manual_seed(seed)
+    mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
+    x_fit, x_val = (x_fit - mean) / std, (x_val - mean) / std
+    groups, dim = x_fit.shape[1:]
+    if kind == "linear":
+        params = [torch.zeros(groups, dim), torch.zeros(groups)]
+        logits = lambda x, w, b: torch.einsum("ngd,gd->ng", x, w) + b
+    elif kind == "mlp":
+        params = [torch.randn(groups, dim, MLP_WIDTH, generator=gen) / dim**0.5, torch.zeros(groups, MLP_WIDTH),
+                  torch.randn(groups, MLP_WIDTH, generator=gen) / MLP_WIDTH**0.5, torch.zeros(groups)]
+        logits = lambda x, w1, b1, w2, b2: torch.einsum("ngm,gm->ng", torch.relu(torch.einsum("ngd,gdm->ngm", x, w1) + b1), w2) + b2
+    else:
+        raise ValueError(f"probe kind {kind!r}: use 'linear' or 'mlp'")
+    for p in params:
+        p.requires_grad_(True)
+    # Class-balanced weights: one correct continuation per question against several wrong ones.
+    pos = y_fit.mean().clamp(1e-3, 1 - 1e-3)
+    weight = torch.where(y_fit > 0.5, 0.5 / pos, 0.5 / (1 - pos))[:, None].expand(-1, groups)
+    opt = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+    with torch.enable_grad():
+        for _ in range(PROBE_STEPS):
+            opt.zero_grad()
+            out = logits(x_fit, *params)
+            F.binary_cross_entropy_with_logits(out, y_fit[:, None].expand_as(out), weight=weight).backward()
+            opt.step()
+    with torch.no_grad():
+        hit = (logits(x_val, *params) > 0) == (y_val[:, None] > 0.5)
+        pos_val = y_val > 0.5
+        return 0.5 * (hit[pos_val].float().mean(0) + hit[~pos_val].float().mean(0))
+
+
+def mass_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit mass-mean direction and the std of the projections on it; x: [N, K, head_dim]."""
+    theta = x[y > 0.5].mean(0) - x[y <= 0.5].mean(0)
+    theta = theta / theta.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+    sigma = torch.einsum("nkd,kd->nk", x, theta).std(0)
+    return theta, sigma
+
+
+def layer_shifts(model, heads: torch.Tensor, vectors: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per layer, W_o of the heads' shifts: ``heads`` [K, 2] (layer, head), ``vectors`` [K, head_dim]."""
+    n_heads, head_dim = site.attention_heads(model)
+    shifts = {}
+    for layer in sorted(set(heads[:, 0].tolist())):
+        s = torch.zeros(n_heads * head_dim)
+        for (l, h), v in zip(heads.tolist(), vectors):
+            if l == layer:
+                s[h * head_dim : (h + 1) * head_dim] = v
+        weight = site.attention_output(model, layer).weight
+        shifts[layer] = F.linear(s.to(weight), weight)  # no bias: only the shift moves
+    return shifts
+
+
+# ----------------------------------------------------------------------------- the method
+
+
+@register_method("iti")
+class ITI(Intervention):
+    """Tensors: ``heads`` [K, 2] (layer, head), ``directions`` [K, head_dim] (unit), ``sigma`` [K];
+    config: hyperparameters.alpha."""
+
+    probe = "linear"  # NL-ITI: "mlp"
+    tokens = 1  # continuation tokens averaged; NL-ITI: 4
+
+    def shifts(self, model) -> dict[int, torch.Tensor]:
+        alpha = float(self.config["hyperparameters"]["alpha"])
+        vectors = alpha * self.tensors["sigma"][:, None] * self.tensors["directions"]
+        return layer_shifts(model, self.tensors["heads"], vectors)
+
+    def applied(self, model, positions, variant_ids=None):
+        key = id(model)
+        if getattr(self, "_shifts_for", None) != key:  # W_o s depends on the model only: compute once
+            self._shifts, self._shifts_for = self.shifts(model), key
+        return site.shift_attention_from_site(model, self._shifts, positions)
+
+    def check_compatible(self, model, model_name):
+        super().check_compatible(model, model_name)
+        n_heads, head_dim = site.attention_heads(model)
+        heads = self.tensors["heads"]
+        if self.tensors["directions"].shape[-1] != head_dim or int(heads[:, 1].max()) >= n_heads:
+            raise BundleError(
+                f"This {self.method} bundle moves heads of dimension {self.tensors['directions'].shape[-1]} "
+                f"(up to head {int(heads[:, 1].max())}); '{model_name}' has {n_heads} heads of dimension {head_dim}. Retrain it."
+            )
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        unknown = set(hyperparameters) - {"head_fractions", "alphas"}
+        if unknown:
+            raise ValueError(f"{cls.method} takes the hyperparameters 'head_fractions' and 'alphas' (lists); got {sorted(unknown)}")
+        fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
+        alphas = hyperparameters.get("alphas") or list(ALPHAS)
+        fit_examples, val_examples = validation_split(data.train, seed)
+        session.prepare(data.train, "D_train")
+        x, y, owner = labelled_outputs(session, fit_examples + val_examples, cls.tokens, f"{cls.method}: head outputs")
+        n_layers, n_heads, head_dim = x.shape[1:]
+        x = x.reshape(len(x), n_layers * n_heads, head_dim)
+        is_fit = owner < len(fit_examples)
+        if y[~is_fit].min() == y[~is_fit].max():
+            raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
+        accuracy = probe_accuracy(x[is_fit], y[is_fit], x[~is_fit], y[~is_fit], cls.probe, seed)
+        ranked = accuracy.argsort(descending=True)
+        base = validation_loss(session, val_examples)
+        scores = {}
+        for fraction in fractions:
+            k = max(1, round(fraction * n_layers * n_heads))
+            top = ranked[:k]
+            theta, sigma = mass_mean(x[is_fit][:, top], y[is_fit])
+            heads = torch.stack([top // n_heads, top % n_heads], 1)
+            for alpha in alphas:
+                shifts = layer_shifts(session.model, heads, alpha * sigma[:, None] * theta)
+                apply = lambda ids, pos, shifts=shifts: site.shift_attention_from_site(session.model, shifts, pos)
+                scores[(k, alpha)] = validation_loss(session, val_examples, apply)
+                log.info("%s: %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, alpha, scores[k, alpha], base)
+        k, alpha = min(scores, key=scores.get)
+        top = ranked[:k]
+        theta, sigma = mass_mean(x[:, top], y)  # the chosen heads' directions from all of D_train
+        heads = torch.stack([top // n_heads, top % n_heads], 1)
+        log.info("%s: chose %d heads, alpha %g (validation loss %.4f; base model %.4f)", cls.method, k, alpha, scores[k, alpha], base)
+        config = {
+            **config,
+            "site": {**config["site"], "layer": int(heads[:, 0].min()),
+                     "position": "attention heads' outputs, last prompt token and every later token"},
+            "hyperparameters": {"alpha": alpha, "num_heads": k, "probe": cls.probe, "tokens": cls.tokens,
+                                "head_fractions_tried": fractions, "alphas_tried": alphas,
+                                "validation_fraction": VALIDATION_FRACTION, "probe_steps": PROBE_STEPS},
+            "diagnostics": {"validation_loss": {f"{k_}:{a}": v for (k_, a), v in scores.items()},
+                            "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
+                            "heads": heads.tolist(), "validation_ids": [ex.id for ex in val_examples]},
+        }
+        return cls(config, {"heads": heads.contiguous(), "directions": theta.contiguous(), "sigma": sigma.contiguous()})
+
+
+@register_method("nl_iti")
+class NLITI(ITI):
+    """NL-ITI: ITI with MLP probes and the multi-token (last 4 tokens) head representation."""
+
+    probe = "mlp"
+    tokens = 4

@@ -1,0 +1,143 @@
+"""ReFT: LoReFT, low-rank linear subspace representation finetuning (Wu et al., 2024).
+
+What it computes (as in the original): at the hidden state h after layer l of the
+edited positions,
+
+    Phi(h) = h + R^T (W h + b - R h),        R in R^{r x d} with orthonormal rows,
+
+i.e. the component of h in the r-dimensional subspace spanned by R's rows is replaced
+by the learned projection W h + b. The original edits the first f and the last l prompt
+tokens ("f5+l5" in its instruction-tuning runs, "f7+l7" for commonsense reasoning);
+here f = l = 5, the last one being p*, at l* (``Intervention.prompt_sites``; the
+runner then computes every prompt under the edit). Generated tokens are not edited
+(the original intervenes on the prompt only).
+
+Training: R, W and b by Adam on the same task losses as MARI's single expert (option
+cross-entropy, eq:per_adapter_ce_mc; teacher-forced NLL of the refusal target,
+eq:per_adapter_ce_gen) on 80% of D_train; the epoch kept is the one with the lowest loss
+on the 20% validation slice (early stopping, as the original selects its checkpoints
+on a development set). R stays orthonormal by construction: R = Q^T of the QR
+decomposition of a free matrix (the original uses PyTorch's orthogonal
+parametrisation).
+
+Deviations: one layer (l*, the site MARI edits) instead of several, rank 4 and
+learning rate 5e-3 (MARI's expert rank and rate) instead of the original's per-task
+grid, no dropout, and W = R, b = 0 at initialisation (the edit starts as the identity;
+the original initialises W at random).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import torch
+
+from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
+from mari_eval import runner, site
+from mari_eval.methods import BundleError, Intervention, register_method
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = {"rank": 4, "first": 5, "last": 5, "lr": 5e-3, "epochs": 3, "batch": 8}
+
+
+def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Phi(h) = h + R^T (W h + b - R h), row-wise on [N, d]."""
+    return h + (h @ W.T + b - h @ R.T) @ R
+
+
+def orthonormal_rows(free: torch.Tensor) -> torch.Tensor:
+    """R with orthonormal rows spanning the row space of ``free`` ([r, d], r <= d)."""
+    return torch.linalg.qr(free.T).Q.T
+
+
+def first_and_last(length: int, first: int, last: int) -> list[int]:
+    """The first ``first`` and last ``last`` positions of a prompt of ``length`` tokens, p* excluded."""
+    p_star = length - 1
+    return sorted(({*range(min(first, p_star))} | {*range(max(0, length - last), p_star)}))
+
+
+@register_method("reft")
+class ReFT(Intervention):
+    """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last."""
+
+    def edit(self, hidden: torch.Tensor) -> torch.Tensor:
+        t = self.tensors
+        return loreft(hidden, t["R"].to(hidden), t["W"].to(hidden), t["b"].to(hidden))
+
+    def prompt_sites(self, length: int) -> list[int]:
+        hp = self.config["hyperparameters"]
+        return first_and_last(length, int(hp["first"]), int(hp["last"]))
+
+    def check_compatible(self, model, model_name):
+        super().check_compatible(model, model_name)
+        rank, dim = self.tensors["R"].shape
+        if self.tensors["W"].shape != (rank, dim) or self.tensors["b"].shape != (rank,):
+            raise BundleError(f"ReFT bundle: W {tuple(self.tensors['W'].shape)} and b {tuple(self.tensors['b'].shape)} "
+                              f"disagree with R {(rank, dim)}; the bundle is damaged, retrain it")
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        unknown = set(hyperparameters) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"ReFT takes the hyperparameters {sorted(DEFAULTS)}; got {sorted(unknown)}")
+        hp = {**DEFAULTS, **hyperparameters}
+        gen = torch.Generator().manual_seed(seed)
+        d = session.hidden_size
+        free = torch.randn(hp["rank"], d, generator=gen)
+        R0 = orthonormal_rows(free)
+        params = {"free": free, "W": R0.clone(), "b": torch.zeros(hp["rank"])}
+        for p in params.values():
+            p.requires_grad_(True)
+        fit_examples, val_examples = validation_split(data.train, seed)
+        session.prepare(data.train, "D_train")
+        opt = torch.optim.Adam(params.values(), lr=hp["lr"])
+        base = validation_loss(session, val_examples)
+        history, best = [], (float("inf"), -1, None)
+        order = random.Random(f"reft:{seed}")
+        from tqdm import tqdm
+
+        for epoch in range(hp["epochs"]):
+            batch_order = list(fit_examples)
+            order.shuffle(batch_order)
+            losses = []
+            for i in tqdm(range(0, len(batch_order), hp["batch"]), desc=f"ReFT epoch {epoch + 1}", leave=False):
+                opt.zero_grad()
+                batch = batch_order[i : i + hp["batch"]]
+                loss = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"ReFT: non-finite loss at epoch {epoch + 1}, batch {i // hp['batch']}")
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            with torch.no_grad():
+                val = sum(float(task_loss(session, ex, hp, params)) for ex in val_examples) / len(val_examples)
+            history.append({"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "validation_loss": val})
+            log.info("ReFT epoch %d: train loss %.4f, validation loss %.4f (base %.4f)", epoch + 1, history[-1]["train_loss"], val, base)
+            if val < best[0]:
+                best = (val, epoch + 1, {k: v.detach().clone() for k, v in params.items()})
+        _, best_epoch, kept = best
+        tensors = {"R": orthonormal_rows(kept["free"]).contiguous(), "W": kept["W"].contiguous(), "b": kept["b"].contiguous()}
+        config = copy.deepcopy(config)
+        config["site"]["position"] = f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*)"
+        config["hyperparameters"] = {**hp, "epoch_kept": best_epoch, "validation_fraction": VALIDATION_FRACTION,
+                                     "init": "R random orthonormal, W = R, b = 0"}
+        config["diagnostics"] = {"history": history, "validation_loss_base": base,
+                                 "validation_ids": [ex.id for ex in val_examples]}
+        return cls(config, tensors)
+
+
+def task_loss(session, ex, hp: dict, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """MARI's single-expert task loss of ``ex`` with LoReFT at the first/last prompt tokens of l*."""
+    from mari_eval.mari import task_losses
+
+    R = orthonormal_rows(params["free"])
+    edit = lambda h: loreft(h, R.to(h), params["W"].to(h), params["b"].to(h))
+    apply = lambda variant_ids, positions: site.edit_site(session.model, session.layer, edit, positions)
+    sites = first_and_last(len(ex.context), hp["first"], hp["last"])
+    prefix = runner.encode_prefix(session.model, ex.context[:-1], apply=apply, sites=sites)
+    run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, [0], apply,
+                                max_tokens=session.max_tokens, lower=(session.layer, ex.lower))
+    return task_losses(run.logprobs, ex.gold)[0]
