@@ -43,19 +43,27 @@ class SiteError(ValueError):
     """The site does not exist in this model (unknown architecture or layer out of range)."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for path in _LAYER_PATHS:
-        obj = model
+def _find(root: nn.Module, paths: Iterable[str], accept: Callable[[object], bool]):
+    """The first attribute path of ``paths`` (dotted) that exists under ``root`` and is accepted."""
+    for path in paths:
+        obj = root
         for attr in path.split("."):
             obj = getattr(obj, attr, None)
             if obj is None:
                 break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+        if obj is not None and accept(obj):
             return obj
-    raise SiteError(
-        f"Cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}. "
-        "Add the attribute path of its layer list to mari_eval.site._LAYER_PATHS."
-    )
+    return None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = _find(model, _LAYER_PATHS, lambda obj: isinstance(obj, nn.ModuleList) and len(obj) > 0)
+    if layers is None:
+        raise SiteError(
+            f"Cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}. "
+            "Add the attribute path of its layer list to mari_eval.site._LAYER_PATHS."
+        )
+    return layers
 
 
 # Attribute paths, from a decoder layer, of its attention output projection (the module
@@ -65,18 +73,13 @@ _ATTENTION_OUTPUT_PATHS = ("self_attn.o_proj", "attn.c_proj", "attention.dense",
 
 def attention_output(model: nn.Module, layer: int) -> nn.Module:
     block = decoder_layers(model)[check_layer(model, layer)]
-    for path in _ATTENTION_OUTPUT_PATHS:
-        obj = block
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.Module):
-            return obj
-    raise SiteError(
-        f"Cannot find the attention output projection of {type(block).__name__}: looked for "
-        f"{', '.join(_ATTENTION_OUTPUT_PATHS)}. Add its path to mari_eval.site._ATTENTION_OUTPUT_PATHS."
-    )
+    projection = _find(block, _ATTENTION_OUTPUT_PATHS, lambda obj: isinstance(obj, nn.Module))
+    if projection is None:
+        raise SiteError(
+            f"Cannot find the attention output projection of {type(block).__name__}: looked for "
+            f"{', '.join(_ATTENTION_OUTPUT_PATHS)}. Add its path to mari_eval.site._ATTENTION_OUTPUT_PATHS."
+        )
+    return projection
 
 
 def attention_heads(model: nn.Module) -> tuple[int, int]:
