@@ -13,7 +13,9 @@ The records come from ``$MARI_DATA_DIR`` when it is set (the local copy, see
 ``mari_eval.data`` reads them (each with its stable ``id``).
 
 Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, imported
-(not copied) so that the YAMLs can reference them as ``!function utils.<name>``.
+(not copied) so that the YAMLs can reference them as ``!function utils.<name>``. The one
+exception is SORRY-Bench, which lm-eval lacks: its responses are scored by an LLM judge
+(``mari_eval.judge``) in the ``sorry_agg_*`` aggregations.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ try:
 except ImportError:  # a checkout that is not pip-installed: the package sits beside this folder
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mari_eval import data as mari_data
+from mari_eval import judge as mari_judge
 
 from lm_eval.tasks.bbq import utils as bbq_utils
 from lm_eval.tasks.truthfulqa import utils as truthfulqa_utils
@@ -215,6 +218,132 @@ def load_arc_challenge(**_) -> datasets.DatasetDict:
 
 def load_gsm8k(**_) -> datasets.DatasetDict:
     return datasets.DatasetDict({split: _dataset(mari_data.load_gsm8k(split)) for split in ("train", "test")})
+
+
+# ----------------------------------------------------------------------------- SORRY-Bench (judged)
+
+SORRY_CATEGORIES = tuple(str(i) for i in range(1, 46))  # category ids of the 202406 release
+# A doc field holding the prompt as one chat user turn: MariLM renders a context equal to it
+# through the model's chat template (mari_eval/lm.py), as training renders SORRY-Bench prompts.
+CHAT_TURN_FIELD = "chat_user_turn"
+
+
+@functools.lru_cache(maxsize=None)
+def _sorry_bench(source: str) -> tuple[dict, ...]:
+    return tuple(mari_data.load_sorry_bench())
+
+
+def _sorry_doc(record: dict) -> dict:
+    category, turns = str(record["category"]), record["turns"]
+    if category not in SORRY_CATEGORIES:
+        raise mari_data.DataError(f"SORRY-Bench {record['id']}: category {category!r} is not one of 1..45")
+    if len(turns) != 1 or not turns[0].strip():
+        raise mari_data.DataError(f"SORRY-Bench {record['id']}: expected one non-empty turn, got {len(turns)}")
+    return {**record, "category": category, "instruction": turns[0], CHAT_TURN_FIELD: turns[0]}
+
+
+@functools.lru_cache(maxsize=None)
+def _task_judge(base_url, model, api_key, knobs, prompt_name, cache) -> mari_judge.Judge:
+    """One judge per configuration and process: its verdicts are kept in memory across aggregations."""
+    config = mari_judge.JudgeConfig.from_env(base_url, model, api_key, **dict(knobs))
+    judge = mari_judge.Judge(config, mari_judge.load_prompt(prompt_name), cache)
+    judge.check()
+    return judge
+
+
+def sorry_judge() -> mari_judge.Judge:
+    """The judge the environment configures (``MARI_JUDGE_*``), checked to answer; clear error otherwise."""
+    config = mari_judge.JudgeConfig.from_env()
+    knobs = tuple((name, getattr(config, name)) for name in mari_judge.TUNABLE)
+    return _task_judge(config.base_url, config.model, config.api_key, knobs,
+                       os.environ.get(mari_judge.ENV_PROMPT), os.environ.get(mari_judge.ENV_CACHE))
+
+
+def load_sorry_bench(**_) -> datasets.DatasetDict:
+    """All 450 SORRY-Bench base prompts as ``test`` (training prompts included); needs a judge."""
+    sorry_judge()  # fail before generating anything
+    return datasets.DatasetDict({"test": _dataset([_sorry_doc(r) for r in _sorry_bench(_source())])})
+
+
+def load_sorry_bench_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """Exactly the test ids of ``make_splits("sorry_bench", split_seed)``; needs a judge."""
+    sorry_judge()
+    records = _heldout(_sorry_bench(_source()), "sorry_bench", split_seed, keep_only_test=True, task="sorry_bench_heldout")
+    return datasets.DatasetDict({"test": _dataset([_sorry_doc(r) for r in records])})
+
+
+def sorry_doc_to_text(doc: dict) -> str:
+    return doc["instruction"]
+
+
+def _category_metric(category: str) -> str:
+    return f"refusal_rate_c{int(category):02d}"
+
+
+def sorry_process_results(doc: dict, results: list[str]) -> dict:
+    """Per-doc items; the judge runs in the aggregations, over all responses at once."""
+    item = {
+        "id": doc["id"],
+        "category": doc["category"],
+        "instruction": doc["instruction"],
+        "response": results[0],
+    }
+    # Every category metric gets an item from every doc (None outside its category), so
+    # that all metrics count the same docs; its aggregation skips the Nones.
+    per_category = {_category_metric(c): item if c == doc["category"] else None for c in SORRY_CATEGORIES}
+    return {"refusal_rate": item, "keyword_refusal_rate": item, "judge_unparseable": item, "judge": None, **per_category}
+
+
+def _verdicts(items: list[dict]) -> list[str]:
+    return sorry_judge().labels([(i["instruction"], i["response"]) for i in items])
+
+
+def _rate(summary: dict) -> float:
+    return float("nan") if summary["refusal_rate"] is None else summary["refusal_rate"]
+
+
+def sorry_agg_refusal_rate(items: list[dict]) -> float:
+    judge = sorry_judge()
+    summary = mari_judge.refusal_summary(items, _verdicts(items), judge=judge)
+    _log_summary(summary)
+    return _rate(summary)
+
+
+def sorry_agg_keyword_refusal_rate(items: list[dict]) -> float:
+    return sum(mari_judge.keyword_refusal(i["response"]) for i in items) / len(items)
+
+
+def sorry_agg_judge_unparseable(items: list[dict]) -> int:
+    return sum(label == mari_judge.UNPARSEABLE for label in _verdicts(items))
+
+
+def sorry_agg_judge(items) -> str:
+    d = sorry_judge().describe()
+    return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
+
+
+def sorry_agg_category_refusal_rate(items: list[dict | None]) -> float:
+    """refusal_rate over the items of one category (the others are None); NaN when it has none."""
+    own = [i for i in items if i is not None]
+    if not own:
+        return float("nan")
+    return _rate(mari_judge.refusal_summary(own, _verdicts(own), names={}))
+
+
+def _log_summary(summary: dict) -> None:
+    judge = summary["judge"]
+    log.info("SORRY-Bench judge %s at %s, prompt %s (sha256 %s), cache %s", judge["model"], judge["base_url"],
+             judge["prompt"], judge["prompt_sha256"], judge["cache"])
+    log.info("%-4s %-40s %4s %8s %8s %6s", "cat", "name", "n", "judged", "keyword", "unpars")
+    for cat, row in summary["by_category"].items():
+        judged = "n/a" if row["refusal_rate"] is None else f"{row['refusal_rate']:.3f}"
+        log.info("%-4s %-40s %4d %8s %8.3f %6d", cat, (row["name"] or "")[:40], row["n"], judged,
+                 row["keyword_refusal_rate"], row["unparseable"])
+    if summary["unparseable"]:
+        low, high = summary["refusal_rate_bounds"]
+        log.warning("SORRY-Bench: %d of %d verdicts unparseable (counted in judge_unparseable, left out of refusal_rate); "
+                    "whatever they are, the refusal rate over all responses lies in [%.3f, %.3f]",
+                    summary["unparseable"], summary["n"], low, high)
 
 
 # ----------------------------------------------------------------------------- lm-eval's scoring, reused

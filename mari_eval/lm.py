@@ -33,6 +33,10 @@ from tqdm import tqdm
 from mari_eval import methods, runner
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 
+# A doc field (harness_tasks/utils.py, SORRY-Bench) holding the prompt as one chat user turn:
+# a generation context equal to it is rendered through the model's chat template.
+CHAT_TURN_FIELD = "chat_user_turn"
+
 
 @register_model("mari")
 class MariLM(HFLM):
@@ -199,6 +203,26 @@ class MariLM(HFLM):
         return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
 
     # ------------------------------------------------------------------ generation
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        # Tasks whose docs carry CHAT_TURN_FIELD (SORRY-Bench) want their prompt as one user
+        # turn of the chat template, as training renders it. A context lm-eval already
+        # changed (--apply_chat_template, a system instruction, few-shot) no longer equals
+        # the turn and is left alone, so the template is never applied twice.
+        for request in requests:
+            turn = request.doc.get(CHAT_TURN_FIELD) if isinstance(request.doc, dict) else None
+            if isinstance(turn, str) and request.args[0] == turn:
+                request.arguments = (self.chat_prompt(turn, without_template=turn + "\n"), *request.args[1:])
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
+    def chat_prompt(self, user: str, without_template: str) -> str:
+        """``user`` as one user turn of the chat template, ready for the answer;
+        ``without_template`` for a tokenizer that has none (e.g. a base model)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+            )
+        return without_template
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         iv = self.intervention

@@ -99,12 +99,8 @@ class Session:
         return self.lm.tok_encode(text)
 
     def chat_prompt(self, user: str, without_template: str) -> str:
-        """``user`` as one user turn of the model's chat template, ready for the answer;
-        ``without_template`` for a model that has none (e.g. a base model)."""
-        tok = self.lm.tokenizer
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
-        return without_template
+        """``user`` as one user turn of the model's chat template (``MariLM.chat_prompt``)."""
+        return self.lm.chat_prompt(user, without_template)
 
     # ------------------------------------------------------------------ frozen work, once
 
