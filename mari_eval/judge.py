@@ -761,6 +761,19 @@ def serve_embedded(model: str | None = None, **kwargs) -> Iterator[EmbeddedServe
         yield server
 
 
+@contextlib.contextmanager
+def judge_environment(model: str | None = None) -> Iterator[dict[str, str]]:
+    """The ``MARI_JUDGE_*`` variables a judged run needs: the configured judge when
+    ``MARI_JUDGE_BASE_URL`` and ``MARI_JUDGE_MODEL`` are set, else the embedded judge,
+    started here and stopped on exit (what the repro scripts use)."""
+    if os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL):
+        yield {ENV_BASE_URL: os.environ[ENV_BASE_URL], ENV_MODEL: os.environ[ENV_MODEL]}
+        return
+    log.info("No judge configured (%s, %s): starting the embedded one", ENV_BASE_URL, ENV_MODEL)
+    with serve_embedded(model) as server:
+        yield server.env()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

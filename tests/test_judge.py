@@ -532,3 +532,25 @@ def test_task_prompt_is_the_training_chat_prompt(task_run, smollm2_path):
         expected = tok.apply_chat_template([{"role": "user", "content": s["doc"]["instruction"]}],
                                            tokenize=False, add_generation_prompt=True)
         assert s["arguments"][0][0] == expected
+
+
+def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_one(monkeypatch):
+    import contextlib
+
+    started = []
+
+    @contextlib.contextmanager
+    def fake_embedded(model=None):
+        started.append(model)
+        yield type("Server", (), {"env": lambda self: {J.ENV_BASE_URL: "http://127.0.0.1:1/v1", J.ENV_MODEL: "embedded"}})()
+
+    monkeypatch.setattr(J, "serve_embedded", fake_embedded)
+    monkeypatch.setenv(J.ENV_BASE_URL, "http://judge.example:8000/v1")
+    monkeypatch.setenv(J.ENV_MODEL, "mistral-judge")
+    with J.judge_environment() as env:
+        assert env == {J.ENV_BASE_URL: "http://judge.example:8000/v1", J.ENV_MODEL: "mistral-judge"}
+    assert started == []
+    monkeypatch.delenv(J.ENV_MODEL)
+    with J.judge_environment() as env:
+        assert env[J.ENV_MODEL] == "embedded"
+    assert started == [None]
