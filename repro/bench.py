@@ -1,0 +1,205 @@
+"""Speed benchmark: lm-eval's ``--model hf`` against our vanilla pass-through, MARI and the
+baselines, on the same requests, on the same machine, in one run.
+
+    python repro/bench.py --bundle mari=DIR --bundle caa=DIR ... [--limit 100] [--gen-prompts 50]
+
+Workloads:
+
+* ``mc``: lm-eval ``truthfulqa_mc2`` (all 817 questions unless ``--limit``), through
+  ``simple_evaluate``, batch size ``--batch-size`` for everyone; a 1-question warm-up
+  is run first and not timed. Wall time per repeat; the median is reported.
+* ``gen``: the first ``--gen-prompts`` SORRY-Bench prompts (chat template), one at a
+  time, greedy: first-token latency (a 1-token generation), then ``--gen-tokens``
+  tokens (at least that many: EOS is suppressed by ``min_new_tokens``) for the total
+  latency and tokens/s. Medians over prompts and repeats.
+
+Every (entry, workload) runs in a fresh subprocess, so its peak resident memory is its
+own. Writes results/bench.json and results/bench.md with the command, the machine and
+the ratios to ``hf``. Benchmarks, not tests: nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- one measurement (subprocess)
+
+
+def _lm(entry: str, model: str, bundle: str | None, batch_size: int):
+    from lm_eval.api.registry import get_model
+
+    from mari_eval.models import resolve_model
+
+    if entry == "hf":
+        return get_model("hf").create_from_arg_string(
+            f"pretrained={resolve_model(model)},batch_size={batch_size},device=cpu,dtype=float32")
+    args = f"pretrained={model},batch_size={batch_size}" + (f",bundle={bundle}" if bundle else "")
+    return get_model("mari").create_from_arg_string(args)
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def measure_mc(lm, limit: int | None, repeats: int) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(REPO / "harness_tasks"))
+    run = lambda n: simple_evaluate(model=lm, tasks=["truthfulqa_mc2"], limit=n, task_manager=manager, bootstrap_iters=0)
+    run(1)  # warm-up, not timed
+    walls, acc = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = run(limit)
+        walls.append(time.perf_counter() - t)
+        acc = out["results"]["truthfulqa_mc2"]["acc,none"]
+    return {"wall_s": walls, "acc": acc, "questions": out["n-samples"]["truthfulqa_mc2"]["effective"]}
+
+
+def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
+    import torch
+
+    from mari_eval import data
+
+    tok = lm.tokenizer
+    records = data.load_sorry_bench()[:prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False, add_generation_prompt=True)
+             for r in records]
+
+    def generate(ids, n):
+        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), min_new_tokens=n)
+        with torch.no_grad():
+            t = time.perf_counter()
+            out = lm._model_generate(ids, ids.shape[1] + n, [], **kwargs)
+            return time.perf_counter() - t, out.shape[1] - ids.shape[1]
+
+    encoded = [torch.tensor([tok(t, add_special_tokens=False).input_ids]) for t in texts]
+    generate(encoded[0], 4)  # warm-up
+    first, total, rate = [], [], []
+    for _ in range(repeats):
+        for ids in encoded:
+            first.append(generate(ids, 1)[0])
+            seconds, produced = generate(ids, tokens)
+            total.append(seconds)
+            rate.append(produced / seconds)
+    return {"first_token_s": statistics.median(first), "total_s": statistics.median(total),
+            "tokens_per_s": statistics.median(rate), "prompts": len(encoded), "tokens": tokens}
+
+
+def worker(args) -> None:
+    lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size)
+    if args.workload == "mc":
+        result = measure_mc(lm, args.limit or None, args.repeats)
+    else:
+        result = measure_gen(lm, args.gen_prompts, args.gen_tokens, args.repeats)
+    result["peak_rss_mib"] = _peak_rss_mib()
+    print("BENCH " + json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
+    command = [sys.executable, __file__, "--worker", "--entry", entry, "--workload", workload, "--model", args.model,
+               "--batch-size", str(args.batch_size), "--limit", str(args.limit), "--repeats", str(args.repeats),
+               "--gen-prompts", str(args.gen_prompts), "--gen-tokens", str(args.gen_tokens)]
+    if bundle:
+        command += ["--bundle-dir", bundle]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench {entry}/{workload} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("BENCH "):])
+
+
+def table(results: dict, tokens: int) -> list[str]:
+    hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
+    lines = [f"| entry | TQA MC2 wall (s) | x hf | acc | first token (ms) | x hf | tokens/s | x hf | {tokens}-token latency (s) | x hf | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for entry, r in results.items():
+        mc, gen = r.get("mc"), r.get("gen")
+        cells = [entry]
+        if mc:
+            wall = statistics.median(mc["wall_s"])
+            cells += [f"{wall:.1f}", f"{wall / statistics.median(hf_mc['wall_s']):.3f}", f"{100 * mc['acc']:.2f}"]
+        else:
+            cells += ["-"] * 3
+        if gen:
+            cells += [f"{1000 * gen['first_token_s']:.0f}", f"{gen['first_token_s'] / hf_gen['first_token_s']:.2f}",
+                      f"{gen['tokens_per_s']:.1f}", f"{gen['tokens_per_s'] / hf_gen['tokens_per_s']:.2f}",
+                      f"{gen['total_s']:.2f}", f"{gen['total_s'] / hf_gen['total_s']:.2f}"]
+        else:
+            cells += ["-"] * 6
+        cells.append(f"{max(x.get('peak_rss_mib', 0) for x in (mc or {}, gen or {})):.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a trained bundle to time (repeatable)")
+    p.add_argument("--limit", type=int, default=0, help="truthfulqa_mc2 questions (0 = all 817)")
+    p.add_argument("--gen-prompts", type=int, default=50)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workloads", default="mc,gen")
+    p.add_argument("--out", default=str(REPO / "results"))
+    # internal: one measurement in a subprocess
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--entry", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--bundle-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    entries = [("hf", None), ("vanilla", None)]
+    for item in args.bundle:
+        name, sep, directory = item.partition("=")
+        if not sep or not Path(directory, "bundle.json").is_file():
+            p.error(f"--bundle {item!r}: expected NAME=DIR with DIR/bundle.json (train one with `mari-eval train`)")
+        entries.append((name, directory))
+    workloads = args.workloads.split(",")
+    results: dict[str, dict] = {}
+    started = time.time()
+    for entry, bundle in entries:
+        for workload in workloads:
+            print(f"bench: {entry} / {workload} ...", file=sys.stderr, flush=True)
+            results.setdefault(entry, {})[workload] = run_one(args, entry, bundle, workload)
+    record = {
+        "command": "python repro/bench.py " + " ".join(sys.argv[1:]),
+        "model": args.model, "bundles": dict(e for e in entries if e[1]), "batch_size": args.batch_size,
+        "limit": args.limit or "all", "repeats": args.repeats, "machine": platform.platform(),
+        "processor": platform.processor(), "wall_time_s": round(time.time() - started, 1), "results": results,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = ["# Speed benchmark\n",
+             f"Generated by `{record['command'].strip()}` on {record['machine']} in {record['wall_time_s']:.0f} s. "
+             f"Model `{args.model}`; truthfulqa_mc2 ({record['limit']} questions, batch size {args.batch_size}); "
+             f"{args.gen_prompts} SORRY-Bench generations of {args.gen_tokens} tokens, one at a time. "
+             f"Medians of {args.repeats} repeat(s); warm-up excluded; ratios are to lm-eval's `--model hf`.\n"] + table(results, args.gen_tokens)
+    (out / "bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
