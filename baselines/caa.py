@@ -92,7 +92,7 @@ class CAA(Intervention):
         L = session.num_layers
         layers = hyperparameters.get("layers") or sorted({L // 3, L // 2, (2 * L) // 3})
         multipliers = hyperparameters.get("multipliers") or list(MULTIPLIERS)
-        session.prepare(val_examples, "CAA validation slice")
+        session.prepare(val_examples, "CAA validation slice", lower=False)
         scores = {}
         for layer in layers:
             vector = steering_vector(session, [pairs[ex.id] for ex in fit_examples], layer)

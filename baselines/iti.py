@@ -171,10 +171,7 @@ class ITI(Intervention):
         return layer_shifts(model, self.tensors["heads"], vectors)
 
     def applied(self, model, positions, variant_ids=None):
-        key = id(model)
-        if getattr(self, "_shifts_for", None) != key:  # W_o s depends on the model only: compute once
-            self._shifts, self._shifts_for = self.shifts(model), key
-        return site.shift_attention_from_site(model, self._shifts, positions)
+        return site.shift_attention_from_site(model, self.shifts(model), positions)
 
     def check_compatible(self, model, model_name):
         super().check_compatible(model, model_name)
@@ -194,7 +191,7 @@ class ITI(Intervention):
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)
-        session.prepare(data.train, "D_train")
+        session.prepare(data.train, "D_train", lower=False)
         x, y, owner = labelled_outputs(session, fit_examples + val_examples, cls.tokens, f"{cls.method}: head outputs")
         n_layers, n_heads, head_dim = x.shape[1:]
         x = x.reshape(len(x), n_layers * n_heads, head_dim)

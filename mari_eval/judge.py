@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gzip
 import hashlib
 import json
 import logging
@@ -144,17 +143,9 @@ def _own_prompt() -> JudgePrompt:
 
 
 def _read_prompt_file(path: Path) -> dict[str, str]:
-    entries = {}
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                entries[row["name"]] = row["prompt_template"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise JudgeError(f"{path}, line {lineno}: expected a JSON object with 'name' and 'prompt_template'") from None
-    return entries
+    from mari_eval.data import read_jsonl  # names the file and line of a bad entry
+
+    return {row["name"]: row["prompt_template"] for row in read_jsonl(path, ("name", "prompt_template"))}
 
 
 def _data_file(rel: str) -> Path | None:

@@ -105,14 +105,17 @@ class Session:
     # ------------------------------------------------------------------ frozen work, once
 
     @torch.no_grad()
-    def prepare(self, examples: list[Example], desc: str) -> None:
-        """Prefix cache and site hidden state of every example (shared common prefix computed once)."""
+    def prepare(self, examples: list[Example], desc: str, lower: bool = True) -> None:
+        """Prefix cache of every example (shared common prefix computed once) and, with ``lower``,
+        the states after l* of its option rows and its site hidden state (for edits at l*)."""
         from tqdm import tqdm
 
         shared = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
         base = runner.encode_prefix(self.model, shared) if len(shared) > 1 else None
         for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
             ex.prefix = runner.encode_prefix(self.model, ex.context[:-1], base=base)
+            if not lower:
+                continue
             rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
             ex.lower = runner.lower_states(self.model, ex.prefix, rows, self.layer)
             ex.hidden = ex.lower[0][0]
