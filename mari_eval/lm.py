@@ -4,14 +4,17 @@ The class knows only the method interface (``mari_eval.methods.Intervention``): 
 no ``bundle`` it is the frozen base model and scores like ``--model hf`` (to 1e-4);
 with a bundle it applies that bundle's edit at (l*, p*), p* being the last prompt token:
 
-* log-likelihood requests are grouped by question; the context before p* is computed
-  once and every option runs as a short suffix under every variant the method proposes
-  (``mari_eval.runner``); the method's ``choose`` picks the variant that answers (MARI:
-  the gate, then the lowest option entropy). lm-eval's ``batch_size`` does not apply
-  to this path: each question is one packed forward pass (``max_tokens`` rows' worth);
+* log-likelihood requests are grouped by question and visited in token order, so a
+  preamble shared by several questions (few-shot examples) is computed once
+  (``runner.PrefixCache``); every option runs as a short suffix under every variant the
+  method proposes (``mari_eval.runner``), edited rows from the untouched rows' states
+  at l*; the method's ``choose`` picks the variant that answers (MARI: the gate, then
+  the lowest option entropy; a closed gate skips the experts). lm-eval's
+  ``batch_size`` does not apply to this path: each question is a few packed passes;
 * generation requests are left-padded by HFLM, so p* is the last column of the prefill
   and the edit is applied once, before decoding (``mari_eval.site.edit_site``); a
-  method with several variants runs them all for its routing window first.
+  method with several variants runs them all for its routing window first (after its
+  gate, for MARI).
 
 Model args beyond HFLM's: ``bundle``, and for MARI bundles ``gate``, ``rho``,
 ``experts`` (ablations) and ``diagnostics`` (a JSON file of every routing decision).
@@ -112,10 +115,10 @@ class MariLM(HFLM):
         """Sum of continuation log-probs and whether it is the greedy continuation, per request.
 
         Requests are grouped by question (task, doc, context tokens). Each group's context
-        before p* is run once (sharing the preamble common with the previous question,
-        e.g. a few-shot prompt) and its options run as short suffixes under every variant
-        of the intervention (``mari_eval.runner``); the method then picks the variant that
-        answers. Without a bundle this equals HFLM's scoring (tested to 1e-4).
+        before p* is run once (sharing the preamble common with its neighbour in token
+        order, e.g. a few-shot prompt) and its options run as short suffixes under every
+        variant of the intervention (``mari_eval.runner``); the method then picks the
+        variant that answers. Without a bundle this equals HFLM's scoring (tested to 1e-4).
         """
         meta = self._request_meta if self._request_meta and len(self._request_meta) == len(requests) else None
         groups: dict[tuple, list[int]] = {}
@@ -127,45 +130,40 @@ class MariLM(HFLM):
             key = (meta[i][0], meta[i][1]) if meta else (None, None)
             groups.setdefault((*key, tuple(context_enc)), []).append(i)
         variants, apply, capture, site_only = self._variants()
+        iv = self.intervention
+        screen = None if iv is None else iv.screen
+        # Edits start at the site's output for methods with several variants (MARI): their
+        # rows reuse the untouched model's states below it (runner.score_variants).
+        edit_layer = iv.layer if iv is not None and len(variants) > 1 else None
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        shared: runner.Prefix | None = None
-        previous: tuple[int, ...] = ()
-        for (task, doc_id, context), idxs in groups.items():
+        prefixes = runner.PrefixCache(self.model)
+        # Sorted by context tokens, questions sharing a preamble are neighbours (PrefixCache).
+        for (task, doc_id, context), idxs in sorted(groups.items(), key=lambda item: item[0][2]):
             conts = [requests[i][2] for i in idxs]
             # Left-truncate like HFLM so that the longest row fits in max_length.
             context = context[-(self.max_length + 1 - max(map(len, conts))):]
-            sites = self.intervention.prompt_sites(len(context)) if self.intervention is not None else []
+            sites = iv.prompt_sites(len(context)) if iv is not None else []
             if sites:  # the prompt itself is edited: nothing before p* can be shared
                 prefix = runner.encode_prefix(self.model, context[:-1], apply=apply, sites=sites)
             else:
-                shared, previous = self._shared_preamble(shared, previous, context[:-1])
-                prefix = runner.encode_prefix(self.model, context[:-1], base=shared)
+                prefix = prefixes.encode(context[:-1])
             with torch.no_grad():
-                run = runner.score_variants(self.model, prefix, context[-1], conts, variants, apply, capture, site_only)
+                run = runner.score_variants(self.model, prefix, context[-1], conts, variants, apply, capture, site_only,
+                                            edit_layer=edit_layer, screen=screen)
             chosen, record = self._choose(run)
             row = run.row(chosen)
             for m, i in enumerate(idxs):
                 answer = (float(run.logprobs[row, m]), bool(run.greedy[row, m]))
                 results[i] = answer
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-            if self.intervention is not None:
+            if iv is not None:
                 doc = meta[idxs[0]][2] if meta else None
                 self._record(record, task, doc_id, run, variants, _gold_options(task, doc, len(conts)))
             pbar.update(len(idxs))
         pbar.close()
         self._write_diagnostics()
         return results
-
-    def _shared_preamble(self, shared, previous, tokens):
-        """A prefix cache of the tokens this context shares with the previous one (few-shot preambles)."""
-        tokens = tuple(tokens)
-        if shared is not None and tokens[: len(shared.tokens)] == shared.tokens:
-            return shared, tokens
-        common = runner.common_prefix([previous, tokens])
-        if len(common) >= 32:  # worth a cache of its own
-            return runner.encode_prefix(self.model, common), tokens
-        return None, tokens
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -260,12 +258,14 @@ class MariLM(HFLM):
         if kwargs.get("temperature", 0.0) == 0.0 and not kwargs.get("do_sample"):
             kwargs.pop("temperature", None)
             kwargs["do_sample"] = False
-        variants, apply, capture, _ = self._variants()
-        window = int(self.intervention.config.get("hyperparameters", {}).get("T_ent", 8))
+        variants, apply, capture, site_only = self._variants()
+        iv = self.intervention
+        window = int(iv.config.get("hyperparameters", {}).get("T_ent", 8))
         sequences, records = runner.generate_variants(
-            self.model, context, attention_mask, variants, apply, self.intervention.choose, window, max_length,
-            capture=capture, pad_token_id=self.tokenizer.pad_token_id,
-            stopping_criteria=stop_sequences_criteria(self.tokenizer, stop, context.shape[1], context.shape[0]),
+            self.model, context, attention_mask, variants, apply, iv.choose, window, max_length,
+            capture=capture, site_only=site_only, screen=iv.screen if iv.uses_base else None, edit_layer=iv.layer,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stopping_criteria=lambda rows, width: stop_sequences_criteria(self.tokenizer, stop, width, rows),
             **kwargs,
         )
         for record in records:

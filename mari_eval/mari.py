@@ -261,21 +261,29 @@ class MARI(Intervention):
 
     # ------------------------------------------------------------------ routing and gate
 
+    def screen(self, run: runner.VariantRun) -> bool:
+        """A closed gate (eq:energy_gate_rule) answers with the base model: the experts need not run."""
+        return not self.gate or bool(gate_open(self.energy(run), self.tau))
+
     def choose(self, run: runner.VariantRun) -> tuple[int, dict[str, Any]]:
+        record: dict[str, Any] = {}
+        is_open = True
+        if self.gate:
+            energy = float(self.energy(run))
+            is_open = bool(gate_open(torch.tensor(energy), self.tau))
+            record.update(energy=energy, gate_open=is_open)
         answering = self.answering_variants()
         rows = [run.row(v) for v in answering]
         if run.entropy is not None:  # generation: eq:entropy_gen
             u = run.entropy[rows]
         else:  # multiple choice: eq:entropy_mc
             u = option_entropy(run.logprobs[rows])
-        chosen = answering[int(u.argmin())]  # eq:entropy_route
-        record: dict[str, Any] = {"expert": chosen, "entropy": [round(float(x), 5) for x in u]}
-        if self.gate:
-            energy = float(self.energy(run))
-            is_open = bool(gate_open(torch.tensor(energy), self.tau))
-            record.update(energy=energy, gate_open=is_open)
-            if not is_open:
-                chosen = runner.BASE
+        chosen = runner.BASE
+        if not bool(u.isnan().any()):  # NaN: the experts were not run (``screen``: closed gate)
+            chosen = answering[int(u.argmin())]  # eq:entropy_route
+            record.update(expert=chosen, entropy=[round(float(x), 5) for x in u])
+        if not is_open:
+            chosen = runner.BASE
         record["variant"] = chosen
         return chosen, record
 

@@ -94,6 +94,11 @@ class Intervention(ABC):
         """Variants whose outputs are not needed, only their hidden states at p*."""
         return []
 
+    def screen(self, run) -> bool:
+        """Whether the other variants are needed, given a run holding only BASE and the
+        site-only variants. False (MARI: a closed gate) answers with BASE without running them."""
+        return True
+
     def prompt_sites(self, length: int) -> list[int]:
         """Positions before p* that the edit also replaces, in a prompt of ``length`` tokens.
 

@@ -10,14 +10,20 @@ runs only short suffixes over them:
 
 A *variant* is one alternative edit proposed by a method (MARI: one per expert, plus
 its gate probe); variant ``BASE`` (-1) is the untouched model. ``score_variants`` lays
-out every (variant, option) row in one batch, installs the method's edit with a
+out every (variant, option) row in packed batches, installs the method's edit with a
 variant id per row, and returns each option's log-likelihood under each variant, the
 greedy flags, and the hidden states at p* after the requested layers (for the energy
-gate). Gradients flow when enabled, so training uses the same path as evaluation.
+gate). An edit at l* changes nothing below it, so edited rows start from the untouched
+rows' states after l*; and a method may stop after the untouched and probe rows (MARI's
+closed gate). Gradients flow when enabled, so training uses the same path as evaluation.
 
-``generate_variants`` does the same for free-text generation: the prompt is run under
-every variant as one left-padded batch for a few greedy steps (the routing window), the
-method picks a variant per prompt, and decoding continues from the winner's cache.
+``PrefixCache`` shares the prompts' common prefixes (few-shot preambles) across
+questions, visited in sorted order.
+
+``generate_variants`` does the same for free-text generation: the prompt before p* is
+computed once, a closed gate hands the prompt to the untouched model, otherwise every
+variant runs as one batch for a few greedy steps (the routing window), the method picks
+a variant per prompt, and decoding continues from the winner's cache.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def encode_prefix(
     if base is not None and base.cache is not None and len(base.tokens) < len(tokens) and tokens[: len(base.tokens)] == base.tokens:
         if sites:
             raise ValueError("a prompt edited before p* cannot extend a shared prefix cache")
-        cache, start = copy.deepcopy(base.cache), len(base.tokens)
+        cache, start = broadcast_cache(base.cache, 1), len(base.tokens)  # extends a copy; base is never written
     edit = contextlib.nullcontext()
     if sites:
         cols = torch.tensor(sorted(sites), device=device)
@@ -77,11 +83,61 @@ def encode_prefix(
     return Prefix(tokens, out.past_key_values)
 
 
-def broadcast_cache(cache, rows: int):
-    """A cache whose every layer reads the batch-1 ``cache`` for ``rows`` rows.
+class PrefixCache:
+    """Key/value caches of token prefixes shared between requests visited in sorted order.
 
-    The copies share the stored tensors through ``expand`` views; a forward pass
-    concatenates new keys onto them and so never writes into the shared prefix.
+    The prompts of an evaluation form a radix tree over their token ids (a few-shot
+    preamble is an inner node, each question a leaf), as in SGLang's RadixAttention.
+    Visiting the prompts sorted by their token ids walks that tree depth first, so the
+    caches worth keeping are those on the path from the root to the current prompt: a
+    stack of ``Prefix``es, each extending the one below it. A branch point (the prefix
+    the new prompt shares with the previous one) gets an entry of its own when it adds at
+    least ``min_shared`` tokens; entries off the current path are dropped, so memory is
+    bounded by the path (at most ``max_depth`` entries), not by the number of prompts.
+    """
+
+    def __init__(self, model: torch.nn.Module, min_shared: int = 32, max_depth: int = 4):
+        self.model, self.min_shared, self.max_depth = model, min_shared, max_depth
+        self.path: list[Prefix] = []
+        self.last = Prefix((), None)
+
+    def encode(self, tokens: Sequence[int]) -> Prefix:
+        """The cache of ``tokens``, computing only what the path does not hold."""
+        tokens = tuple(tokens)
+        if tokens == self.last.tokens:  # the same prompt again (e.g. truthfulqa_mc1 and _mc2)
+            return self.last
+        while self.path and tokens[: len(self.path[-1].tokens)] != self.path[-1].tokens:
+            self.path.pop()
+        top = self.path[-1] if self.path else None
+        branch = common_prefix([self.last.tokens, tokens])
+        if len(branch) < len(tokens) and len(branch) - (len(top.tokens) if top else 0) >= self.min_shared:
+            top = _truncated(self.last, len(branch)) or encode_prefix(self.model, branch, base=top)
+            self.path = (self.path + [top])[-self.max_depth:]
+        self.last = encode_prefix(self.model, tokens, base=top)
+        return self.last
+
+
+def _truncated(prefix: Prefix, length: int) -> Prefix | None:
+    """``prefix`` cut to its first ``length`` tokens, reading its cache (full-attention layers only, else None)."""
+    from transformers.cache_utils import DynamicLayer
+
+    if prefix.cache is None or any(type(layer) is not DynamicLayer for layer in prefix.cache.layers):
+        return None  # a sliding-window layer no longer holds the early tokens
+    cache = cache_rows(prefix.cache, [0])
+    cache.crop(length - len(prefix.tokens))
+    return Prefix(prefix.tokens[:length], cache)
+
+
+def broadcast_cache(cache, rows: int):
+    """A cache whose every layer reads the batch-1 ``cache`` for ``rows`` rows."""
+    return cache_rows(cache, [0] * rows)
+
+
+def cache_rows(cache, index: Sequence[int]):
+    """A cache whose row i is row ``index[i]`` of ``cache`` (None stays None).
+
+    A batch-1 cache is shared through ``expand`` views, others are gathered. A forward
+    pass concatenates new keys onto the copy's layers and so never writes into ``cache``.
     """
     if cache is None:
         return None
@@ -90,8 +146,12 @@ def broadcast_cache(cache, rows: int):
     for layer in cache.layers:
         layer = copy.copy(layer)
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
-            layer.values = layer.values.expand(rows, *layer.values.shape[1:])
+            if layer.keys.shape[0] == 1:
+                layer.keys = layer.keys.expand(len(index), *layer.keys.shape[1:])
+                layer.values = layer.values.expand(len(index), *layer.values.shape[1:])
+            else:
+                rows = torch.tensor(list(index), device=layer.keys.device)
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
         new.layers.append(layer)
     return new
 
@@ -121,6 +181,8 @@ def score_variants(
     site_only: Sequence[int] = (),
     max_tokens: int = 1024,
     lower: tuple[int, list[torch.Tensor]] | None = None,
+    edit_layer: int | None = None,
+    screen: Callable[[VariantRun], bool] | None = None,
 ) -> VariantRun:
     """Log-likelihood of every continuation after ``prefix + [last_token]`` under every variant.
 
@@ -129,45 +191,83 @@ def score_variants(
     gives the frozen model's states after ``layer`` for each option's row
     (``lower_states``): the layers up to ``layer`` are then not recomputed (valid when the
     edits are at ``layer`` or above; training reuses them across experts and epochs).
+
+    The rows run in three stages:
+
+    1. the untouched model's (BASE) rows, in chunks laid out exactly as a run with BASE
+       alone would be, so a closed gate returns bit-identical scores to the vanilla
+       model. With ``edit_layer`` (every edit is at that layer's output or above) they
+       also keep their states after it, which become ``lower`` for the edited rows
+       (without BASE rows, a pass up to ``edit_layer`` computes them for several variants);
+    2. the site-only variants;
+    3. the other variants, unless ``screen`` (given the run so far) says they are not
+       needed: MARI's closed gate answers with BASE, so its experts are never run and
+       their log-likelihoods stay NaN.
     """
     device = next(model.parameters()).device
-    layout = []  # (variant index, option index or None) per row
-    for v_idx, v in enumerate(variants):
-        if v in site_only:
-            layout.append((v_idx, None))
-        else:
-            layout.extend((v_idx, m) for m in range(len(continuations)))
     n_var, n_opt = len(variants), len(continuations)
     scores: dict[tuple[int, int], torch.Tensor] = {}
     flags: dict[tuple[int, int], bool] = {}
     states: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in capture}
-    # The untouched model's rows run in chunks of their own, laid out exactly as a run with
-    # BASE alone would be: a closed gate then returns bit-identical scores to the vanilla model.
-    size = lambda row: 1 + (len(continuations[row[1]]) - 1 if row[1] is not None else 0)
-    base_rows = [row for row in layout if variants[row[0]] == BASE]
-    edited_rows = [row for row in layout if variants[row[0]] != BASE]
-    chunks = _chunks(base_rows, list(map(size, base_rows)), max_tokens) + _chunks(edited_rows, list(map(size, edited_rows)), max_tokens)
-    for chunk in chunks:
-        rows = [[last_token] + (list(continuations[m][:-1]) if m is not None else []) for _, m in chunk]
-        variant_ids = torch.tensor([variants[v] for v, _ in chunk], device=device)
-        start = None
-        if lower is not None:
-            start = (lower[0], torch.cat([lower[1][m] if m is not None else lower[1][0][:1] for _, m in chunk]))
-        logits, seen = forward_rows(model, prefix, rows, variant_ids, apply, capture, start)
-        for j, (v, m) in enumerate(chunk):
-            for layer, h in seen.items():  # the state at p* is the same in all rows of a variant
-                states[layer].setdefault(v, h[j])
-            if m is None:
-                continue
-            target = torch.tensor(continuations[m], device=device)
-            lp = F.log_softmax(logits[j].float(), dim=-1)
-            scores[v, m] = lp.gather(-1, target[:, None]).sum()
-            flags[v, m] = bool((lp.argmax(-1) == target).all())
-    nan = torch.tensor(float("nan"), device=device)
-    logprobs = torch.stack([torch.stack([scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
-    greedy = torch.tensor([[flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)], device=device)
-    site_states = {layer: torch.stack([by_v[v] for v in range(n_var)]) for layer, by_v in states.items()}
-    return VariantRun(list(variants), logprobs, greedy, site_states)
+
+    def run_rows(layout: list[tuple[int, int | None]], keep_after: int | None = None) -> list[torch.Tensor] | None:
+        """Score the (variant index, option index or None) rows; states after ``keep_after`` per option."""
+        size = lambda row: 1 + (len(continuations[row[1]]) - 1 if row[1] is not None else 0)
+        kept: dict[int, torch.Tensor] = {}
+        for chunk in _chunks(layout, list(map(size, layout)), max_tokens):
+            rows = [[last_token] + (list(continuations[m][:-1]) if m is not None else []) for _, m in chunk]
+            variant_ids = torch.tensor([variants[v] for v, _ in chunk], device=device)
+            start = None
+            if lower is not None:
+                start = (lower[0], torch.cat([lower[1][m] if m is not None else lower[1][0][:1] for _, m in chunk]))
+            logits, seen, below = forward_rows(model, prefix, rows, variant_ids, apply, capture, start, keep_after)
+            for j, (v, m) in enumerate(chunk):
+                for layer, h in seen.items():  # the state at p* is the same in all rows of a variant
+                    states[layer].setdefault(v, h[j])
+                if m is None:
+                    continue
+                if below is not None:
+                    kept[m] = below[j]
+                target = torch.tensor(continuations[m], device=device)
+                lp = F.log_softmax(logits[j].float(), dim=-1)
+                scores[v, m] = lp.gather(-1, target[:, None]).sum()
+                flags[v, m] = bool((lp.argmax(-1) == target).all())
+        return [kept[m] for m in range(n_opt)] if len(kept) == n_opt else None
+
+    def run_so_far() -> VariantRun:
+        nan = torch.tensor(float("nan"), device=device)
+        logprobs = torch.stack([torch.stack([scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
+        greedy = torch.tensor([[flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)], device=device)
+        site_states = {layer: _rows_of(by_v, n_var) for layer, by_v in states.items() if by_v}
+        return VariantRun(list(variants), logprobs, greedy, site_states)
+
+    def layout(of: list[int]) -> list[tuple[int, int | None]]:
+        out = []
+        for v_idx in of:
+            out.extend([(v_idx, None)] if variants[v_idx] in site_only else [(v_idx, m) for m in range(n_opt)])
+        return out
+
+    base = [i for i, v in enumerate(variants) if v == BASE]
+    probes = [i for i, v in enumerate(variants) if v != BASE and v in site_only]
+    answering = [i for i, v in enumerate(variants) if v != BASE and v not in site_only]
+    keep_after = edit_layer if lower is None and (probes or answering) and site.can_start_after(model) else None
+    kept = run_rows(layout(base), keep_after)
+    if kept is None and keep_after is not None and len(probes) + len(answering) > 1:
+        rows = [[last_token] + list(c[:-1]) for c in continuations]  # no BASE rows to keep them from
+        if _packable(model, len(prefix.tokens), max(map(len, rows))):
+            kept = lower_states(model, prefix, rows, keep_after)
+    if kept is not None:
+        lower = (keep_after, kept)
+    run_rows(layout(probes))
+    if answering and (screen is None or screen(run_so_far())):
+        run_rows(layout(answering))
+    return run_so_far()
+
+
+def _rows_of(by_variant: dict[int, torch.Tensor], n_var: int) -> torch.Tensor:
+    """[V, d] states of the variants run so far; NaN rows for those not run."""
+    some = next(iter(by_variant.values()))
+    return torch.stack([by_variant.get(v, torch.full_like(some, float("nan"))) for v in range(n_var)])
 
 
 def no_edit(variant_ids, positions):
@@ -203,8 +303,10 @@ def forward_rows(
     apply: ApplyEdits,
     capture: Sequence[int] = (),
     start: tuple[int, torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
-    """Logits of every row (each after ``prefix``) and hidden states at each row's first token.
+    keep_after: int | None = None,
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor] | None]:
+    """Logits of every row (each after ``prefix``), hidden states at each row's first token,
+    and (with ``keep_after``, packed path only, else None) every token's state after that layer.
 
     ``start = (layer, states [sum of row lengths, d])`` runs only the layers above
     ``layer`` (packed path of supported families; otherwise everything is recomputed).
@@ -218,8 +320,8 @@ def forward_rows(
     if bool((variant_ids == BASE).all()):  # nothing to edit: no hook at all, as in a vanilla run
         apply = no_edit
     if _packable(model, len(prefix.tokens), max(map(len, rows))):
-        return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start)
-    return _forward_batched(model, prefix, rows, variant_ids, apply, capture)
+        return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start, keep_after)
+    return (*_forward_batched(model, prefix, rows, variant_ids, apply, capture), None)
 
 
 def _packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
@@ -248,25 +350,35 @@ def _packing(model, prefix, rows):
     return inputs, starts, lengths
 
 
+def _all_positions(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of every token of a packed sequence."""
+    length = inputs["input_ids"].shape[1]
+    cols = torch.arange(length, device=inputs["input_ids"].device)
+    return torch.zeros_like(cols), cols
+
+
 def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], layer: int) -> list[torch.Tensor]:
     """The frozen model's states after ``layer`` for every token of every row (one [len, d] per row)."""
     inputs, starts, lengths = _packing(model, prefix, rows)
-    everywhere = (torch.zeros_like(inputs["input_ids"][0]), torch.arange(inputs["input_ids"].shape[1], device=starts.device))
+    everywhere = _all_positions(inputs)
     cache = broadcast_cache(prefix.cache, 1)
     states = site.states_after(model, layer, everywhere, past_key_values=cache, use_cache=cache is not None, **inputs)
     return [states[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
-def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None):
+def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None, keep_after=None):
     inputs, starts, lengths = _packing(model, prefix, rows)
     sites = (torch.zeros_like(starts), starts)
+    everywhere = _all_positions(inputs)
     cache = broadcast_cache(prefix.cache, 1)
     skip = contextlib.nullcontext()
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
-    with skip, apply(variant_ids, sites), site.capture_site(model, capture, sites) as seen:
+    with skip, apply(variant_ids, sites), site.capture_site(model, capture, sites) as seen, \
+            site.capture_site(model, [] if keep_after is None else [keep_after], everywhere) as below:
         logits = model(past_key_values=cache, use_cache=cache is not None, **inputs).logits[0]
-    return [logits[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())], dict(seen)
+    split = lambda x: [x[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+    return split(logits), dict(seen), split(below[keep_after]) if keep_after is not None else None
 
 
 def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
@@ -306,56 +418,184 @@ def generate_variants(
     window: int,
     max_length: int,
     capture: Sequence[int] = (),
+    site_only: Sequence[int] = (),
+    screen: Callable[[VariantRun], bool] | None = None,
+    edit_layer: int | None = None,
     pad_token_id: int | None = None,
-    stopping_criteria=None,
+    stopping_criteria: Callable[[int, int], object] | None = None,
+    streamer=None,
     **generation_kwargs,
 ) -> tuple[torch.Tensor, list[dict]]:
     """Greedy generation where each prompt is answered by the variant ``choose`` picks.
 
-    Every prompt (left-padded rows of ``input_ids``) is run under every variant as one
-    batch for ``window`` steps (eq:entropy_gen's T_ent); ``choose`` sees each prompt's
-    mean next-token entropies and hidden states at p*; decoding then continues from the
-    chosen rows' tokens and key/value cache, so nothing is recomputed. Returns the
-    sequences (prompt + continuation, pad after the first end-of-sequence token) and
+    The prompts are left-padded rows of ``input_ids``, so p* is the last column.
+
+    * With ``screen`` (MARI's gate): the untouched model reads each prompt once and
+      proposes its first token, as ``generate`` alone would; the ``site_only`` variants
+      (the probe) then rerun p* alone over that cache, from ``edit_layer`` up. A prompt
+      that ``screen`` turns away keeps the untouched model's answer, decoded on at base
+      speed. For the others, the untouched p* is masked out of the cache and p* is fed
+      again under every remaining variant.
+    * Without it, the prompts before p* are computed once and every variant starts at p*.
+
+    The variants then run as one batch for ``window`` greedy steps (eq:entropy_gen's
+    T_ent); ``choose`` sees each prompt's mean next-token entropies and its states at p*,
+    and decoding continues from the chosen rows' tokens and cache, so nothing is
+    recomputed. ``stopping_criteria(rows, prompt_width)`` builds the criteria of a batch;
+    a ``streamer`` (one prompt) receives the answer only, the routing window's once chosen.
+    Returns the sequences (prompt + answer, pad after the first end-of-sequence token) and
     the ``choose`` records.
     """
-    n_prompts, n_var = input_ids.shape[0], len(variants)
-    steps = max(1, min(window, max_length - input_ids.shape[1]))
-    first, entropy, seen = _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps,
-                                           pad_token_id=pad_token_id, **generation_kwargs)
-    chosen_rows, records = [], []
-    for p in range(n_prompts):
-        rows = slice(p * n_var, (p + 1) * n_var)
-        run = VariantRun(list(variants), None, None, {m: h[rows] for m, h in seen.items()}, entropy[rows])
-        chosen, record = choose(run)
-        chosen_rows.append(p * n_var + run.row(chosen))
-        records.append(record)
-    sequences = first.sequences[chosen_rows]
-    if sequences.shape[1] < max_length:
+    n_prompts, width = input_ids.shape
+    stop = stopping_criteria or (lambda rows, prompt_width: None)
+    kwargs = dict(pad_token_id=pad_token_id, use_cache=True, **generation_kwargs)
+    screened = [BASE, *site_only] if screen is not None else []
+    answering = [v for v in variants if v not in screened]
+    device = input_ids.device
+
+    def run_of(p: int, states: dict, entropy: torch.Tensor | None) -> VariantRun:
+        """Prompt p's run over screened + answering variants (NaN for what was not run)."""
+        nan = lambda n: torch.full((n,), float("nan"), device=device)
+        u = torch.cat([nan(len(screened)), entropy if entropy is not None else nan(len(answering))])
+        site_states = {m: torch.cat([h, h[:1].new_full((len(screened) + len(answering) - len(h), h.shape[-1]), float("nan"))])
+                       for m, h in states.items()}
+        return VariantRun(screened + answering, None, None, site_states, u)
+
+    answers: dict[int, torch.Tensor] = {}
+    records: dict[int, dict] = {}
+    states = {p: {} for p in range(n_prompts)}
+    routed = list(range(n_prompts))
+    if screened:
+        first, base = _base_first_token(model, input_ids, attention_mask, capture, edit_layer, kwargs)
+        probe = _probe_at_p_star(model, input_ids, attention_mask, first.past_key_values, site_only, apply,
+                                 capture, edit_layer, base)
+        n = len(site_only)
+        states = {p: {m: torch.cat([base[m][p:p + 1], probe[m][p * n:(p + 1) * n]]) for m in capture} for p in range(n_prompts)}
+        routed = [p for p in range(n_prompts) if screen(run_of(p, states[p], None))]
+        kept = [p for p in range(n_prompts) if p not in routed]
+        if kept:  # the untouched model answers, decoding on from its first token
+            out = _continue(model, first.sequences[kept], attention_mask[kept], cache_rows(first.past_key_values, kept),
+                            width, max_length, stop(len(kept), width), streamer, kwargs)
+            for j, p in enumerate(kept):
+                answers[p] = out[j]
+                records[p] = choose(run_of(p, states[p], None))[1]
+        # The routed prompts feed p* again over the untouched cache, whose p* is masked out.
+        ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
+        mask = torch.cat([attention_mask[:, :-1], torch.zeros_like(attention_mask[:, -1:]), torch.ones_like(attention_mask[:, -1:])], dim=1)
         cache = first.past_key_values
-        cache.batch_select_indices(torch.tensor(chosen_rows, device=sequences.device))
-        prompt_mask = attention_mask[[row // n_var for row in chosen_rows]]
-        new_mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, input_ids.shape[1]:])], dim=1)
-        sequences = model.generate(
-            input_ids=sequences, attention_mask=new_mask, past_key_values=cache, max_length=max_length,
-            pad_token_id=pad_token_id, stopping_criteria=stopping_criteria, use_cache=True, **generation_kwargs,
-        )
-    return _pad_after_eos(sequences, input_ids.shape[1], _eos_ids(model), pad_token_id), records
+    else:
+        ids, mask, cache = input_ids, attention_mask, _prefill(model, input_ids[:, :-1], attention_mask[:, :-1])
+    if routed:
+        n_var = len(answering)
+        index = [p for p in routed for _ in range(n_var)]
+        steps = max(1, min(window, max_length - width))
+        window_out, entropy, seen = _routing_window(model, ids[index], mask[index], answering, apply,
+                                                    () if screened else capture, steps, cache=cache_rows(cache, index), **kwargs)
+        chosen_rows = []
+        for j, p in enumerate(routed):
+            rows = slice(j * n_var, (j + 1) * n_var)
+            run = run_of(p, states[p] or {m: h[rows] for m, h in seen.items()}, entropy[rows])
+            chosen, record = choose(run)
+            chosen_rows.append(j * n_var + answering.index(chosen))
+            records[p] = record
+        cache = window_out.past_key_values
+        cache.batch_select_indices(torch.tensor(chosen_rows, device=device))
+        extra = ids.shape[1] - width  # the re-fed p*, dropped from the answer
+        out = _continue(model, window_out.sequences[chosen_rows], mask[routed], cache, ids.shape[1],
+                        max_length + extra, stop(len(routed), ids.shape[1]), streamer, kwargs)
+        answers.update(zip(routed, torch.cat([out[:, :width], out[:, ids.shape[1]:]], dim=1)))
+    longest = max(len(a) for a in answers.values())
+    pad = pad_token_id if pad_token_id is not None else 0
+    sequences = torch.stack([F.pad(answers[p], (0, longest - len(answers[p])), value=pad) for p in range(n_prompts)])
+    return _pad_after_eos(sequences, width, _eos_ids(model), pad_token_id), [records[p] for p in range(n_prompts)]
 
 
-def _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps, **generation_kwargs):
+def _continue(model, sequences, prompt_mask, cache, answer_from, max_length, criteria, streamer, kwargs):
+    """Decode on from ``sequences`` (the cache holds all but their last token); the tokens from
+    ``answer_from`` on are the answer so far, streamed before decoding goes on."""
+    if streamer is not None:
+        streamer.put(sequences[0, :answer_from].cpu())
+        for token in sequences[0, answer_from:]:
+            streamer.put(token[None].cpu())
+    if sequences.shape[1] >= max_length:
+        if streamer is not None:
+            streamer.end()
+        return sequences
+    mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, prompt_mask.shape[1]:])], dim=1)
+    return model.generate(input_ids=sequences, attention_mask=mask, past_key_values=cache, max_length=max_length,
+                          stopping_criteria=criteria, streamer=_SkipPrompt(streamer) if streamer is not None else None,
+                          **kwargs)
+
+
+def _base_first_token(model, input_ids, attention_mask, capture, edit_layer, kwargs):
+    """generate's first step of the untouched model, with its states at p* after ``capture`` and ``edit_layer``."""
+    layers = sorted(set(capture) | ({edit_layer} if edit_layer is not None else set()))
+    with site.capture_site(model, layers, None) as seen:
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=1,
+                             return_dict_in_generate=True, **kwargs)
+    return out, dict(seen)
+
+
+def _probe_at_p_star(model, input_ids, attention_mask, cache, variants, apply, capture, edit_layer, base):
+    """p* fed again under each of ``variants`` (rows prompt-major) over ``cache`` (the prompt,
+    with its untouched p* masked out): the states after ``capture`` layers at p*, [P * V, d]."""
+    index = [p for p in range(input_ids.shape[0]) for _ in variants]
+    prompt_mask = attention_mask[index]
+    mask = torch.cat([prompt_mask[:, :-1], torch.zeros_like(prompt_mask[:, -1:]), torch.ones_like(prompt_mask[:, -1:])], dim=1)
+    variant_ids = torch.tensor(list(variants), device=input_ids.device).repeat(input_ids.shape[0])
+    skip = contextlib.nullcontext()
+    if edit_layer is not None and site.can_start_after(model):  # below the site, p* is the untouched model's
+        skip = site.start_after(model, edit_layer, base[edit_layer][index][:, None])
+    with skip, apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
+        site.run_through(model, max(capture), input_ids=input_ids[index, -1:], attention_mask=mask,
+                         position_ids=_positions(prompt_mask)[:, -1:], past_key_values=cache_rows(cache, index), use_cache=True)
+    return dict(seen)
+
+
+class _SkipPrompt:
+    """A streamer that ignores generate's first ``put`` (the prompt and the tokens already streamed)."""
+
+    def __init__(self, streamer):
+        self.streamer, self.started = streamer, False
+
+    def put(self, value):
+        if self.started:
+            self.streamer.put(value)
+        self.started = True
+
+    def end(self):
+        self.streamer.end()
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows, as ``generate`` computes them."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
+def _prefill(model, input_ids, attention_mask):
+    """The untouched model's cache of left-padded prompts (None when they are empty)."""
+    if input_ids.shape[1] == 0:
+        return None
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
+                use_cache=True, logits_to_keep=1)
+    return out.past_key_values
+
+
+def _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps, cache=None, **generation_kwargs):
     """Every prompt under every variant (rows prompt-major) for ``steps`` greedy steps.
 
-    Returns generate's output, each row's mean next-token entropy over the window up to
-    its end-of-sequence token (eq:entropy_gen), and the captured states at p*.
+    ``cache`` (optional) holds each row's prompt before p*. Returns generate's output,
+    each row's mean next-token entropy over the window up to its end-of-sequence token
+    (eq:entropy_gen), and the captured states at p*.
     """
-    n_prompts, n_var = input_ids.shape[0], len(variants)
-    ids = input_ids.repeat_interleave(n_var, 0)
-    mask = attention_mask.repeat_interleave(n_var, 0)
+    n_var = len(variants)
+    n_prompts = input_ids.shape[0] // n_var if cache is not None else input_ids.shape[0]
+    ids, mask = (input_ids, attention_mask) if cache is not None else (
+        input_ids.repeat_interleave(n_var, 0), attention_mask.repeat_interleave(n_var, 0))
     variant_ids = torch.tensor(list(variants), device=ids.device).repeat(n_prompts)
     with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, output_logits=True,
-                             return_dict_in_generate=True, use_cache=True, **generation_kwargs)
+                             return_dict_in_generate=True, past_key_values=cache, **generation_kwargs)
     per_step = step_entropy(torch.stack(out.logits, dim=1))  # [P*V, steps]
     generated = out.sequences[:, input_ids.shape[1]:]
     ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=ids.device)).long()

@@ -345,17 +345,22 @@ def start_after(model: nn.Module, layer: int, hidden: torch.Tensor) -> Iterator[
             del blocks[i].forward  # back to the class's forward
 
 
-@torch.no_grad()
-def states_after(model: nn.Module, layer: int, positions, **forward_kwargs) -> torch.Tensor:
-    """Hidden states after ``layer`` at ``positions`` of one forward pass, stopping right after ``layer``."""
+def run_through(model: nn.Module, layer: int, **forward_kwargs) -> None:
+    """One forward pass of ``model`` stopped right after ``layer`` (for hooks that only read states)."""
 
     def stop(module, args, output):
         raise _StopForward
 
+    try:
+        with forward_hook(decoder_layers(model)[layer], stop):
+            model(**forward_kwargs)
+    except _StopForward:
+        pass
+
+
+@torch.no_grad()
+def states_after(model: nn.Module, layer: int, positions, **forward_kwargs) -> torch.Tensor:
+    """Hidden states after ``layer`` at ``positions`` of one forward pass, stopping right after ``layer``."""
     with capture_site(model, [layer], positions) as seen:
-        try:
-            with forward_hook(decoder_layers(model)[layer], stop):
-                model(**forward_kwargs)
-        except _StopForward:
-            pass
+        run_through(model, layer, **forward_kwargs)
     return seen[layer]

@@ -9,9 +9,14 @@ Workloads:
   ``simple_evaluate``, batch size ``--batch-size`` for everyone; a 1-question warm-up
   is run first and not timed. Wall time per repeat; the median is reported.
 * ``gen``: the first ``--gen-prompts`` SORRY-Bench prompts (chat template), one at a
-  time, greedy: first-token latency (a 1-token generation), then ``--gen-tokens``
-  tokens (at least that many: EOS is suppressed by ``min_new_tokens``) for the total
-  latency and tokens/s. Medians over prompts and repeats.
+  time, greedy, ``--gen-tokens`` tokens each (EOS is suppressed by ``min_new_tokens``):
+  first-token latency (until the first answer token is streamed; for MARI that is after
+  its routing window when the gate opens), total latency, and tokens/s of decoding after
+  the first token. Medians over prompts and repeats. ``--gen-bundle NAME=DIR`` times
+  another bundle of the same entry here (e.g. MARI trained on sorry_bench).
+
+MARI's cost depends on how often its gate opens, so its gate rate is reported beside
+its timings.
 
 Every (entry, workload) runs in a fresh subprocess, so its peak resident memory is its
 own. Writes results/bench.json and results/bench.md with the command, the machine and
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -53,6 +59,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _gate_rate(lm) -> float | None:
+    """The fraction of prompts whose MARI gate opened in this process's runs (None for other entries)."""
+    summary = lm.diagnostics_summary() if hasattr(lm, "diagnostics_summary") else {}
+    return summary.get("gate_rate")
+
+
 def measure_mc(lm, limit: int | None, repeats: int) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -62,11 +74,30 @@ def measure_mc(lm, limit: int | None, repeats: int) -> dict:
     run(1)  # warm-up, not timed
     walls, acc = [], None
     for _ in range(repeats):
+        if hasattr(lm, "records"):
+            lm.records.clear()
         t = time.perf_counter()
         out = run(limit)
         walls.append(time.perf_counter() - t)
         acc = out["results"]["truthfulqa_mc2"]["acc,none"]
-    return {"wall_s": walls, "acc": acc, "questions": out["n-samples"]["truthfulqa_mc2"]["effective"]}
+    return {"wall_s": walls, "acc": acc, "questions": out["n-samples"]["truthfulqa_mc2"]["effective"],
+            "gate_rate": _gate_rate(lm)}
+
+
+class FirstTokenTimer:
+    """A transformers streamer that notes when the first answer token arrives (generate's first
+    ``put`` is the prompt; MARI's router streams the answer once its routing window is chosen)."""
+
+    def __init__(self):
+        self.start, self.first, self.puts = time.perf_counter(), None, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
 
 
 def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
@@ -80,23 +111,27 @@ def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
              for r in records]
 
     def generate(ids, n):
-        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), min_new_tokens=n)
+        """(first-token latency, total latency, tokens produced) of one greedy generation of n tokens."""
+        timer = FirstTokenTimer()
+        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), min_new_tokens=n, streamer=timer)
         with torch.no_grad():
-            t = time.perf_counter()
             out = lm._model_generate(ids, ids.shape[1] + n, [], **kwargs)
-            return time.perf_counter() - t, out.shape[1] - ids.shape[1]
+        return timer.first - timer.start, time.perf_counter() - timer.start, out.shape[1] - ids.shape[1]
 
     encoded = [torch.tensor([tok(t, add_special_tokens=False).input_ids]) for t in texts]
     generate(encoded[0], 4)  # warm-up
+    if hasattr(lm, "records"):
+        lm.records.clear()
     first, total, rate = [], [], []
     for _ in range(repeats):
         for ids in encoded:
-            first.append(generate(ids, 1)[0])
-            seconds, produced = generate(ids, tokens)
+            ftl, seconds, produced = generate(ids, tokens)
+            first.append(ftl)
             total.append(seconds)
-            rate.append(produced / seconds)
+            rate.append((produced - 1) / (seconds - ftl))  # decoding speed after the first token
     return {"first_token_s": statistics.median(first), "total_s": statistics.median(total),
-            "tokens_per_s": statistics.median(rate), "prompts": len(encoded), "tokens": tokens}
+            "tokens_per_s": statistics.median(rate), "prompts": len(encoded), "tokens": tokens,
+            "gate_rate": _gate_rate(lm)}
 
 
 def worker(args) -> None:
@@ -113,6 +148,7 @@ def worker(args) -> None:
 
 
 def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
+    """One measurement in a fresh process (its own peak memory); its BENCH line parsed."""
     command = [sys.executable, __file__, "--worker", "--entry", entry, "--workload", workload, "--model", args.model,
                "--batch-size", str(args.batch_size), "--limit", str(args.limit), "--repeats", str(args.repeats),
                "--gen-prompts", str(args.gen_prompts), "--gen-tokens", str(args.gen_tokens)]
@@ -127,8 +163,8 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
 
 def table(results: dict, tokens: int) -> list[str]:
     hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
-    lines = [f"| entry | TQA MC2 wall (s) | x hf | acc | first token (ms) | x hf | tokens/s | x hf | {tokens}-token latency (s) | x hf | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| entry | TQA MC2 wall (s) | x hf | acc | first token (ms) | x hf | tokens/s | x hf | {tokens}-token latency (s) | x hf | gate rate (mc / gen) | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry, r in results.items():
         mc, gen = r.get("mc"), r.get("gen")
         cells = [entry]
@@ -143,6 +179,8 @@ def table(results: dict, tokens: int) -> list[str]:
                       f"{gen['total_s']:.2f}", f"{gen['total_s'] / hf_gen['total_s']:.2f}"]
         else:
             cells += ["-"] * 6
+        rates = [(x or {}).get("gate_rate") for x in (mc, gen)]
+        cells.append(" / ".join("-" if r is None else f"{r:.2f}" for r in rates))
         cells.append(f"{max(x.get('peak_rss_mib', 0) for x in (mc or {}, gen or {})):.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -152,6 +190,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a trained bundle to time (repeatable)")
+    p.add_argument("--gen-bundle", action="append", default=[], metavar="NAME=DIR",
+                   help="the bundle NAME is timed with on the gen workload (default: its --bundle)")
     p.add_argument("--limit", type=int, default=0, help="truthfulqa_mc2 questions (0 = all 817)")
     p.add_argument("--gen-prompts", type=int, default=50)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -169,33 +209,47 @@ def main() -> int:
         worker(args)
         return 0
 
-    entries = [("hf", None), ("vanilla", None)]
-    for item in args.bundle:
-        name, sep, directory = item.partition("=")
-        if not sep or not Path(directory, "bundle.json").is_file():
-            p.error(f"--bundle {item!r}: expected NAME=DIR with DIR/bundle.json (train one with `mari-eval train`)")
-        entries.append((name, directory))
+    def bundles(items: list[str], flag: str) -> dict[str, str]:
+        out = {}
+        for item in items:
+            name, sep, directory = item.partition("=")
+            if not sep or not Path(directory, "bundle.json").is_file():
+                p.error(f"{flag} {item!r}: expected NAME=DIR with DIR/bundle.json (train one with `mari-eval train`)")
+            out[name] = directory
+        return out
+
+    mc_bundles, gen_bundles = bundles(args.bundle, "--bundle"), bundles(args.gen_bundle, "--gen-bundle")
+    entries = {"hf": {}, "vanilla": {}}
+    for name in [*mc_bundles, *gen_bundles]:
+        entries[name] = {"mc": mc_bundles.get(name), "gen": gen_bundles.get(name, mc_bundles.get(name))}
     workloads = args.workloads.split(",")
-    results: dict[str, dict] = {}
-    started = time.time()
-    for entry, bundle in entries:
-        for workload in workloads:
-            print(f"bench: {entry} / {workload} ...", file=sys.stderr, flush=True)
-            results.setdefault(entry, {})[workload] = run_one(args, entry, bundle, workload)
-    record = {
-        "command": "python repro/bench.py " + " ".join(sys.argv[1:]),
-        "model": args.model, "bundles": dict(e for e in entries if e[1]), "batch_size": args.batch_size,
-        "limit": args.limit or "all", "repeats": args.repeats, "machine": platform.platform(),
-        "processor": platform.processor(), "wall_time_s": round(time.time() - started, 1), "results": results,
-    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = {
+        "command": "python repro/bench.py " + " ".join(sys.argv[1:]),
+        "model": args.model, "bundles": {k: v for k, v in entries.items() if v}, "batch_size": args.batch_size,
+        "limit": args.limit or "all", "repeats": args.repeats, "machine": platform.platform(),
+        "processor": platform.processor(), "cpus": os.cpu_count(), "results": {},
+    }
+    started = time.time()
+    for entry, dirs in entries.items():
+        for workload in workloads:
+            if entry not in ("hf", "vanilla") and not dirs.get(workload):
+                continue
+            print(f"bench: {entry} / {workload} ...", file=sys.stderr, flush=True)
+            record["results"].setdefault(entry, {})[workload] = run_one(args, entry, dirs.get(workload), workload)
+            # Written after every measurement, so an interrupted run keeps what it measured.
+            (out / "bench.json").write_text(json.dumps({**record, "complete": False}, indent=2) + "\n")
+    record["wall_time_s"] = round(time.time() - started, 1)
+    results = record["results"]
+    (out / "bench.json").write_text(json.dumps({**record, "complete": True}, indent=2) + "\n")
     lines = ["# Speed benchmark\n",
              f"Generated by `{record['command'].strip()}` on {record['machine']} in {record['wall_time_s']:.0f} s. "
              f"Model `{args.model}`; truthfulqa_mc2 ({record['limit']} questions, batch size {args.batch_size}); "
              f"{args.gen_prompts} SORRY-Bench generations of {args.gen_tokens} tokens, one at a time. "
-             f"Medians of {args.repeats} repeat(s); warm-up excluded; ratios are to lm-eval's `--model hf`.\n"] + table(results, args.gen_tokens)
+             f"Medians of {args.repeats} repeat(s); warm-up excluded; ratios are to lm-eval's `--model hf`.\n"]
+    lines += [f"- `{name}`: " + ", ".join(f"{w} bundle `{d}`" for w, d in dirs.items() if d) for name, dirs in entries.items() if dirs]
+    lines += [""] + table(results, args.gen_tokens)
     (out / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -243,6 +243,11 @@ def test_mari_gate_that_never_opens_is_exactly_vanilla(tmp_path, mari_lm):
     assert lm.loglikelihood(_requests()) == mari_lm.loglikelihood(_requests())
     summary = lm.get_model_info()["mari_diagnostics"]
     assert summary["gate_rate"] == 0.0 and summary["prompts"] == 3  # three distinct contexts
+    # Generation: the closed gate hands every prompt to the untouched model before any expert runs.
+    req = lambda: [Instance("generate_until", {}, (q, {"until": ["\n\n"], "max_gen_toks": 16}), i)
+                   for i, q in enumerate(["Q: What is the capital of France?\nA:", "Q: Name a colour.\nA:"])]
+    assert lm.generate_until(req()) == mari_lm.generate_until(req())
+    assert all(r["variant"] == -1 and "entropy" not in r for r in lm.records[-2:])
 
 
 def test_mari_routed_answer_is_the_chosen_experts_answer(tmp_path, mari_lm):

@@ -175,6 +175,68 @@ def test_variants_equal_scoring_each_edit_alone(family):
             assert float(run.logprobs[run.row(v), m]) == pytest.approx(float(expected), abs=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rows_above_the_site_reuse_the_base_rows_lower_states(family):
+    model = tiny_model(family)
+    bundle = _bundle()
+    variants = [runner.BASE] + bundle.variants()
+    apply = lambda ids, pos: bundle.applied(model, pos, ids)
+    prefix = runner.encode_prefix(model, CONTEXT[:-1])
+    with torch.no_grad():
+        whole = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
+                                      bundle.site_only_variants())
+        calls = []
+        hook = site.attention_output(model, 0).register_forward_hook(lambda *a: calls.append(1))
+        shared = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
+                                       bundle.site_only_variants(), edit_layer=bundle.layer)
+        hook.remove()
+    torch.testing.assert_close(shared.logprobs, whole.logprobs, atol=1e-4, rtol=0, equal_nan=True)
+    for m in whole.site:
+        torch.testing.assert_close(shared.site[m], whole.site[m], atol=1e-4, rtol=1e-4)
+    assert len(calls) == 1  # layer 0 computed the base rows only (the other rows passed through it)
+
+
+def test_a_closed_gate_never_runs_the_experts():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    bundle.tau = math.inf
+    seen = []
+    variants = [runner.BASE] + bundle.variants()
+
+    def apply(ids, pos):
+        seen.extend(ids.tolist())
+        return bundle.applied(model, pos, ids)
+
+    prefix = runner.encode_prefix(model, CONTEXT[:-1])
+    with torch.no_grad():
+        run = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
+                                    bundle.site_only_variants(), edit_layer=bundle.layer, screen=bundle.screen)
+    assert set(seen) == {bundle.probe_id}
+    assert run.logprobs[[run.row(v) for v in bundle.answering_variants()]].isnan().all()
+    chosen, record = bundle.choose(run)
+    assert chosen == runner.BASE and record["gate_open"] is False and "expert" not in record
+    assert torch.equal(run.logprobs[run.row(runner.BASE)], _score(model, None, CONTEXT, OPTIONS).logprobs[0])
+
+
+def test_prefix_cache_computes_a_shared_preamble_once_and_equals_fresh_prefixes():
+    model = tiny_model("llama")
+    preamble = list(range(10, 50))  # 40 tokens, as a few-shot preamble
+    prompts = sorted([preamble + [1, 2, 3], preamble + [1, 2, 4, 5], preamble + [9], [7, 8, 9], preamble + [9]])
+    fed = []
+    hook = site.attention_output(model, 0).register_forward_hook(lambda mod, args, out: fed.append(out.shape[1]))
+    cache = runner.PrefixCache(model, min_shared=32)
+    with torch.no_grad():
+        runs = [runner.score_variants(model, cache.encode(p), 60, OPTIONS, [runner.BASE], runner.no_edit) for p in prompts]
+    hook.remove()
+    option_tokens = sum(len(o) for o in OPTIONS) * len(prompts)
+    # the preamble once (inside the first prompt that has it), then each distinct prompt's own tokens once
+    assert sum(fed) - option_tokens == 3 + 43 + 2 + 1
+    assert len(cache.path) <= cache.max_depth
+    for p, run in zip(prompts, runs):
+        fresh = runner.score_variants(model, runner.encode_prefix(model, p), 60, OPTIONS, [runner.BASE], runner.no_edit)
+        torch.testing.assert_close(run.logprobs, fresh.logprobs, atol=1e-4, rtol=0)
+
+
 def test_gate_with_infinite_threshold_is_exactly_vanilla():
     model = tiny_model("llama")
     bundle = _bundle()
@@ -233,28 +295,68 @@ def test_inconsistent_bundle_is_refused(tmp_path):
         methods.load_bundle(tmp_path / "b")
 
 
-def test_routed_generation_keeps_the_winner_and_equals_its_own_generation():
-    model = tiny_model("llama")
-    bundle = _bundle()
-    prompts = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])
-    mask = (prompts != 0).long()
+PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])
+
+
+def _generate(model, bundle, screened, **kw):
+    mask = (PROMPTS != 0).long()
     mask[1] = 1
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
-    variants = [runner.BASE] + bundle.variants()
-    out, records = runner.generate_variants(model, prompts, mask, variants, apply, bundle.choose, window=3,
-                                            max_length=12, capture=bundle.captured_layers(), pad_token_id=0,
-                                            do_sample=False)
+    extra = dict(site_only=bundle.site_only_variants(), screen=bundle.screen, edit_layer=bundle.layer) if screened else {}
+    out, records = runner.generate_variants(model, PROMPTS, mask, [runner.BASE] + bundle.variants(), apply,
+                                            bundle.choose, window=3, max_length=12, capture=bundle.captured_layers(),
+                                            pad_token_id=0, do_sample=False, **extra, **kw)
+    return mask, out, records
+
+
+@pytest.mark.parametrize("screened", [False, True])
+def test_routed_generation_keeps_the_winner_and_equals_its_own_generation(screened):
+    model = tiny_model("llama")
+    bundle = _bundle()
+    if screened:  # a threshold between the two prompts' energies: one gate opens, the other stays closed
+        energies = [r["energy"] for r in _generate(model, bundle, screened=False)[2]]
+        bundle.tau = sum(energies) / 2
+    mask, out, records = _generate(model, bundle, screened)
     assert out.shape[0] == 2 and len(records) == 2
+    if screened:
+        assert sorted(r["gate_open"] for r in records) == [False, True]
+        # the probe rerun over the masked cache, from l* up, measures what the full variant batch measured
+        assert [r["energy"] for r in records] == pytest.approx(energies, rel=1e-4)
     for p, record in enumerate(records):
         chosen = record["variant"]
         edit = (lambda h: h) if chosen == runner.BASE else (
             lambda h, c=chosen: bundle.edit_variants(h, torch.full((h.shape[0],), c)))
         with site.edit_site(model, bundle.layer, edit, None):
-            alone = model.generate(input_ids=prompts[p:p + 1], attention_mask=mask[p:p + 1], max_length=12,
+            alone = model.generate(input_ids=PROMPTS[p:p + 1], attention_mask=mask[p:p + 1], max_length=12,
                                    do_sample=False, pad_token_id=0)
         assert out[p, : alone.shape[1]].tolist() == alone[0].tolist()
-        # The entropies that chose it are the mean over the window of the chosen variant's own steps.
-        assert len(record["entropy"]) == len(bundle.answering_variants())
+        if screened and not record["gate_open"]:  # turned away before the experts ran
+            assert chosen == runner.BASE and "entropy" not in record
+        else:  # the entropies that chose it are the mean over the window of each expert's own steps
+            assert len(record["entropy"]) == len(bundle.answering_variants())
+
+
+def test_streamed_tokens_are_the_answer_only():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    bundle.configure(gate=False)  # every prompt is routed
+
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids, recorder = PROMPTS[1:], Recorder()
+    out, _ = runner.generate_variants(model, ids, torch.ones_like(ids), bundle.variants(), lambda v, pos: bundle.applied(model, pos, v),
+                                      bundle.choose, window=3, max_length=12, pad_token_id=0, do_sample=False,
+                                      streamer=recorder)
+    assert recorder.puts[0] == ids[0].tolist()  # the prompt, once
+    assert sum(recorder.puts[1:], []) == out[0, ids.shape[1]:].tolist() and recorder.ended
 
 
 # ----------------------------------------------------------------------------- training on the embedded model
