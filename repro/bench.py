@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- one measurement (subprocess)
 
 
-def _lm(entry: str, model: str, bundle: str | None, batch_size: int):
+def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args: str = ""):
     from lm_eval.api.registry import get_model
 
     from mari_eval.models import resolve_model
@@ -49,7 +49,8 @@ def _lm(entry: str, model: str, bundle: str | None, batch_size: int):
     if entry == "hf":
         return get_model("hf").create_from_arg_string(
             f"pretrained={resolve_model(model)},batch_size={batch_size},device=cpu,dtype=float32")
-    args = f"pretrained={model},batch_size={batch_size}" + (f",bundle={bundle}" if bundle else "")
+    args = f"pretrained={model},batch_size={batch_size}" + (f",bundle={bundle}" if bundle else "") + (
+        f",{model_args}" if model_args else "")
     return get_model("mari").create_from_arg_string(args)
 
 
@@ -135,7 +136,7 @@ def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
 
 
 def worker(args) -> None:
-    lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size)
+    lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size, args.model_args or "")
     if args.workload == "mc":
         result = measure_mc(lm, args.limit or None, args.repeats)
     else:
@@ -153,7 +154,8 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
                "--batch-size", str(args.batch_size), "--limit", str(args.limit), "--repeats", str(args.repeats),
                "--gen-prompts", str(args.gen_prompts), "--gen-tokens", str(args.gen_tokens)]
     if bundle:
-        command += ["--bundle-dir", bundle]
+        directory, _, model_args = bundle.partition(",")
+        command += ["--bundle-dir", directory] + (["--model-args", model_args] if model_args else [])
     proc = subprocess.run(command, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("BENCH ")]
     if proc.returncode != 0 or not lines:
@@ -189,7 +191,8 @@ def table(results: dict, tokens: int) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a trained bundle to time (repeatable)")
+    p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR[,ARGS]",
+                   help="a trained bundle to time (repeatable); ARGS: model args, e.g. mari_open=DIR,gate=false")
     p.add_argument("--gen-bundle", action="append", default=[], metavar="NAME=DIR",
                    help="the bundle NAME is timed with on the gen workload (default: its --bundle)")
     p.add_argument("--limit", type=int, default=0, help="truthfulqa_mc2 questions (0 = all 817)")
@@ -204,6 +207,8 @@ def main() -> int:
     p.add_argument("--entry", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--bundle-dir", help=argparse.SUPPRESS)
+    p.add_argument("--model-args", help=argparse.SUPPRESS)
+    p.add_argument("--force", action="store_true", help="remeasure entries already in the output's bench.json")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -213,7 +218,7 @@ def main() -> int:
         out = {}
         for item in items:
             name, sep, directory = item.partition("=")
-            if not sep or not Path(directory, "bundle.json").is_file():
+            if not sep or not Path(directory.partition(",")[0], "bundle.json").is_file():
                 p.error(f"{flag} {item!r}: expected NAME=DIR with DIR/bundle.json (train one with `mari-eval train`)")
             out[name] = directory
         return out
@@ -231,10 +236,21 @@ def main() -> int:
         "limit": args.limit or "all", "repeats": args.repeats, "machine": platform.platform(),
         "processor": platform.processor(), "cpus": os.cpu_count(), "results": {},
     }
+    # Measurements of an earlier run with the same settings are kept (an interrupted or extended run
+    # measures only what is missing); --force remeasures.
+    settings = ("model", "batch_size", "limit", "repeats", "machine")
+    previous = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() and not args.force else {}
+    if any(previous.get(k) != record[k] for k in settings) or previous.get("gen") != [args.gen_prompts, args.gen_tokens]:
+        previous = {}
+    record["gen"] = [args.gen_prompts, args.gen_tokens]
     started = time.time()
     for entry, dirs in entries.items():
         for workload in workloads:
             if entry not in ("hf", "vanilla") and not dirs.get(workload):
+                continue
+            kept = previous.get("results", {}).get(entry, {}).get(workload)
+            if kept is not None and previous.get("bundles", {}).get(entry, {}).get(workload) == dirs.get(workload):
+                record["results"].setdefault(entry, {})[workload] = kept
                 continue
             print(f"bench: {entry} / {workload} ...", file=sys.stderr, flush=True)
             record["results"].setdefault(entry, {})[workload] = run_one(args, entry, dirs.get(workload), workload)
