@@ -60,7 +60,7 @@ def _train(args: argparse.Namespace) -> int:
         hp["single"] = True
     hp = {k: v for k, v in hp.items() if v is not None}
     path = train(args.method, args.attribute, args.model, args.seed, args.out, layer=args.layer,
-                 max_train=args.max_train, max_ctrl=args.max_ctrl, hyperparameters=hp)
+                 max_train=args.max_train, max_ctrl=args.max_ctrl, max_pca=args.max_pca, hyperparameters=hp)
     print(f"bundle: {path}")
     return 0
 
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=float, help="gate quantile (default 0.9; can be changed at evaluation)")
     p.add_argument("--max-train", type=int, help="train on at most this many D_train examples (seeded subset)")
     p.add_argument("--max-ctrl", type=int, help="calibrate on at most this many examples per control source (smoke runs)")
+    p.add_argument("--max-pca", type=int, help="fit the PCA subspace on at most this many D_pca prompts (smoke runs)")
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")

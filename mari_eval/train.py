@@ -221,19 +221,22 @@ def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[st
 
 
 def attribute_data(session: Session, attribute: str, seed: int, max_train: int | None = None,
-                   max_ctrl: int | None = None) -> AttributeData:
+                   max_ctrl: int | None = None, max_pca: int | None = None) -> AttributeData:
     if attribute not in ATTRIBUTE_TASKS:
         raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
     splits = data.make_splits(attribute, seed)
+    pca_ids = list(splits.pca)
+    if max_pca is not None and len(pca_ids) > max_pca:  # smoke runs: a seeded subset of D_pca
+        pca_ids = random.Random(f"max_pca:{seed}").sample(pca_ids, max_pca)
     manager = _task_manager()
     if attribute == "sorry_bench":
         records = {r["id"]: r for r in data.load_sorry_bench()}
-        pca = [session.encode_prompt(sorry_prompt(session, records[i]["turns"][0])) for i in splits.pca]
+        pca = [session.encode_prompt(sorry_prompt(session, records[i]["turns"][0])) for i in pca_ids]
         train = _sorry_examples(session, records, splits.train)
         ctrl = _sorry_examples(session, records, splits.ctrl)
     else:
         task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
-        pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in splits.pca]
+        pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
         train = _mc_examples(session, task, docs, splits.train)
         ctrl = _mc_examples(session, task, docs, splits.ctrl)
     arc_task, arc_docs = _task_docs(manager, ARC_CTRL_TASK, "train")
@@ -271,7 +274,7 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
 
 
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
-          max_train: int | None = None, max_ctrl: int | None = None,
+          max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
           hyperparameters: dict[str, Any] | None = None) -> Path:
     """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``."""
     from mari_eval import methods
@@ -280,10 +283,12 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     torch.manual_seed(seed)
     t0 = time.time()
     session = Session(model, layer=layer)
-    attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl)
+    attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
     config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
     config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
+    if max_pca is not None:
+        config["splits"]["max_pca"] = max_pca
     intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
     intervention.config["train_seconds"] = round(time.time() - t0, 1)
     path = intervention.save(out)

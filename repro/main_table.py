@@ -1,95 +1,86 @@
-"""Main job: evaluate the embedded default model on the held-out TruthfulQA tasks through lm-eval.
+"""Table 1: every method trained on each attribute and evaluated through lm-eval, ours beside the paper's.
 
-Interim version (foundation issue): it runs the vanilla model only, the real lm-eval
-path that every method will share, and writes results/main_table.{json,md} with the
-model, split seed, split fingerprint and subset size beside each number, and the
-paper's Vanilla figure for its closest model in a separate column. The full table
-(all methods and benchmarks) comes with the repro issue.
+    python repro/main_table.py                 # quick profile: the embedded model on CPU (< 1 h)
+    python repro/main_table.py --profile paper # the paper's models, full test sets, 3 seeds (GPU)
+    python repro/main_table.py --model Qwen/Qwen2-7B-Instruct --profile paper
+    python repro/main_table.py --smoke         # tiny subsets, a few minutes (tests)
 
-    python repro/main_table.py [--model smollm2-135m-instruct] [--limit 100] [--split-seed 0]
+For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI are trained on the
+TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train``) and
+evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
+SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
+ARC-Challenge (25-shot) under the TruthfulQA-trained intervention. Every bundle and
+every evaluation is cached under runs/ by its configuration (repro/common.py): an
+interrupted run continues where it stopped, a finished one is read back.
+
+Writes results/main_table.{json,md,tex} (or --out): mean ± std over seeds, the number of
+documents behind each cell, the model, seeds and subset sizes, and the paper's figure for
+its closest model in a separate column.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TASKS = {"truthfulqa_mc1_heldout": "tqa_mc1", "truthfulqa_mc2_heldout": "tqa_mc2"}
-# The paper's model closest to each embedded one (same family, smallest size in Table 1).
-CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import BENCHMARKS, METHOD_LABELS, METHODS  # noqa: E402
+
+# Beside the judged refusal rate: the keyword rate (no judge needed), ours only.
+EXTRA = [("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")]
 
 
-def paper_vanilla(paper_model: str) -> dict[str, str]:
-    with open(REPO / "results" / "paper" / "table1_main.csv") as fh:
-        for row in csv.DictReader(fh):
-            if row["model"] == paper_model and row["method"] == "Vanilla":
-                return row
-    raise KeyError(paper_model)
+def run(profile: common.Profile, store: common.Store, methods: list[str] = METHODS) -> dict:
+    """{model: {method: {column: {"values": [per seed], "n": docs}}}} for the profile."""
+    from tqdm import tqdm
+
+    columns = BENCHMARKS + EXTRA
+    steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
+    cells: dict = {}
+    for model, seed, method in tqdm(steps, desc="main table", unit="method"):
+        bundles = {}
+        if method != "vanilla":
+            for attribute in sorted({c[3] for c in columns}):
+                bundles[attribute] = store.bundle(method, attribute, model, seed, profile)
+        for column, result in common.score(store, profile, model, seed, columns, bundles).items():
+            cell = cells.setdefault(model, {}).setdefault(method, {}).setdefault(column, {"values": [], "n": result["n"]})
+            cell["values"].append(result["value"])
+    return cells
 
 
-def main() -> int:
+def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
+    paper_model = common.CLOSEST_PAPER_MODEL.get(model, "Llama-2-7B")
+    return paper_model, {r["method"]: r for r in common.paper_rows("table1_main") if r["model"] == paper_model}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--limit", type=int, default=50, help="questions per task (first N of the held-out split); 0 = all")
-    parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", default=str(REPO / "results"))
-    args = parser.parse_args()
-
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    from mari_eval.data import make_splits
-
-    splits = make_splits("truthfulqa", args.split_seed)
+    common.add_common_args(parser)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    args = parser.parse_args(argv)
+    common.setup_logging()
+    profile = common.profile_from_args(args)
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {METHODS}")
+    store = common.Store(args.runs, force=args.force)
     started = time.time()
-    out = simple_evaluate(
-        model="mari",
-        model_args=f"pretrained={args.model},batch_size={args.batch_size}",
-        tasks=list(TASKS),
-        limit=args.limit or None,
-        task_manager=TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": args.split_seed}),
-        bootstrap_iters=0,
-    )
-    wall = time.time() - started
-    paper_model = CLOSEST_PAPER_MODEL.get(args.model, "Llama-2-7B")
-    paper = paper_vanilla(paper_model)
-    n_docs = {t: out["n-samples"][t]["effective"] for t in TASKS}
-    rows = [
-        {"method": "Vanilla", "metric": key, "ours": 100 * out["results"][task]["acc,none"], "n": n_docs[task],
-         "paper": float(paper[key]), "paper_model": paper_model}
-        for task, key in TASKS.items()
-    ]
-    record = {
-        "command": "python repro/main_table.py " + " ".join(sys.argv[1:]),
-        "model": args.model,
-        "split": {"dataset": "truthfulqa", "seed": args.split_seed, "fingerprint": splits.fingerprint(),
-                  "test_size": len(splits.test), "evaluated": "first N held-out questions in dataset order"},
-        "seed": out["config"].get("random_seed"),
-        "wall_time_s": round(wall, 1),
-        "platform": platform.platform(),
-        "rows": rows,
-    }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "main_table.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = [
-        f"# Main table (interim: vanilla only)\n",
-        f"Model `{args.model}`, held-out TruthfulQA (split seed {args.split_seed}, fingerprint `{splits.fingerprint()}`), "
-        f"first {rows[0]['n']} of {len(splits.test)} held-out questions. Generated by `{record['command'].strip()}` "
-        f"in {wall:.0f} s. Paper column: the paper's Table 1 for {paper_model}, not comparable in model size.\n",
-        "| method | metric | ours (%) | n | paper (%) | paper model |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {r['method']} | {r['metric']} | {r['ours']:.2f} | {r['n']} | {r['paper']:.2f} | {r['paper_model']} |" for r in rows]
-    (out_dir / "main_table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    cells = run(profile, store, methods)
+    command = "python repro/main_table.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
+    intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
+             "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
+             "MMLU and ARC run under the TruthfulQA-trained intervention. `sorry_keyword` is the keyword refusal "
+             "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
+             "not the same model, not comparable in size.")
+    common.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
+                        [c[0] for c in BENCHMARKS + EXTRA], paper_figures, profile, command.strip(),
+                        time.time() - started, store)
     return 0
 
 

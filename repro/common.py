@@ -1,0 +1,378 @@
+"""What the repro scripts share: profiles, cached training and evaluation steps, the
+paper's tables, and atomic writers for results/.
+
+Every trained bundle and every evaluation is stored under ``runs/`` in a directory
+named by the SHA-256 of its full configuration (what is computed, on which model, data
+sizes, seeds, hyperparameters, and the package versions). A finished step is read back
+instead of recomputed, so an interrupted script continues where it stopped; a step that
+was killed midway left only a temporary directory, which the next run replaces.
+``force=True`` (``--force``) recomputes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import csv
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = REPO / "results" / "paper"
+log = logging.getLogger("repro")
+
+METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]
+METHOD_LABELS = {"vanilla": "Vanilla", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI", "reft": "ReFT", "mari": "MARI"}
+
+# Benchmarks of Table 1: (column of table1_main.csv, lm-eval task, metric, the attribute whose bundle answers it).
+# MMLU and ARC run under the TruthfulQA-trained intervention: general capability under the edit.
+BENCHMARKS = [
+    ("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
+    ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
+    ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
+    ("sorry_refusal", "sorry_bench_heldout", "refusal_rate,none", "sorry_bench"),
+    ("mmlu", "mmlu", "acc,none", "truthfulqa"),
+    ("arc_e", "arc_easy", "acc,none", "truthfulqa"),
+    ("arc_c", "arc_challenge", "acc,none", "truthfulqa"),
+]
+# Percentages in the paper's table (the others are fractions, as the paper prints them).
+PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k"}
+COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3}
+
+
+@dataclass
+class Profile:
+    """How much of everything a run computes."""
+
+    name: str
+    models: list[str]
+    seeds: list[int]
+    max_train: dict[str, int | None]  # per attribute: a seeded subset of D_train
+    max_ctrl: int | None  # per control source (None: the whole control split)
+    limits: dict[str, int | None]  # per lm-eval task (MMLU: per subject): first N documents
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  # overrides for every method (e.g. epochs)
+    max_pca: int | None = None  # D_pca prompts for MARI's subspace (None: the whole split)
+    gen_tokens: dict[str, int] = field(default_factory=dict)  # per generation task: max_gen_toks (else the task's)
+    tasks: dict[str, str] = field(default_factory=dict)  # a stand-in per task (smoke: one MMLU subject)
+
+    def task(self, name: str) -> str:
+        return self.tasks.get(name, name)
+
+
+# The paper's models as Hub ids (the paper names sizes, not checkpoints; we take the chat/instruct ones,
+# since SORRY-Bench prompts are chat turns and its appendix uses Llama-3-8B-Instruct).
+PAPER_MODELS = {
+    "Llama-2-7B": "meta-llama/Llama-2-7b-chat-hf",
+    "Llama-2-13B": "meta-llama/Llama-2-13b-chat-hf",
+    "Llama-3-8B": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "Qwen2-7B": "Qwen/Qwen2-7B-Instruct",
+    "Qwen2.5-14B": "Qwen/Qwen2.5-14B-Instruct",
+    "Qwen2.5-32B": "Qwen/Qwen2.5-32B-Instruct",
+}
+# The paper's model closest to each embedded one (same family where there is one, else the smallest).
+CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B", **{v: k for k, v in PAPER_MODELS.items()}}
+
+PROFILES = {
+    # Every script end to end in a few minutes (tests).
+    "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
+                     {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
+                      "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
+                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
+                     tasks={"mmlu": "mmlu_abstract_algebra"}),
+    # The embedded model on 2 CPU cores within the hour: seeded subsets, first-N test documents.
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 40, "bbq": 40, "sorry_bench": None}, 20,
+                     {"truthfulqa_mc1_heldout": 50, "truthfulqa_mc2_heldout": 50, "bbq_disambig_heldout": 50,
+                      "sorry_bench_heldout": 10, "mmlu": 1, "arc_easy": 20, "arc_challenge": 20, "gsm8k": 20},
+                     max_pca=200, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
+    # The paper's setting on GPU machines: its models, full test sets, 3 seeds.
+    "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
+                     None, {}),
+}
+
+
+def profile_from_args(args) -> Profile:
+    profile = PROFILES[args.profile]
+    if getattr(args, "model", None):
+        profile = Profile(**{**profile.__dict__, "models": [args.model]})
+    if getattr(args, "seeds", None):
+        profile = Profile(**{**profile.__dict__, "seeds": [int(s) for s in args.seeds.split(",")]})
+    return profile
+
+
+def add_common_args(parser) -> None:
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="how much to compute (default: quick)")
+    parser.add_argument("--smoke", dest="profile", action="store_const", const="smoke", help="same as --profile smoke")
+    parser.add_argument("--model", help="run this model (embedded alias or Hub id) instead of the profile's")
+    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's")
+    parser.add_argument("--runs", default=str(REPO / "runs"), help="where bundles and evaluations are cached")
+    parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
+    parser.add_argument("--force", action="store_true", help="recompute cached steps")
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("mari-eval", "torch", "transformers", "lm_eval"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def config_key(config: dict) -> str:
+    """The hash a step is stored under: its configuration plus the package versions."""
+    text = json.dumps({"config": config, "versions": _versions()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically: a reader (or a killed writer) never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Store:
+    """Bundles and evaluation results under ``root``, keyed by configuration."""
+
+    def __init__(self, root: str | Path, force: bool = False):
+        self.root, self.force = Path(root), force
+        self.computed: list[str] = []  # keys computed by this process (the rest were read back)
+
+    def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
+               hyperparameters: dict[str, Any] | None = None) -> Path:
+        """A trained bundle directory, trained now unless this configuration is stored."""
+        from mari_eval.train import train
+
+        hp = {**profile.hyperparameters, **(hyperparameters or {})}
+        if method in ("caa", "iti", "nl_iti"):
+            hp = {k: v for k, v in hp.items() if k not in ("epochs",)}  # no epochs: closed-form fits
+        if method == "mari":
+            hp = {"single": True, **hp}  # the one-adapter ablation (Table 2) trained beside the experts
+        config = {"kind": "bundle", "method": method, "attribute": attribute, "model": model, "seed": seed,
+                  "max_train": profile.max_train.get(attribute), "max_ctrl": profile.max_ctrl, "max_pca": profile.max_pca,
+                  "hyperparameters": hp}
+        key = config_key(config)
+        final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
+        if (final / "bundle.json").is_file() and (not self.force or final.name in self.computed):
+            return final
+        tmp = final.with_name(final.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("training %s on %s (%s, seed %d)", method, attribute, model, seed)
+        train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=profile.max_ctrl,
+              max_pca=profile.max_pca, hyperparameters=hp)
+        write_json(tmp / "repro_config.json", config)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self.computed.append(final.name)
+        return final
+
+    def evaluations(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
+                    model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> dict[str, dict]:
+        """lm-eval's results per task (each cached on its own): {"metrics", "n", "seconds", "diagnostics"}.
+        The tasks not stored yet are evaluated together, in one lm-eval run on one loaded model."""
+        fingerprint = None
+        if bundle is not None:
+            from mari_eval.methods import load_bundle
+
+            fingerprint = load_bundle(bundle).fingerprint()
+        paths, configs = {}, {}
+        for task in tasks:
+            configs[task] = {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
+                             "model_args": model_args, "gen_tokens": gen_tokens,
+                             "split_seed": split_seed if "heldout" in task else None}  # the others have no split of ours
+            paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
+        missing = [t for t in tasks if not paths[t].is_file() or (self.force and paths[t].name not in self.computed)]
+        if missing:
+            log.info("evaluating %s on %s (%s%s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
+                     f", {model_args}" if model_args else "")
+            for task, result in _evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed).items():
+                write_json(paths[task], {"config": configs[task], **result})
+                self.computed.append(paths[task].name)
+        return {t: json.loads(paths[t].read_text()) for t in tasks}
+
+
+_BASE_MODELS: dict[str, tuple] = {}  # model name -> (frozen model, tokenizer), loaded once per process
+
+
+def _mari_lm(model: str, bundle: Path | None, model_args: str):
+    from lm_eval.utils import simple_parse_args_string
+
+    from mari_eval.lm import MariLM
+
+    if model not in _BASE_MODELS:
+        first = MariLM(pretrained=model)
+        _BASE_MODELS[model] = (first.model, first.tokenizer)
+    frozen, tokenizer = _BASE_MODELS[model]
+    kwargs = simple_parse_args_string(model_args) if model_args else {}
+    return MariLM(pretrained=frozen, tokenizer=tokenizer, bundle=str(bundle) if bundle else None, **kwargs)
+
+
+def _documents(out: dict, name: str) -> int:
+    """Documents evaluated for a task or, for a group (MMLU), summed over its subtasks."""
+    if name in out["n-samples"]:
+        return out["n-samples"][name]["effective"]
+    return sum(_documents(out, sub) for sub in out.get("group_subtasks", {}).get(name, []))
+
+
+def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed) -> dict[str, dict]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    if any(t.startswith("sorry") for t in tasks):
+        _ensure_judge()
+    lm = _mari_lm(model, bundle, model_args)
+    started = time.time()
+    out = simple_evaluate(
+        model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=0,
+        gen_kwargs=f"max_gen_toks={gen_tokens}" if gen_tokens else None,
+        task_manager=TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": split_seed or 0}),
+    )
+    seconds = round(time.time() - started, 1)
+    results = {}
+    for task in tasks:
+        metrics = {k: v for k, v in out["results"][task].items() if isinstance(v, (int, float)) or v is None}
+        diagnostics = None
+        if lm.intervention is not None:  # generation records carry no task: they are the one generation task's
+            records = [r for r in lm.records if r.get("task") == task or (r.get("task") is None and task.startswith("sorry"))]
+            diagnostics = lm.intervention.summarize(records)
+        results[task] = {"metrics": metrics, "n": _documents(out, task), "seconds": seconds, "tasks_run_together": list(tasks),
+                         "diagnostics": diagnostics}
+    return results
+
+
+_JUDGE = contextlib.ExitStack()
+
+
+def _ensure_judge() -> None:
+    """SORRY-Bench tasks need a judge: the configured one (MARI_JUDGE_*), else the embedded one,
+    started once for this process and stopped at its exit (mari_eval.judge.judge_environment)."""
+    from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
+
+    if os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL):
+        return
+    os.environ.update(_JUDGE.enter_context(judge_environment()))
+    atexit.register(_JUDGE.close)
+
+
+def score(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple], bundles: dict[str, Path | None],
+          model_args: str = "") -> dict[str, dict]:
+    """{column: {"value", "n", "diagnostics"}} for ``columns`` (BENCHMARKS-like tuples), each task
+    evaluated under the bundle of its attribute (none: the base model); tasks that share a bundle,
+    a document limit and a generation length run together."""
+    groups: dict[tuple, list[str]] = {}
+    for column, task, metric, attribute in columns:
+        key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task))
+        if profile.task(task) not in groups.setdefault(key, []):
+            groups[key].append(profile.task(task))
+    evaluated: dict[str, dict] = {}
+    for (attribute, limit, gen_tokens), tasks in groups.items():
+        evaluated.update(store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed))
+    out = {}
+    for column, task, metric, attribute in columns:
+        result = evaluated[profile.task(task)]
+        value = result["metrics"].get(metric)
+        value = float("nan") if value is None else float(value) * (100 if column in PERCENT_COLUMNS else 1)
+        out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics")}
+    return out
+
+
+# ----------------------------------------------------------------------------- the paper's tables
+
+
+def paper_rows(name: str) -> list[dict[str, str]]:
+    """Rows of one of the paper's tables (results/paper/<name>.csv, copied from ../shared/paper)."""
+    path = PAPER / f"{name}.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: copy it from ../shared/paper/{name}.csv")
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    import statistics
+
+    if not values:
+        return float("nan"), None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def fmt(mean: float, std: float | None, digits: int = 2) -> str:
+    if mean != mean:  # NaN
+        return "n/a"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- writing tables
+
+
+def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
+                 profile: Profile, command: str, wall: float, store: Store) -> dict:
+    """results/<name>.{json,md,tex} from ``cells`` = {model: {row label: {column: {"values", "n"}}}}.
+
+    ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
+    figures, shown in their own column beside ours and never mixed into them.
+    """
+    record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
+              "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
+              "wall_time_s": round(wall, 1), "computed_now": store.computed, "models": {}}
+    md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}) in {wall:.0f} s. {intro}\n"]
+    tex = ["\\begin{tabular}{l" + "c" * len(columns) + "}", "\\toprule",
+           " & ".join(["Row"] + [c.replace("_", "\\_") for c in columns]) + " \\\\", "\\midrule"]
+    for model, rows in cells.items():
+        paper_model, paper = paper_lookup(model)
+        entry = record["models"][model] = {"paper_model": paper_model, "rows": []}
+        md += [f"\n## {model} (paper column: {paper_model})\n",
+               "| row | " + " | ".join(f"{c} (ours) | {c} (paper)" for c in columns) + " |",
+               "|---|" + "---|---|" * len(columns)]
+        tex.append(f"\\multicolumn{{{len(columns) + 1}}}{{c}}{{\\textit{{{model}}}}} \\\\")
+        for label, by_column in rows.items():
+            row = {"row": label, "ours": {}, "n": {}, "paper": {}}
+            md_cells, tex_cells = [], []
+            for column in columns:
+                cell = by_column.get(column, {"values": [], "n": 0})
+                mean, std = mean_std([v for v in cell["values"] if v == v])
+                figure = paper.get(label, {}).get(column)
+                row["ours"][column] = {"mean": mean, "std": std, "values": cell["values"]}
+                row["n"][column] = cell["n"]
+                row["paper"][column] = float(figure) if figure not in (None, "") else None
+                digits = 2 if column in PERCENT_COLUMNS or column not in COLUMN_DIGITS else COLUMN_DIGITS[column]
+                md_cells += [f"{fmt(mean, std, digits)} (n={cell['n']})", figure or "-"]
+                tex_cells.append(fmt(mean, std, digits).replace("±", "$\\pm$"))
+            entry["rows"].append(row)
+            md.append(f"| {label} | " + " | ".join(md_cells) + " |")
+            tex.append(f"{label} & " + " & ".join(tex_cells) + " \\\\")
+    tex += ["\\bottomrule", "\\end{tabular}"]
+    write_json(out / f"{name}.json", record)
+    write_text(out / f"{name}.md", "\n".join(md) + "\n")
+    write_text(out / f"{name}.tex", "\n".join(tex) + "\n")
+    print("\n".join(md))
+    return record
