@@ -88,10 +88,10 @@ PROFILES = {
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
     # The embedded model on 2 CPU cores within the hour: seeded subsets, first-N test documents.
-    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 40, "bbq": 40, "sorry_bench": None}, 20,
-                     {"truthfulqa_mc1_heldout": 50, "truthfulqa_mc2_heldout": 50, "bbq_disambig_heldout": 50,
-                      "sorry_bench_heldout": 10, "mmlu": 1, "arc_easy": 20, "arc_challenge": 20, "gsm8k": 20},
-                     max_pca=200, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, 16,
+                     {"truthfulqa_mc1_heldout": 30, "truthfulqa_mc2_heldout": 30, "bbq_disambig_heldout": 30,
+                      "sorry_bench_heldout": 8, "mmlu": 1, "arc_easy": 10, "arc_challenge": 10, "gsm8k": 20},
+                     max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
                      None, {}),
@@ -115,6 +115,18 @@ def add_common_args(parser) -> None:
     parser.add_argument("--runs", default=str(REPO / "runs"), help="where bundles and evaluations are cached")
     parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
     parser.add_argument("--force", action="store_true", help="recompute cached steps")
+    parser.add_argument("--columns", help="comma-separated subset of the table's benchmark columns (e.g. tqa_mc1,bbq_acc)")
+
+
+def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
+    """The benchmark columns named in ``--columns`` (all without it)."""
+    if not wanted:
+        return columns
+    names = wanted.split(",")
+    unknown = sorted(set(names) - {c[0] for c in columns})
+    if unknown:
+        raise SystemExit(f"--columns: unknown {unknown}; this table has {[c[0] for c in columns]}")
+    return [c for c in columns if c[0] in names]
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -329,6 +341,46 @@ def fmt(mean: float, std: float | None, digits: int = 2) -> str:
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
+    """Parse a repro script's command line: (args, profile, store, the command as it will be recorded)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    if extra_args is not None:
+        extra_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    command = (f"python repro/{script} " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    return args, profile_from_args(args), Store(args.runs, force=args.force), command
+
+
+def tally(cells: dict, model: str, label: str, scores: dict[str, dict]) -> None:
+    """Add one seed's ``score`` results to ``cells`` = {model: {row label: {column: {"values", "n"}}}}."""
+    for column, result in scores.items():
+        cell = cells.setdefault(model, {}).setdefault(label, {}).setdefault(column, {"values": [], "n": result["n"]})
+        cell["values"].append(result["value"])
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display on CI or servers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 # ----------------------------------------------------------------------------- writing tables

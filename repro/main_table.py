@@ -20,7 +20,6 @@ its closest model in a separate column.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,11 +33,10 @@ from common import BENCHMARKS, METHOD_LABELS, METHODS  # noqa: E402
 EXTRA = [("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")]
 
 
-def run(profile: common.Profile, store: common.Store, methods: list[str] = METHODS) -> dict:
+def run(profile: common.Profile, store: common.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA) -> dict:
     """{model: {method: {column: {"values": [per seed], "n": docs}}}} for the profile."""
     from tqdm import tqdm
 
-    columns = BENCHMARKS + EXTRA
     steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
     cells: dict = {}
     for model, seed, method in tqdm(steps, desc="main table", unit="method"):
@@ -46,9 +44,7 @@ def run(profile: common.Profile, store: common.Store, methods: list[str] = METHO
         if method != "vanilla":
             for attribute in sorted({c[3] for c in columns}):
                 bundles[attribute] = store.bundle(method, attribute, model, seed, profile)
-        for column, result in common.score(store, profile, model, seed, columns, bundles).items():
-            cell = cells.setdefault(model, {}).setdefault(method, {}).setdefault(column, {"values": [], "n": result["n"]})
-            cell["values"].append(result["value"])
+        common.tally(cells, model, method, common.score(store, profile, model, seed, columns, bundles))
     return cells
 
 
@@ -58,20 +54,15 @@ def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    profile = common.profile_from_args(args)
+    methods_arg = lambda p: p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    args, profile, store, command = common.start(__doc__, "main_table.py", argv, methods_arg)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        parser.error(f"--methods: unknown {unknown}; choose from {METHODS}")
-    store = common.Store(args.runs, force=args.force)
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     started = time.time()
-    cells = run(profile, store, methods)
-    command = "python repro/main_table.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    columns = common.select(BENCHMARKS + EXTRA, args.columns)
+    cells = run(profile, store, methods, columns)
     labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
@@ -79,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
              "not the same model, not comparable in size.")
     common.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
-                        [c[0] for c in BENCHMARKS + EXTRA], paper_figures, profile, command.strip(),
-                        time.time() - started, store)
+                        [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store)
     return 0
 
 

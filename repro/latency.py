@@ -1,0 +1,79 @@
+"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI (SORRY-Bench-trained bundles).
+
+    python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128]
+
+Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
+code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
+the first answer token is streamed), tokens/s after it (TPS) and total latency (TTLT).
+The bundles are the main table's SORRY-Bench ones (same cache under runs/). Writes
+results/latency.{json,md,tex} with the paper's Table 4 beside ours (its hardware and
+model differ: compare ratios to Base, not absolute numbers).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+import common  # noqa: E402
+
+ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
+
+
+def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int) -> dict:
+    from tqdm import tqdm
+
+    cells: dict = {}
+    steps = [(m, s, label) for m in profile.models for s in profile.seeds for label in ROWS]
+    for model, seed, label in tqdm(steps, desc="latency", unit="method"):
+        method = ROWS[label]
+        bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
+        args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens)
+        result = bench.run_one(args, "vanilla", str(bundle) if bundle else None, "gen")
+        row = cells.setdefault(model, {}).setdefault(label, {})
+        for column, value in (("ftl_ms", 1000 * result["first_token_s"]), ("tps", result["tokens_per_s"]),
+                              ("ttlt_s", result["total_s"])):
+            row.setdefault(column, {"values": [], "n": prompts})["values"].append(value)
+    for rows in cells.values():  # ratios to Base, the comparable part
+        base = rows["Base Model"]
+        for row in rows.values():
+            for column in ("ftl_ms", "tps", "ttlt_s"):
+                row[f"{column}_x_base"] = {"values": [v / b for v, b in zip(row[column]["values"], base[column]["values"])],
+                                           "n": prompts}
+    return cells
+
+
+def paper_figures(model: str):
+    rows = {r["method"]: dict(r) for r in common.paper_rows("table4_latency")}
+    for row in rows.values():  # the paper's ratios to its base model, for the x_base columns
+        base = rows["Base Model"]
+        for column in ("ftl_ms", "tps", "ttlt_s"):
+            row[f"{column}_x_base"] = f"{float(row[column]) / float(base[column]):.2f}"
+    return "(the paper's setup)", rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    def sizes(parser):
+        parser.add_argument("--prompts", type=int, default=10)
+        parser.add_argument("--tokens", type=int, default=128)
+
+    args, profile, store, command = common.start(__doc__, "latency.py", argv, sizes)
+    prompts, tokens = (2, 4) if profile.name == "smoke" else (args.prompts, args.tokens)
+    started = time.time()
+    cells = run(profile, store, prompts, tokens)
+    intro = (f"{prompts} SORRY-Bench prompts, {tokens} greedy tokens each, one at a time; medians. "
+             "FTL in ms, TPS in tokens/s after the first token, TTLT in s; x_base: ratio to our Base Model. "
+             "The paper's absolute numbers come from other hardware and models.")
+    columns = ["ftl_ms", "ftl_ms_x_base", "tps", "tps_x_base", "ttlt_s", "ttlt_s_x_base"]
+    common.write_tables(Path(args.out), "latency", "Table 4: inference cost", intro, cells, columns, paper_figures,
+                        profile, command, time.time() - started, store)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Sensitivity to K (number of experts) and rho (gate quantile): tables and line plots.
+
+    python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6] [--rhos 0.7,0.8,0.9]
+
+K: MARI is trained on TruthfulQA with K = 1..6 experts (everything else as the main
+table) and evaluated with its gate. rho: the K = 4 bundle evaluated with tau_E
+recomputed at each rho. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the
+TruthfulQA intervention). The paper shows these as figures only (no numbers to put
+beside ours). Writes results/sensitivity.{json,md} and results/sensitivity_k.png,
+results/sensitivity_rho.png.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import BENCHMARKS  # noqa: E402
+
+COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
+
+
+def run(profile: common.Profile, store: common.Store, ks: list[int], rhos: list[float]) -> dict:
+    from tqdm import tqdm
+
+    cells: dict = {}
+    steps = [(m, s, "K", k) for m in profile.models for s in profile.seeds for k in ks]
+    steps += [(m, s, "rho", r) for m in profile.models for s in profile.seeds for r in rhos]
+    for model, seed, axis, value in tqdm(steps, desc="sensitivity", unit="point"):
+        K = int(value) if axis == "K" else 4
+        bundle = store.bundle("mari", "truthfulqa", model, seed, profile, {"K": K} if K != 4 else None)
+        model_args = f"rho={value}" if axis == "rho" else ""
+        label = f"K={K}" if axis == "K" else f"rho={value}"
+        common.tally(cells, model, label, common.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args))
+    return cells
+
+
+def plot(cells: dict, axis: str, points: list, path: Path) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.2))
+    for ax, (column, *_rest) in zip(axes, COLUMNS):
+        for model, rows in cells.items():
+            means = [common.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
+            ax.plot(points, means, marker="o", label=model)
+        ax.set_xlabel(axis)
+        ax.set_ylabel(f"{column} (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"MARI sensitivity to {axis} (TruthfulQA-trained; ours)")
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def points(parser):
+        parser.add_argument("--ks", default="1,2,3,4,5,6")
+        parser.add_argument("--rhos", default="0.7,0.8,0.9")
+
+    args, profile, store, command = common.start(__doc__, "sensitivity.py", argv, points)
+    ks, rhos = [int(k) for k in args.ks.split(",")], [float(r) for r in args.rhos.split(",")]
+    started = time.time()
+    cells = run(profile, store, ks, rhos)
+    out = Path(args.out)
+    common.write_tables(out, "sensitivity", "Sensitivity to K and rho", "In %. The paper shows figures only.", cells,
+                        [c[0] for c in COLUMNS], lambda model: ("(figures only)", {}), profile, command,
+                        time.time() - started, store)
+    plot(cells, "K", ks, out / "sensitivity_k.png")
+    plot(cells, "rho", rhos, out / "sensitivity_rho.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
