@@ -480,8 +480,7 @@ def generate_variants(
                 answers[p] = out[j]
                 records[p] = choose(run_of(p, states[p], None))[1]
         # The routed prompts feed p* again over the untouched cache, whose p* is masked out.
-        ids = torch.cat([input_ids, input_ids[:, -1:]], dim=1)
-        mask = torch.cat([attention_mask[:, :-1], torch.zeros_like(attention_mask[:, -1:]), torch.ones_like(attention_mask[:, -1:])], dim=1)
+        ids, mask = torch.cat([input_ids, input_ids[:, -1:]], dim=1), _p_star_fed_again(attention_mask)
         cache = first.past_key_values
     else:
         ids, mask, cache = input_ids, attention_mask, _prefill(model, input_ids[:, :-1], attention_mask[:, :-1])
@@ -489,7 +488,8 @@ def generate_variants(
         n_var = len(answering)
         index = [p for p in routed for _ in range(n_var)]
         steps = max(1, min(window, max_length - width))
-        window_out, entropy, seen = _routing_window(model, ids[index], mask[index], answering, apply,
+        variant_ids = torch.tensor(answering, device=device).repeat(len(routed))
+        window_out, entropy, seen = _routing_window(model, ids[index], mask[index], variant_ids, apply,
                                                     () if screened else capture, steps, cache=cache_rows(cache, index), **kwargs)
         chosen_rows = []
         for j, p in enumerate(routed):
@@ -541,7 +541,7 @@ def _probe_at_p_star(model, input_ids, attention_mask, cache, variants, apply, c
     with its untouched p* masked out): the states after ``capture`` layers at p*, [P * V, d]."""
     index = [p for p in range(input_ids.shape[0]) for _ in variants]
     prompt_mask = attention_mask[index]
-    mask = torch.cat([prompt_mask[:, :-1], torch.zeros_like(prompt_mask[:, -1:]), torch.ones_like(prompt_mask[:, -1:])], dim=1)
+    mask = _p_star_fed_again(prompt_mask)
     variant_ids = torch.tensor(list(variants), device=input_ids.device).repeat(input_ids.shape[0])
     skip = contextlib.nullcontext()
     if edit_layer is not None and site.can_start_after(model):  # below the site, p* is the untouched model's
@@ -550,6 +550,12 @@ def _probe_at_p_star(model, input_ids, attention_mask, cache, variants, apply, c
         site.run_through(model, max(capture), input_ids=input_ids[index, -1:], attention_mask=mask,
                          position_ids=_positions(prompt_mask)[:, -1:], past_key_values=cache_rows(cache, index), use_cache=True)
     return dict(seen)
+
+
+def _p_star_fed_again(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mask of a prompt whose cached p* (the last column) is hidden and fed again as a new column."""
+    last = attention_mask[:, -1:]
+    return torch.cat([attention_mask[:, :-1], torch.zeros_like(last), torch.ones_like(last)], dim=1)
 
 
 class _SkipPrompt:
@@ -581,24 +587,19 @@ def _prefill(model, input_ids, attention_mask):
     return out.past_key_values
 
 
-def _routing_window(model, input_ids, attention_mask, variants, apply, capture, steps, cache=None, **generation_kwargs):
-    """Every prompt under every variant (rows prompt-major) for ``steps`` greedy steps.
+def _routing_window(model, input_ids, attention_mask, variant_ids, apply, capture, steps, cache=None, **generation_kwargs):
+    """Rows of prompts, row i under variant ``variant_ids[i]``, for ``steps`` greedy steps.
 
     ``cache`` (optional) holds each row's prompt before p*. Returns generate's output,
     each row's mean next-token entropy over the window up to its end-of-sequence token
     (eq:entropy_gen), and the captured states at p*.
     """
-    n_var = len(variants)
-    n_prompts = input_ids.shape[0] // n_var if cache is not None else input_ids.shape[0]
-    ids, mask = (input_ids, attention_mask) if cache is not None else (
-        input_ids.repeat_interleave(n_var, 0), attention_mask.repeat_interleave(n_var, 0))
-    variant_ids = torch.tensor(list(variants), device=ids.device).repeat(n_prompts)
     with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, output_logits=True,
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, output_logits=True,
                              return_dict_in_generate=True, past_key_values=cache, **generation_kwargs)
-    per_step = step_entropy(torch.stack(out.logits, dim=1))  # [P*V, steps]
+    per_step = step_entropy(torch.stack(out.logits, dim=1))  # [rows, steps]
     generated = out.sequences[:, input_ids.shape[1]:]
-    ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=ids.device)).long()
+    ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=input_ids.device)).long()
     live = ((ended.cumsum(-1) - ended) == 0).float()
     return out, (per_step * live).sum(-1) / live.sum(-1).clamp_min(1), dict(seen)
 
@@ -608,10 +609,11 @@ def routing_entropy(model: torch.nn.Module, prompt: Sequence[int], variants: Seq
                     window: int) -> torch.Tensor:
     """u_k of eq:entropy_gen for one prompt under each variant ([V])."""
     device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], device=device)
+    ids = torch.tensor([list(prompt)] * len(variants), device=device)
     pad = getattr(model.generation_config, "pad_token_id", None)
-    _, entropy, _ = _routing_window(model, ids, torch.ones_like(ids), variants, apply, (), window,
-                                    pad_token_id=pad if pad is not None else (_eos_ids(model) or [0])[0], do_sample=False)
+    _, entropy, _ = _routing_window(model, ids, torch.ones_like(ids), torch.tensor(list(variants), device=device), apply,
+                                    (), window, pad_token_id=pad if pad is not None else (_eos_ids(model) or [0])[0],
+                                    do_sample=False)
     return entropy
 
 

@@ -336,6 +336,21 @@ def test_routed_generation_keeps_the_winner_and_equals_its_own_generation(screen
             assert len(record["entropy"]) == len(bundle.answering_variants())
 
 
+def test_routed_generation_of_one_token_prompts_keeps_each_prompt_its_own():
+    model = tiny_model("llama")
+    bundle = _bundle()
+    bundle.configure(gate=False)
+    prompts = torch.tensor([[5], [9]])  # nothing before p*: no shared cache
+    apply = lambda ids, pos: bundle.applied(model, pos, ids)
+    out, records = runner.generate_variants(model, prompts, torch.ones_like(prompts), bundle.variants(), apply,
+                                            bundle.choose, window=3, max_length=8, pad_token_id=0, do_sample=False)
+    for p, record in enumerate(records):
+        edit = lambda h, c=record["variant"]: bundle.edit_variants(h, torch.full((h.shape[0],), c))
+        with site.edit_site(model, bundle.layer, edit, None):
+            alone = model.generate(input_ids=prompts[p:p + 1], max_length=8, do_sample=False, pad_token_id=0)
+        assert out[p, : alone.shape[1]].tolist() == alone[0].tolist()
+
+
 def test_streamed_tokens_are_the_answer_only():
     model = tiny_model("llama")
     bundle = _bundle()
