@@ -173,8 +173,8 @@ class ITI(Intervention):
     def applied(self, model, positions, variant_ids=None):
         return site.shift_attention_from_site(model, self.shifts(model), positions)
 
-    def check_compatible(self, model, model_name):
-        super().check_compatible(model, model_name)
+    def check_compatible(self, model, model_name, allow_other_model=False):
+        super().check_compatible(model, model_name, allow_other_model)
         n_heads, head_dim = site.attention_heads(model)
         heads = self.tensors["heads"]
         if self.tensors["directions"].shape[-1] != head_dim or int(heads[:, 1].max()) >= n_heads:

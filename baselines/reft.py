@@ -71,8 +71,8 @@ class ReFT(Intervention):
         hp = self.config["hyperparameters"]
         return first_and_last(length, int(hp["first"]), int(hp["last"]))
 
-    def check_compatible(self, model, model_name):
-        super().check_compatible(model, model_name)
+    def check_compatible(self, model, model_name, allow_other_model=False):
+        super().check_compatible(model, model_name, allow_other_model)
         rank, dim = self.tensors["R"].shape
         if self.tensors["W"].shape != (rank, dim) or self.tensors["b"].shape != (rank,):
             raise BundleError(f"ReFT bundle: W {tuple(self.tensors['W'].shape)} and b {tuple(self.tensors['b'].shape)} "
@@ -97,9 +97,15 @@ class ReFT(Intervention):
         base = validation_loss(session, val_examples)
         history, best = [], (float("inf"), -1, None)
         order = random.Random(f"reft:{seed}")
+        # Resume a killed run after its last finished epoch (mari_eval.checkpoint).
+        done, state, kept = session.checkpoints.restore("reft", params, opt)
+        if done:
+            history = state["history"]
+            order.setstate(_python_rng_state(state["order"]))
+            best = (state["best_validation"], state["best_epoch"], {k: kept[k] for k in params})
         from tqdm import tqdm
 
-        for epoch in range(hp["epochs"]):
+        for epoch in range(done, hp["epochs"]):
             batch_order = list(fit_examples)
             order.shuffle(batch_order)
             losses = []
@@ -118,6 +124,9 @@ class ReFT(Intervention):
             log.info("ReFT epoch %d: train loss %.4f, validation loss %.4f (base %.4f)", epoch + 1, history[-1]["train_loss"], val, base)
             if val < best[0]:
                 best = (val, epoch + 1, {k: v.detach().clone() for k, v in params.items()})
+            session.checkpoints.save("reft", epoch + 1, params, opt, state={
+                "history": history, "order": order.getstate(), "best_validation": best[0], "best_epoch": best[1]},
+                extra=best[2])
         _, best_epoch, kept = best
         tensors = {"R": orthonormal_rows(kept["free"]).contiguous(), "W": kept["W"].contiguous(), "b": kept["b"].contiguous()}
         config = copy.deepcopy(config)
@@ -127,6 +136,12 @@ class ReFT(Intervention):
         config["diagnostics"] = {"history": history, "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, tensors)
+
+
+def _python_rng_state(saved: list) -> tuple:
+    """random.Random.getstate() after a JSON round trip (lists back to tuples)."""
+    version, internal, gauss_next = saved
+    return version, tuple(internal), gauss_next
 
 
 def task_loss(session, ex, hp: dict, params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -87,22 +87,26 @@ def read_jsonl(path: Path, required: Iterable[str]) -> list[dict]:
         )
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}, line {lineno}: expected a JSON object with fields {list(required)}")
-            missing = [k for k in required if k not in record]
-            if missing:
-                raise DataError(
-                    f"{path}, line {lineno}: missing field(s) {missing}; expected fields {list(required)}"
-                )
-            records.append(record)
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}, line {lineno}: expected a JSON object with fields {list(required)}")
+                missing = [k for k in required if k not in record]
+                if missing:
+                    raise DataError(
+                        f"{path}, line {lineno}: missing field(s) {missing}; expected fields {list(required)}"
+                    )
+                records.append(record)
+    except (EOFError, OSError, UnicodeDecodeError) as e:  # truncated gzip, not gzip, not UTF-8: never a partial set
+        raise DataError(f"{path}: unreadable after line {lineno} ({e}); the file is truncated or damaged, restore it") from None
     if not records:
         raise DataError(f"{path} holds no records")
     return records

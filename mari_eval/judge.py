@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -239,7 +240,8 @@ def default_cache_path() -> Path:
 class JudgeCache:
     """Append-only JSON-lines file of judgements, one object per line, keyed by ``key``.
 
-    Each line is written by one ``write`` call on an O_APPEND descriptor, then fsynced,
+    Each line is written by one ``write`` call on an O_APPEND descriptor under an exclusive
+    ``flock`` (processes sharing the cache never interleave lines), then fsynced,
     so that a crash leaves at most a truncated last line; reading skips such lines
     (with a warning) and the next append starts on a fresh line.
     """
@@ -271,6 +273,7 @@ class JudgeCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # other processes appending to the same cache wait their turn
                 os.write(fd, line.encode("utf-8"))
                 os.fsync(fd)
             finally:
@@ -644,6 +647,14 @@ def _category_order(cat: str):
 EMBEDDED_CONCURRENCY = 1
 
 
+# Run argv[2:] in place of this process once the kernel is told to send it SIGTERM when its
+# parent dies (prctl PR_SET_PDEATHSIG = 1); atexit handlers do not run on kill -9.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit('parent already gone'); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 class EmbeddedServer:
     """``transformers serve`` on loopback with a local model (the embedded default judge).
 
@@ -682,6 +693,8 @@ class EmbeddedServer:
             return self
         command = [_transformers_cli(), "serve", self.model, "--host", self.host, "--port", str(self.port),
                    "--device", self.device, "--log-level", "warning"]
+        if sys.platform.startswith("linux"):  # a server whose parent is killed (kill -9) stops too
+            command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
         with open(self._dir / "stdout.log", "ab") as out, open(self._dir / "stderr.log", "ab") as err:
             self._proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self._child_env())
         if not self._atexit:  # a server left running when Python exits is stopped

@@ -53,11 +53,13 @@ class MariLM(HFLM):
         rho: float | None = None,
         experts: str | int = "routed",
         diagnostics: str | None = None,
+        allow_other_model: bool | str = False,
         **kwargs: Any,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model_name = pretrained if isinstance(pretrained, str) else type(pretrained).__name__
+        # A model object passed in is named by the checkpoint it was loaded from (bundle checks).
+        self.model_name = pretrained if isinstance(pretrained, str) else getattr(pretrained, "name_or_path", "") or type(pretrained).__name__
         super().__init__(
             pretrained=resolve_model(pretrained) if isinstance(pretrained, str) else pretrained,
             device=device,
@@ -68,7 +70,7 @@ class MariLM(HFLM):
         self.intervention: methods.Intervention | None = None
         if bundle:
             self.intervention = methods.load_bundle(bundle)
-            self.intervention.check_compatible(self.model, self.model_name)
+            self.intervention.check_compatible(self.model, self.model_name, _as_bool(allow_other_model))
             iv = self.intervention
             if iv.prompt_sites(64) and (len(iv.variants()) > 1 or iv.uses_base):
                 raise ValueError(f"{iv.method}: edits before p* (prompt_sites) need a method with one variant")
@@ -223,6 +225,30 @@ class MariLM(HFLM):
         return without_template
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        width = context.shape[1]
+        context, generation_kwargs["attention_mask"] = self._without_empty_rows(context, generation_kwargs.get("attention_mask"))
+        added = context.shape[1] - width  # a column added for an all-empty batch, cut from the answer below
+        return self._generate_nonempty(context, max_length + added, stop, **generation_kwargs)[:, added:]
+
+    def _without_empty_rows(self, context, attention_mask):
+        """An empty prompt gets lm-eval's prefix token (BOS or EOT) as its only token.
+
+        lm-eval scores an empty context's continuation after that token; generation from an
+        empty prompt starts from it too, and p* (where every method edits) is that token.
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones_like(context)
+        if context.shape[1] == 0:
+            context = context.new_full((context.shape[0], 1), self.tokenizer.pad_token_id or 0)
+            attention_mask = torch.zeros_like(context)
+        empty = attention_mask.sum(-1) == 0
+        if bool(empty.any()):
+            context, attention_mask = context.clone(), attention_mask.clone()
+            context[empty, -1] = self.prefix_token_id
+            attention_mask[empty, -1] = 1
+        return context, attention_mask
+
+    def _generate_nonempty(self, context, max_length: int, stop: list[str], **generation_kwargs):
         iv = self.intervention
         if iv is None or (len(iv.variants()) == 1 and not iv.uses_base):
             # One edit: HFLM's generation inside it; the edit reaches the prefill's last column

@@ -394,24 +394,29 @@ def _batches(n: int, size: int, gen: torch.Generator) -> list[list[int]]:
 def _check_finite(loss: torch.Tensor, what: str, epoch: int, step: int, ids: list[str]) -> None:
     if not torch.isfinite(loss):
         raise FloatingPointError(
-            f"{what}: loss is {float(loss)} at epoch {epoch + 1}, step {step + 1} (examples {', '.join(ids[:4])}...); "
+            f"{what}: loss is {float(loss.detach())} at epoch {epoch + 1}, step {step + 1} (examples {', '.join(ids[:4])}...); "
             "lower --lr or check the data"
         )
 
 
-def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Generator, label: str) -> tuple[dict, list]:
-    """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log."""
+def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Generator, label: str,
+                stage: str = "experts") -> tuple[dict, list]:
+    """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log.
+
+    Checkpointed after every epoch as ``stage`` (``session.checkpoints``); a killed run resumes there."""
     from tqdm import tqdm
 
     p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen)
     opt = torch.optim.Adam(p.values(), lr=hp["lr"])
     gamma = hp["gamma"]
-    history = []
+    checkpoints = session.checkpoints
+    done, state, _ = checkpoints.restore(stage, p, opt, gen)
+    history = state.get("history", [])
 
     def edit(h, ids):  # eq:act_phi with s_k = 1
         return h + gamma * lowrank_delta(h, p["U"][ids], p["V"][ids], p["b"][ids])
 
-    for epoch in range(hp["epochs"]):
+    for epoch in range(done, hp["epochs"]):
         sums = {"routed": 0.0, "bal": 0.0, "inter": 0.0, "out": 0.0}
         usage = torch.zeros(K, dtype=torch.long)
         batches = _batches(len(examples), hp["batch_size"], gen)
@@ -438,6 +443,7 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
                  record["routed"], record["bal"], record["inter"], record["out"], record["usage"])
         if K > 1 and min(record["usage"]) < 1 / (4 * K):
             log.warning("%s epoch %d: expert usage %s has an expert below 1/(4K): it is collapsing", label, epoch + 1, record["usage"])
+        checkpoints.save(stage, epoch + 1, p, opt, gen, {"history": history})
     return {k: v.detach() for k, v in p.items()}, history
 
 
@@ -451,8 +457,10 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
          "probe_b": p["b"][0].detach().requires_grad_()}
     opt = torch.optim.Adam(p.values(), lr=hp["lr"])
     state_scale = pca_states.pow(2).sum(-1).mean()  # normalises R_off (see the module docstring)
-    history = []
-    for epoch in range(hp["epochs"]):
+    checkpoints = session.checkpoints
+    done, state, _ = checkpoints.restore("probe", p, opt, gen)
+    history = state.get("history", [])
+    for epoch in range(done, hp["epochs"]):
         sums = {"task": 0.0, "off": 0.0}
         for step, idx in enumerate(tqdm(_batches(len(examples), hp["batch_size"], gen), desc=f"probe epoch {epoch + 1}", leave=False)):
             batch = [examples[i] for i in idx]
@@ -469,6 +477,7 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
         record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()}}
         history.append(record)
         log.info("probe epoch %d: task loss %.4f, R_off %.4f", epoch + 1, record["task"], record["off"])
+        checkpoints.save("probe", epoch + 1, p, opt, gen, {"history": history})
     return {k: v.detach() for k, v in p.items()}, history
 
 
@@ -522,7 +531,8 @@ def fit_mari(cls, session, data, config, hyperparameters, seed):
     tensors.update(expert_U=experts["U"], expert_V=experts["V"], expert_b=experts["b"])
     logs = {"experts": expert_log}
     if hyperparameters.get("single", False):
-        single, logs["single"] = fit_experts(session, data.train, 1, hp, gen, "single adapter (K=1 ablation)")
+        single, logs["single"] = fit_experts(session, data.train, 1, hp, gen, "single adapter (K=1 ablation)",
+                                               stage="single")
         tensors.update(single_U=single["U"], single_V=single["V"], single_b=single["b"])
     probe, logs["probe"] = fit_probe(session, data.train, pca_states, tensors["pca_basis"], hp, gen)
     tensors.update(probe)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from mari_eval import site
+from mari_eval.files import atomic_write, atomic_write_json
 
 BUNDLE_JSON = "bundle.json"
 BUNDLE_WEIGHTS = "weights.safetensors"
@@ -156,7 +157,16 @@ class Intervention(ABC):
 
     # -- identity and compatibility -------------------------------------------
 
-    def check_compatible(self, model: torch.nn.Module, model_name: str) -> None:
+    def check_compatible(self, model: torch.nn.Module, model_name: str, allow_other_model: bool = False) -> None:
+        """Refuse, naming the problem and the fix, a bundle that does not fit ``model``.
+
+        Shapes (hidden size, layer count, site layer) must always match. The base model's
+        name must match too (``models.same_model``: an alias and the directory it was
+        materialised into are the same model), unless ``allow_other_model``: a bundle
+        trained on another checkpoint of the same shape runs but edits the wrong states.
+        """
+        from mari_eval.models import same_model
+
         base = self.config["base_model"]
         hidden, layers = int(model.config.get_text_config().hidden_size), site.num_layers(model)
         problems = []
@@ -169,7 +179,16 @@ class Intervention(ABC):
                 f"This {self.method} bundle was trained for '{base['name']}' with " + " and ".join(problems)
                 + f"; it cannot be applied to '{model_name}'. Load it with pretrained={base['name']} or retrain."
             )
-        site.check_layer(model, self.layer)
+        if not allow_other_model and not same_model(base["name"], model_name):
+            raise BundleError(
+                f"This {self.method} bundle was trained for '{base['name']}', not '{model_name}' (same shapes, other "
+                f"weights). Load it with pretrained={base['name']}, retrain it on '{model_name}', or, if both names "
+                "hold the same checkpoint, pass allow_other_model=true in --model_args."
+            )
+        try:
+            site.check_layer(model, self.layer)
+        except site.SiteError as e:
+            raise BundleError(f"This {self.method} bundle's site is invalid: {e} The bundle is damaged; retrain it.") from None
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
@@ -184,13 +203,12 @@ class Intervention(ABC):
     # -- persistence ------------------------------------------------------------
 
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
+        """Write the bundle; each file atomically, bundle.json last (a bundle without it is incomplete)."""
+        from safetensors.torch import save
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}, directory / BUNDLE_WEIGHTS)
-        config = {"method": self.method, **self.config}
-        (directory / BUNDLE_JSON).write_text(json.dumps(config, indent=2, sort_keys=True))
+        atomic_write(directory / BUNDLE_WEIGHTS, save({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}))
+        atomic_write_json(directory / BUNDLE_JSON, {"method": self.method, **self.config}, sort_keys=True)
         return directory
 
 
@@ -210,11 +228,18 @@ def load_bundle(directory: str | Path) -> Intervention:
     try:
         tensors = load_file(weights_path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise BundleError(
-            f"{weights_path} is not a readable safetensors file ({e}); bundles are never loaded from pickles"
-        ) from None
+        raise BundleError(f"{weights_path} is not a readable safetensors file: {_why_unreadable(weights_path, e)}") from None
     name = config.pop("method", None)
     _import_builtin_methods()
     if name not in _METHODS:
         raise BundleError(f"{meta_path} names method {name!r}; known methods: {sorted(_METHODS) or 'none'}")
     return _METHODS[name](config, tensors)
+
+
+def _why_unreadable(path: Path, error: Exception) -> str:
+    head = path.read_bytes()[:2]
+    # torch.save writes a zip archive ("PK"); a bare pickle starts with the PROTO opcode 0x80.
+    if head == b"PK" or head[:1] == b"\x80":
+        return ("it is a pickle (torch.save) file. Bundles are never unpickled, since unpickling runs code; "
+                "save the tensors with safetensors.torch.save_file, or retrain with `mari-eval train`.")
+    return f"it is truncated or damaged ({error}). Copy the bundle again or retrain it."

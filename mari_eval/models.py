@@ -99,6 +99,21 @@ def resolve_model(name: str) -> str:
     return name
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two ``pretrained=`` names denote the same checkpoint: equal names, an alias and
+    the directory it was materialised into, or two spellings of one local directory."""
+    return _identity(a) == _identity(b)
+
+
+def _identity(name: str) -> str:
+    path = Path(name).expanduser()
+    if (path / MATERIALIZED_MARKER).is_file():
+        return json.loads((path / MATERIALIZED_MARKER).read_text())["alias"]
+    if path.is_dir():
+        return str(path.resolve())
+    return name.rstrip("/")
+
+
 def materialize(alias: str, force: bool = False) -> Path:
     """Build (once) a safetensors model directory for an embedded alias and return its path."""
     embedded = EMBEDDED[alias]

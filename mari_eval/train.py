@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mari_eval import data, runner, site
+from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Session:
         self.layer = site.check_layer(self.model, self.num_layers // 2 if layer is None else layer)
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         self.max_tokens = max_tokens
+        self.checkpoints = NO_CHECKPOINTS  # per-epoch training state; ``train`` gives it a directory
 
     # ------------------------------------------------------------------ tokens
 
@@ -273,10 +275,23 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
     }
 
 
+def checkpoint_dir(out: str | Path) -> Path:
+    """Where ``train`` keeps the per-epoch checkpoints of the bundle it writes to ``out``."""
+    out = Path(out)
+    return out.with_name(out.name + ".checkpoint")
+
+
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
           max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
-          hyperparameters: dict[str, Any] | None = None) -> Path:
-    """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``."""
+          hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None) -> Path:
+    """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``.
+
+    Training state is checkpointed after every epoch into ``checkpoints`` (default
+    ``checkpoint_dir(out)``); a run killed before the bundle was saved resumes from the
+    last epoch when started again with the same arguments."""
+    import hashlib
+    import json
+
     from mari_eval import methods
 
     cls = methods.method_class(method)
@@ -289,8 +304,12 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
     if max_pca is not None:
         config["splits"]["max_pca"] = max_pca
+    run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}
+    session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
+                                           hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
     intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
     intervention.config["train_seconds"] = round(time.time() - t0, 1)
     path = intervention.save(out)
+    session.checkpoints.clear()
     log.info("saved %s bundle to %s (%.0fs)", method, path, time.time() - t0)
     return path

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mari_eval.files import atomic_write, atomic_write_json
+
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "results" / "paper"
 log = logging.getLogger("repro")
@@ -152,20 +154,11 @@ def config_key(config: dict) -> str:
 
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically: a reader (or a killed writer) never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, obj)
 
 
 def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 class Store:
@@ -192,14 +185,24 @@ class Store:
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
         if (final / "bundle.json").is_file() and (not self.force or final.name in self.computed):
             return final
-        tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Trained into a directory of this process's own, then renamed: a killed run leaves no
+        # half bundle under the final name, and two runs training the same bundle never share
+        # one. The per-epoch checkpoints are keyed by the configuration, so a killed run's
+        # epochs are resumed by the next run (mari_eval.checkpoint).
+        tmp = final.with_name(f"{final.name}.partial-{os.getpid()}")
+        _remove_abandoned(final.parent.glob(f"{final.name}.partial-*"))
         log.info("training %s on %s (%s, seed %d)", method, attribute, model, seed)
         train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=profile.max_ctrl,
-              max_pca=profile.max_pca, hyperparameters=hp)
+              max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"))
         write_json(tmp / "repro_config.json", config)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        if self.force or not (final / "bundle.json").is_file():  # a stale or damaged bundle is replaced
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / "bundle.json").is_file():
+                raise
+            shutil.rmtree(tmp)  # another run finished the same bundle first; the same configuration gives the same bundle
         self.computed.append(final.name)
         return final
 
@@ -226,6 +229,21 @@ class Store:
                 write_json(paths[task], {"config": configs[task], **result})
                 self.computed.append(paths[task].name)
         return {t: json.loads(paths[t].read_text()) for t in tasks}
+
+
+def _remove_abandoned(partials) -> None:
+    """Delete the half-trained bundle directories of runs that no longer exist (killed ones)."""
+    for path in partials:
+        pid = int(path.name.rsplit("-", 1)[1])
+        try:
+            os.kill(pid, 0)
+            alive = pid != os.getpid()
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:  # another user's live process
+            alive = True
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _BASE_MODELS: dict[str, tuple] = {}  # model name -> (frozen model, tokenizer), loaded once per process

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import threading
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -52,11 +53,14 @@ class FakeServer:
                 outer.requests.append((self.path, headers, body))
                 status, payload = outer.reply(self.path, headers, body)
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and hung up
 
             do_GET = do_POST = _answer
 
@@ -282,6 +286,24 @@ def test_500s_exhaust_the_retries_and_keep_what_was_judged(fake, tmp_path):
     assert "1 of this run's 2 judgements" in message and str(tmp_path / "cache.jsonl") in message
     assert sleeps == [1.0, 2.0, 4.0, 5.0]  # doubling, capped at max_backoff
     assert len(server.chats) == 1 + 5
+    assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.REFUSAL]
+
+
+def test_a_slow_judge_times_out_is_retried_and_then_fails_loudly(fake, tmp_path):
+    delays = [1.0, 0.0]  # first request slower than the timeout, the retry answers at once
+
+    def reply(path, headers, body):
+        if path.endswith("/chat/completions"):
+            time.sleep(delays.pop(0) if delays else 1.0)
+        return 200, completion("#thescore: 0")
+
+    server = fake(reply)
+    sleeps: list[float] = []
+    judge = make_judge(server.url, tmp_path, sleeps, timeout=0.3, attempts=3, concurrency=1)
+    assert judge.labels([("q1", REFUSING)]) == [J.REFUSAL] and sleeps == [1.0]
+    with pytest.raises(J.JudgeUnavailable, match=r"after 3 attempt\(s\); last error: APITimeoutError") as err:
+        judge.labels([("q1", REFUSING), ("q2", COMPLYING)])  # every answer now slower than the timeout
+    assert "1 of this run's 2 judgements" in str(err.value)
     assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.REFUSAL]
 
 

@@ -1,0 +1,364 @@
+"""Bad input gets a clear error, interrupted work resumes, nothing is lost (README "Troubleshooting").
+
+One section per kind of failure. Elsewhere: missing data files, bad lines and wrong schemas
+(test_data.py), the judge's failures (test_judge.py), kill -9 during repro/main_table.py
+(test_repro.py).
+"""
+
+import gzip
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+
+from mari_eval import data, mari, methods, site
+from mari_eval.checkpoint import EpochCheckpoints
+from mari_eval.train import Example, Session
+
+from .test_mari import _bundle
+from .tiny import tiny_model
+
+# ----------------------------------------------------------------------------- bundles
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama")  # hidden size 32, 4 layers
+
+
+def _saved(tmp_path, bundle):
+    return bundle.save(tmp_path / "bundle")
+
+
+def _renamed(bundle, name):
+    bundle.config["base_model"]["name"] = name
+    return bundle
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: _renamed(_bundle(), "other-model"),
+     r"trained for 'other-model', not 'tiny' .* pretrained=other-model, retrain it on 'tiny', or, if both names hold the "
+     r"same checkpoint, pass allow_other_model=true"),
+    (lambda: _bundle(d=64),
+     r"trained for 'tiny' with hidden size 64 \(this model: 32\); it cannot be applied to 'tiny'\. Load it with pretrained=tiny or retrain"),
+    (lambda: _bundle(layers=12),
+     r"with 12 layers \(this model: 4\)"),
+    (lambda: _bundle(layer=7),
+     r"bundle's site is invalid: Layer 7 is out of range for LlamaForCausalLM with 4 decoder layers.*retrain it"),
+])
+def test_a_bundle_for_another_model_or_site_is_refused_with_the_fix(tmp_path, tiny, make, message):
+    loaded = methods.load_bundle(_saved(tmp_path, make()))
+    with pytest.raises(methods.BundleError, match=message):
+        loaded.check_compatible(tiny, "tiny")
+
+
+def test_another_name_for_the_same_checkpoint_is_accepted(tmp_path, tiny, smollm2_path):
+    from mari_eval.models import same_model
+
+    bundle = methods.load_bundle(_saved(tmp_path, _bundle()))
+    bundle.config["base_model"]["name"] = "other-model"
+    bundle.check_compatible(tiny, "tiny", allow_other_model=True)
+    # The embedded alias and the directory it is materialised into are one model.
+    assert same_model("smollm2-135m-instruct", smollm2_path) and not same_model("smollm2-135m-instruct", "gemma-3-270m")
+
+
+@pytest.mark.parametrize("hyperparameter,message", [
+    ("K", r"expert_U has shape \(3, 32, 2\), expected \(5, 32, 2\) from bundle.json \(K=5"),
+    ("rank", r"expert_U has shape \(3, 32, 2\), expected \(3, 32, 5\) from bundle.json \(K=3, rank=5"),
+])
+def test_a_k_or_rank_that_disagrees_with_the_tensors_is_refused(tmp_path, hyperparameter, message):
+    bundle = _bundle(K=3, rank=2)
+    bundle.config["hyperparameters"][hyperparameter] = 5
+    with pytest.raises(methods.BundleError, match=message + r".*retrain it"):
+        methods.load_bundle(_saved(tmp_path, bundle))
+
+
+def test_missing_truncated_and_pickled_bundle_files_are_refused(tmp_path):
+    path = _saved(tmp_path, _bundle())
+    weights = path / methods.BUNDLE_WEIGHTS
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(methods.BundleError, match=r"weights.safetensors is not a readable safetensors file: it is truncated "
+                                                  r"or damaged .*Copy the bundle again or retrain it"):
+        methods.load_bundle(path)
+    torch.save({"expert_U": torch.zeros(3)}, weights)  # what a pickle-based tool would write
+    with pytest.raises(methods.BundleError, match=r"it is a pickle \(torch.save\) file\. Bundles are never unpickled"):
+        methods.load_bundle(path)
+    weights.unlink()
+    with pytest.raises(methods.BundleError, match=r"weights.safetensors is missing: .* is not a complete bundle"):
+        methods.load_bundle(path)
+    (path / methods.BUNDLE_JSON).write_text('{"method": "mari", ')
+    weights.write_bytes(good)
+    with pytest.raises(methods.BundleError, match=r"bundle.json is not valid JSON"):
+        methods.load_bundle(path)
+
+
+def test_lm_eval_refuses_a_bundle_for_another_model_before_scoring(tmp_path):
+    bundle = _bundle(d=576, layers=30, layer=15)
+    bundle.config["base_model"]["name"] = "HuggingFaceTB/SmolLM2-135M"  # same shapes, other weights
+    path = _saved(tmp_path, bundle)
+    with pytest.raises(methods.BundleError, match="pretrained=HuggingFaceTB/SmolLM2-135M"):
+        get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path}")
+    lm = get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},allow_other_model=true")
+    assert lm.intervention is not None
+
+
+# ----------------------------------------------------------------------------- data files
+
+
+def test_a_truncated_or_non_gzip_data_file_is_named_never_read_in_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARI_DATA_DIR", str(tmp_path))
+    path = tmp_path / "gsm8k" / "test.jsonl.gz"
+    path.parent.mkdir()
+    lines = "".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(2000))
+    whole = gzip.compress(lines.encode())
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(data.DataError, match=r"test.jsonl.gz: unreadable after line \d+ .*truncated or damaged, restore it"):
+        data.load_gsm8k("test")
+    path.write_bytes(lines.encode())  # plain text under a .gz name
+    with pytest.raises(data.DataError, match=r"test.jsonl.gz: unreadable after line 0"):
+        data.load_gsm8k("test")
+
+
+# ----------------------------------------------------------------------------- unusual prompts and options
+
+
+@pytest.fixture(scope="module")
+def vanilla_lm():
+    return get_model("mari").create_from_arg_string("pretrained=smollm2-135m-instruct,batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def mari_lm(tmp_path_factory, vanilla_lm):
+    from .test_lm_eval import _mari_bundle
+
+    path = _mari_bundle(tmp_path_factory.mktemp("bundle"), vanilla_lm.model)
+    return get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=4,gate=false")
+
+
+def _loglikelihoods(lm, pairs):
+    return [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])]
+
+
+def _generate(lm, prompts, tokens=6):
+    return lm.generate_until([Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": tokens}), i)
+                              for i, p in enumerate(prompts)])
+
+
+def _whole_sequence(lm, context_ids, continuation_ids, edit_expert=None):
+    """log P(continuation | context) from one forward pass, expert ``edit_expert`` at the last context token."""
+    ids = torch.tensor([context_ids + continuation_ids])
+    p_star = torch.tensor([len(context_ids) - 1])
+    iv = lm.intervention
+    with torch.no_grad(), (iv.applied(lm.model, (torch.zeros_like(p_star), p_star), torch.tensor([edit_expert]))
+                           if edit_expert is not None else site.edit_site(lm.model, 0, lambda h: h, None)):
+        logprobs = lm.model(ids).logits.log_softmax(-1)[0, len(context_ids) - 1 : -1]
+    return float(logprobs.gather(-1, torch.tensor(continuation_ids)[:, None]).sum())
+
+
+def test_an_empty_prompt_is_read_as_lm_evals_prefix_token(vanilla_lm, mari_lm):
+    prefix = vanilla_lm.prefix_token_id
+    (empty,) = _loglikelihoods(vanilla_lm, [("", " Paris")])
+    assert empty == pytest.approx(_whole_sequence(vanilla_lm, [prefix], vanilla_lm.tok_encode(" Paris")), abs=1e-4)
+    # Generation from an empty prompt starts after the same token, with and without a bundle.
+    (vanilla,), (routed,) = _generate(vanilla_lm, [""]), _generate(mari_lm, [""])
+    out = vanilla_lm.model.generate(torch.tensor([[prefix]]), max_new_tokens=6, do_sample=False,
+                                    pad_token_id=vanilla_lm.tokenizer.pad_token_id)
+    assert vanilla == vanilla_lm.tok_decode(out[0, 1:].tolist()).split("\n\n")[0]
+    assert isinstance(routed, str) and mari_lm.records[-1]["expert"] in range(3)
+
+
+def test_a_prompt_longer_than_the_context_window_is_cut_from_the_left(tmp_path, vanilla_lm):
+    from .test_lm_eval import _mari_bundle
+
+    path = _mari_bundle(tmp_path, vanilla_lm.model)
+    lm = get_model("mari").create_from_arg_string(
+        f"pretrained=smollm2-135m-instruct,bundle={path},max_length=24,gate=false")
+    context = " ".join(f"w{i}" for i in range(60))
+    options = [" yes", " no thanks"]
+    got = _loglikelihoods(lm, [(context, o) for o in options])
+    expert = lm.records[-1]["expert"]
+    ids, conts = lm.tok_encode(context), [lm.tok_encode(o) for o in options]
+    kept = ids[-(24 + 1 - max(map(len, conts))):]  # every option sees the same last tokens; the longest fits
+    assert len(ids) > 24 and all(abs(g - _whole_sequence(lm, kept, c, expert)) <= 1e-4 for g, c in zip(got, conts))
+    # Generation: lm-eval keeps the last max_length - max_gen_toks prompt tokens.
+    short = get_model("mari").create_from_arg_string("pretrained=smollm2-135m-instruct,max_length=24")
+    (answer,) = _generate(short, [context], tokens=4)
+    out = short.model.generate(torch.tensor([ids[-20:]]), max_new_tokens=4, do_sample=False,
+                               pad_token_id=short.tokenizer.pad_token_id)
+    assert answer == short.tok_decode(out[0, 20:].tolist())
+
+
+def test_one_option_and_duplicate_options(mari_lm):
+    (single,) = _loglikelihoods(mari_lm, [("The sky is", " blue")])
+    record = mari_lm.records[-1]
+    # One option: every expert's option entropy is 0, the tie goes to the first expert.
+    assert record["entropy"] == [0.0, 0.0, 0.0] and record["expert"] == 0
+    assert single == pytest.approx(_whole_sequence(mari_lm, mari_lm.tok_encode("The sky is"), mari_lm.tok_encode(" blue"), 0),
+                                   abs=1e-4)
+    # Duplicates: scored alike, one routing decision for the question.
+    before = len(mari_lm.records)
+    a, b, c = _loglikelihoods(mari_lm, [("The sky is", " blue"), ("The sky is", " blue"), ("The sky is", " green")])
+    assert a == b != c and len(mari_lm.records) == before + 1
+
+
+def test_non_ascii_and_right_to_left_text_is_scored_as_tokenised(vanilla_lm, mari_lm, smollm2_path):
+    hf = get_model("hf").create_from_arg_string(f"pretrained={smollm2_path},batch_size=4,device=cpu,dtype=float32")
+    pairs = [("ما هي عاصمة فرنسا؟", " باريس"), ("ما هي عاصمة فرنسا؟", " ليون"), ("שלום עולם 🌍 — naïve café", " ✓ ok")]
+    ours, theirs = _loglikelihoods(vanilla_lm, pairs), _loglikelihoods(hf, pairs)
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(ours, theirs))
+    routed = _loglikelihoods(mari_lm, pairs)
+    assert all(isinstance(x, float) and x < 0 for x in routed) and routed != ours
+    (answer,) = _generate(mari_lm, ["ما هي عاصمة فرنسا؟"])
+    assert isinstance(answer, str)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _tiny_session(model, checkpoints=None) -> Session:
+    # A Session around a tiny random model (Session() itself loads a checkpoint through lm-eval).
+    session = Session.__new__(Session)
+    session.model, session.layer, session.num_layers, session.hidden_size = model, 1, 4, 32
+    session.max_tokens = 1024
+    session.checkpoints = checkpoints or EpochCheckpoints(None)
+    return session
+
+
+def _tiny_examples(session, n=6):
+    g = torch.Generator().manual_seed(1)
+    examples = [Example(f"ex{i}", torch.randint(1, 97, (7,), generator=g).tolist(),
+                        [torch.randint(1, 97, (2,), generator=g).tolist() for _ in range(3)], i % 3) for i in range(n)]
+    session.prepare(examples, "tiny")
+    return examples
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL in-process: raised from inside a training step."""
+
+
+def _dies_after(fn, calls):
+    """``fn`` wrapped to raise Killed on call number ``calls + 1``, and the count of its calls."""
+    count = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise Killed
+        return fn(*args, **kwargs)
+
+    return wrapper, count
+
+
+HP = {**mari.DEFAULTS, "K": 2, "epochs": 3, "batch_size": 2, "lr": 2e-2}
+
+
+def test_a_non_finite_loss_stops_training_naming_epoch_step_and_examples(tiny):
+    session = _tiny_session(tiny)
+    examples = _tiny_examples(session)
+    with pytest.raises(FloatingPointError, match=r"experts: loss is nan at epoch 1, step 2 \(examples ex\d, ex\d...\); lower --lr"):
+        mari.fit_experts(session, examples, 2, {**HP, "lr": float("inf")}, torch.Generator().manual_seed(0), "experts")
+
+
+def test_a_collapsing_expert_is_warned_about(tiny, caplog):
+    session = _tiny_session(tiny)
+    examples = _tiny_examples(session, n=2)
+    with caplog.at_level(logging.WARNING, logger="mari_eval.mari"):
+        _, history = mari.fit_experts(session, examples, 4, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
+    assert min(history[0]["usage"]) < 1 / 16  # 2 examples cannot reach 4 experts
+    assert "has an expert below 1/(4K): it is collapsing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mari_eval.mari"):
+        mari.fit_experts(session, examples, 1, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
+    assert "collapsing" not in caplog.text
+
+
+def test_killed_mari_training_resumes_from_its_last_epoch_bit_identically(tiny, tmp_path):
+    def fit(session):
+        gen = torch.Generator().manual_seed(0)
+        tensors, history = mari.fit_experts(session, examples, 2, HP, gen, "experts")
+        return tensors, history, gen.get_state()
+
+    session = _tiny_session(tiny)
+    examples = _tiny_examples(session)
+    reference = fit(session)
+    assert all(torch.equal(a, b) for a, b in zip(reference[0].values(), fit(session)[0].values()))  # deterministic
+
+    checkpoints = EpochCheckpoints(tmp_path / "ckpt", key="run-a")
+    killed = _tiny_session(tiny, checkpoints)
+    killed.run, _ = _dies_after(killed.run, 6 + 3)  # one epoch is 6 runs: dies during the second epoch
+    with pytest.raises(Killed):
+        fit(killed)
+    resumed = _tiny_session(tiny, checkpoints)
+    resumed.run, count = _dies_after(resumed.run, 10**9)
+    tensors, history, generator = fit(resumed)
+    assert count["n"] == 2 * 6  # epochs 2 and 3 only
+    assert all(torch.equal(tensors[k], reference[0][k]) for k in tensors)
+    assert history == reference[1] and torch.equal(generator, reference[2])
+    # A checkpoint written by another configuration is never resumed from.
+    other = _tiny_session(tiny, EpochCheckpoints(tmp_path / "ckpt", key="run-b"))
+    other.run, count = _dies_after(other.run, 10**9)
+    fit(other)
+    assert count["n"] == 3 * 6
+
+
+def test_killed_reft_training_resumes_from_its_last_epoch_bit_identically(tiny, tmp_path, monkeypatch):
+    import baselines.reft as reft
+    from baselines.reft import ReFT
+
+    def fit(session):
+        config = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
+        return ReFT.fit(session, SimpleNamespace(train=examples), config, {"epochs": 3, "batch": 2, "first": 2, "last": 2}, 0)
+
+    session = _tiny_session(tiny)
+    examples = _tiny_examples(session, n=5)
+    reference = fit(session)
+    checkpoints = EpochCheckpoints(tmp_path / "ckpt", key="reft")
+    monkeypatch.setattr(reft, "task_loss", _dies_after(reft.task_loss, 7)[0])  # dies in the second epoch
+    with pytest.raises(Killed):
+        fit(_tiny_session(tiny, checkpoints))
+    monkeypatch.undo()
+    counted, count = _dies_after(reft.task_loss, 10**9)
+    monkeypatch.setattr(reft, "task_loss", counted)
+    resumed = fit(_tiny_session(tiny, checkpoints))
+    assert count["n"] == 2 * 5  # epochs 2 and 3 only (4 training examples + 1 validation example each)
+    assert resumed.fingerprint() == reference.fingerprint()
+    assert resumed.config["diagnostics"]["history"] == reference.config["diagnostics"]["history"]
+
+
+# ----------------------------------------------------------------------------- concurrent writers
+
+
+WRITER = textwrap.dedent("""
+    import json, sys
+    from mari_eval.files import atomic_write_json
+    from mari_eval.judge import JudgeCache
+    path, cache, me = sys.argv[1], sys.argv[2], sys.argv[3]
+    payload = {"writer": me, "cells": [me * 50] * 400}  # ~20 kB: many write() calls each
+    for i in range(150):
+        atomic_write_json(path, {**payload, "i": i})
+        JudgeCache(cache).append({"key": f"{me}-{i}", "label": "refusal", "text": me * 3000})
+""")
+
+
+def test_two_processes_writing_the_same_files_never_corrupt_them(tmp_path):
+    path, cache = tmp_path / "evaluation.json", tmp_path / "judge.jsonl"
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(cache), me]) for me in "ab"]
+    reads = 0
+    while any(w.poll() is None for w in writers):
+        if path.exists():
+            record = json.loads(path.read_text())  # a reader never sees half a file
+            assert record["cells"] == [record["writer"] * 50] * 400
+            reads += 1
+    assert [w.returncode for w in writers] == [0, 0] and reads > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 300 and {json.loads(line)["key"] for line in lines} == {f"{m}-{i}" for m in "ab" for i in range(150)}
+
