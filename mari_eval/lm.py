@@ -24,7 +24,6 @@ Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from mari_eval import methods, runner
+from mari_eval.files import atomic_write_json
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 
 # A doc field (harness_tasks/utils.py, SORRY-Bench) holding the prompt as one chat user turn:
@@ -82,6 +82,7 @@ class MariLM(HFLM):
         self.diagnostics_path = diagnostics
         self.records: list[dict] = []  # one per prompt: the method's choice (expert, gate, energy...)
         self._request_meta: list | None = None
+        self._generation_task: str | None = None  # the task of the generation requests being answered
 
     # ------------------------------------------------------------------ the site
 
@@ -188,11 +189,7 @@ class MariLM(HFLM):
     def _write_diagnostics(self) -> None:
         if not self.diagnostics_path or self.intervention is None:
             return
-        path = Path(self.diagnostics_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"summary": self.diagnostics_summary(), "records": self.records}, indent=1))
-        tmp.replace(path)
+        atomic_write_json(Path(self.diagnostics_path), {"summary": self.diagnostics_summary(), "records": self.records})
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         if self.intervention is not None:
@@ -213,7 +210,14 @@ class MariLM(HFLM):
             turn = request.doc.get(CHAT_TURN_FIELD) if isinstance(request.doc, dict) else None
             if isinstance(turn, str) and request.args[0] == turn:
                 request.arguments = (self.chat_prompt(turn, without_template=turn + "\n"), *request.args[1:])
-        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        # lm-eval sends every task's generation requests in one call and reorders them, so a
+        # generation record can name its task only when the call holds one task's requests.
+        tasks = {request.task_name for request in requests}
+        self._generation_task = tasks.pop() if len(tasks) == 1 else None
+        try:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._generation_task = None
 
     def chat_prompt(self, user: str, without_template: str) -> str:
         """``user`` as one user turn of the chat template, ready for the answer;
@@ -295,7 +299,7 @@ class MariLM(HFLM):
             **kwargs,
         )
         for record in records:
-            self.records.append({"task": None, "doc_id": None, **record})
+            self.records.append({"task": self._generation_task, "doc_id": None, **record})
         self._write_diagnostics()
         return sequences
 

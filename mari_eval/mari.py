@@ -303,8 +303,8 @@ class MARI(Intervention):
             "expert_usage": {k: v / max(1, sum(usage.values())) for k, v in usage.items()},
             "expert_counts": usage,
         }
-        if self.gate:
-            out.update(rho=self.rho, tau_E=self.tau, gate_rate=sum(r["gate_open"] for r in records) / max(1, n))
+        if self.gate:  # no prompt seen: no rate (not 0)
+            out.update(rho=self.rho, tau_E=self.tau, gate_rate=sum(r["gate_open"] for r in records) / n if n else None)
         agree = [r["routing_agrees"] for r in records if r.get("routing_agrees") is not None]
         if agree:
             out["routing_agreement"] = sum(agree) / len(agree)

@@ -262,11 +262,14 @@ def _mari_lm(model: str, bundle: Path | None, model_args: str):
     return MariLM(pretrained=frozen, tokenizer=tokenizer, bundle=str(bundle) if bundle else None, **kwargs)
 
 
+def _task_names(out: dict, name: str) -> set[str]:
+    """A task's name and, for a group (MMLU), the names of all its subtasks, at any depth."""
+    return {name}.union(*(_task_names(out, sub) for sub in out.get("group_subtasks", {}).get(name, [])))
+
+
 def _documents(out: dict, name: str) -> int:
-    """Documents evaluated for a task or, for a group (MMLU), summed over its subtasks."""
-    if name in out["n-samples"]:
-        return out["n-samples"][name]["effective"]
-    return sum(_documents(out, sub) for sub in out.get("group_subtasks", {}).get(name, []))
+    """Documents evaluated for a task or, for a group, summed over its subtasks."""
+    return sum(out["n-samples"][t]["effective"] for t in _task_names(out, name) if t in out["n-samples"])
 
 
 def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed) -> dict[str, dict]:
@@ -287,9 +290,9 @@ def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed) -
     for task in tasks:
         metrics = {k: v for k, v in out["results"][task].items() if isinstance(v, (int, float)) or v is None}
         diagnostics = None
-        if lm.intervention is not None:  # generation records carry no task: they are the one generation task's
-            records = [r for r in lm.records if r.get("task") == task or (r.get("task") is None and task.startswith("sorry"))]
-            diagnostics = lm.intervention.summarize(records)
+        if lm.intervention is not None:  # a group's records name its subtasks
+            names = _task_names(out, task)
+            diagnostics = lm.intervention.summarize([r for r in lm.records if r.get("task") in names])
         results[task] = {"metrics": metrics, "n": _documents(out, task), "seconds": seconds, "tasks_run_together": list(tasks),
                          "diagnostics": diagnostics}
     return results
@@ -373,6 +376,16 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     setup_logging()
     command = (f"python repro/{script} " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     return args, profile_from_args(args), Store(args.runs, force=args.force), command
+
+
+def add_gate_rates(scores: dict[str, dict], columns: dict[str, str]) -> dict[str, dict]:
+    """``scores`` plus a column per {new column: benchmark column}: the fraction of that
+    benchmark's documents on which MARI's energy gate opened (from its evaluation's
+    diagnostics; NaN where there is no gate)."""
+    for gate_column, column in columns.items():
+        rate = (scores[column]["diagnostics"] or {}).get("gate_rate")
+        scores[gate_column] = {"value": float("nan") if rate is None else rate, "n": scores[column]["n"]}
+    return scores
 
 
 def tally(cells: dict, model: str, label: str, scores: dict[str, dict]) -> None:

@@ -60,9 +60,10 @@ def markdown(diag: dict, command: str, wall: float) -> str:
             energies = [e for e, a in zip(d["ctrl_energy"], d["ctrl_applicable"]) if a], \
                        [e for e, a in zip(d["ctrl_energy"], d["ctrl_applicable"]) if not a]
             med = lambda xs: f"{sorted(xs)[len(xs) // 2]:.1f}" if xs else "-"
+            rate = lambda s: "-" if s.get("gate_rate") is None else f"{s['gate_rate']:.2f}"
             agree = off.get("routing_agreement")
             agreement = "-" if agree is None else f"{agree:.2f} (n={off.get('routing_agreement_n')})"
-            lines.append(f"| {model} | {name} | {d['task']} ({d['n']}) | {on.get('gate_rate', float('nan')):.2f} | {usage(on)} | "
+            lines.append(f"| {model} | {name} | {d['task']} ({d['n']}) | {rate(on)} | {usage(on)} | "
                          f"{usage(off)} | {agreement} | {d['tau_E']:.1f} | {med(energies[0])} / {med(energies[1])} |")
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,8 @@ def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int)
         for column, value in (("ftl_ms", 1000 * result["first_token_s"]), ("tps", result["tokens_per_s"]),
                               ("ttlt_s", result["total_s"])):
             row.setdefault(column, {"values": [], "n": prompts})["values"].append(value)
+        rate = result.get("gate_rate")  # MARI: a closed gate costs the probe, an open one the experts too
+        row.setdefault("gate_rate", {"values": [], "n": prompts})["values"].append(float("nan") if rate is None else rate)
     for rows in cells.values():  # ratios to Base, the comparable part
         base = rows["Base Model"]
         for row in rows.values():
@@ -67,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     cells = run(profile, store, prompts, tokens)
     intro = (f"{prompts} SORRY-Bench prompts, {tokens} greedy tokens each, one at a time; medians. "
-             "FTL in ms, TPS in tokens/s after the first token, TTLT in s; x_base: ratio to our Base Model. "
+             "FTL in ms, TPS in tokens/s after the first token, TTLT in s; x_base: ratio to our Base Model; "
+             "gate_rate: fraction of the prompts on which MARI's gate opened (ours only). "
              "The paper's absolute numbers come from other hardware and models.")
-    columns = ["ftl_ms", "ftl_ms_x_base", "tps", "tps_x_base", "ttlt_s", "ttlt_s_x_base"]
+    columns = ["ftl_ms", "ftl_ms_x_base", "tps", "tps_x_base", "ttlt_s", "ttlt_s_x_base", "gate_rate"]
     common.write_tables(Path(args.out), "latency", "Table 4: inference cost", intro, cells, columns, paper_figures,
                         profile, command, time.time() - started, store)
     return 0

@@ -5,9 +5,10 @@
 K: MARI is trained on TruthfulQA with K = 1..6 experts (everything else as the main
 table) and evaluated with its gate. rho: the K = 4 bundle evaluated with tau_E
 recomputed at each rho. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the
-TruthfulQA intervention). The paper shows these as figures only (no numbers to put
-beside ours). Writes results/sensitivity.{json,md} and results/sensitivity_k.png,
-results/sensitivity_rho.png.
+TruthfulQA intervention), and the fraction of TruthfulQA and MMLU documents on which the
+gate opened. The paper shows these as figures only (no numbers to put beside ours).
+Writes results/sensitivity.{json,md,tex} and results/sensitivity_k.png,
+results/sensitivity_rho.png (a panel per score, and one for the gate rates).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import common  # noqa: E402
 from common import BENCHMARKS  # noqa: E402
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
+GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_mmlu": "mmlu"}  # how often the gate opened there
 
 
 def run(profile: common.Profile, store: common.Store, ks: list[int], rhos: list[float]) -> dict:
@@ -35,21 +37,25 @@ def run(profile: common.Profile, store: common.Store, ks: list[int], rhos: list[
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, {"K": K} if K != 4 else None)
         model_args = f"rho={value}" if axis == "rho" else ""
         label = f"K={K}" if axis == "K" else f"rho={value}"
-        common.tally(cells, model, label, common.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args))
+        scores = common.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args)
+        common.tally(cells, model, label, common.add_gate_rates(scores, GATE_COLUMNS))
     return cells
 
 
 def plot(cells: dict, axis: str, points: list, path: Path) -> None:
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, len(COLUMNS), figsize=(4 * len(COLUMNS), 3.2))
-    for ax, (column, *_rest) in zip(axes, COLUMNS):
+    panels = [([column], f"{column} (%)") for column, *_rest in COLUMNS] + [(list(GATE_COLUMNS), "gate rate")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (columns, ylabel) in zip(axes, panels):
         for model, rows in cells.items():
-            means = [common.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
-            ax.plot(points, means, marker="o", label=model)
+            for column in columns:
+                means = [common.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
+                ax.plot(points, means, marker="o", label=model if len(columns) == 1 else f"{model}: {column}")
         ax.set_xlabel(axis)
-        ax.set_ylabel(f"{column} (%)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        if ax in (axes[0], axes[-1]):
+            ax.legend(fontsize=7)
     fig.suptitle(f"MARI sensitivity to {axis} (TruthfulQA-trained; ours)")
     common.save_figure(fig, path)
 
@@ -64,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     cells = run(profile, store, ks, rhos)
     out = Path(args.out)
-    common.write_tables(out, "sensitivity", "Sensitivity to K and rho", "In %. The paper shows figures only.", cells,
-                        [c[0] for c in COLUMNS], lambda model: ("(figures only)", {}), profile, command,
+    common.write_tables(out, "sensitivity", "Sensitivity to K and rho", "Scores in %; gate columns: fraction of documents on which the gate opened. The paper shows figures only.", cells,
+                        [c[0] for c in COLUMNS] + list(GATE_COLUMNS), lambda model: ("(figures only)", {}), profile, command,
                         time.time() - started, store)
     plot(cells, "K", ks, out / "sensitivity_k.png")
     plot(cells, "rho", rhos, out / "sensitivity_rho.png")

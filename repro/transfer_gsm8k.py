@@ -6,7 +6,8 @@ tau_E is recomputed from the TruthfulQA bundle's own control energies for each r
 (``rho=`` model arg): rho = 1.0 puts tau_E at the largest non-applicable control energy,
 so the gate opens only above every one of them. Rows: Vanilla and rho in {0.5, 0.7,
 0.9, 1.0}; columns: held-out TruthfulQA MC1 and GSM8K exact match (5-shot, through
-lm-eval), each with its change from Vanilla. Writes results/transfer_gsm8k.{json,md,tex}.
+lm-eval), each with its change from Vanilla, and the fraction of each benchmark's
+documents on which the gate opened. Writes results/transfer_gsm8k.{json,md,tex}.
 The paper reports Table 3 for Llama-3-8B.
 """
 
@@ -23,6 +24,7 @@ import common  # noqa: E402
 RHOS = [0.5, 0.7, 0.9, 1.0]
 COLUMNS = [("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
            ("gsm8k", "gsm8k", "exact_match,strict-match", "truthfulqa")]
+GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_gsm8k": "gsm8k"}  # how often the gate opened there (ours only)
 
 
 def run(profile: common.Profile, store: common.Store, rhos: list[float] = RHOS) -> dict:
@@ -33,7 +35,8 @@ def run(profile: common.Profile, store: common.Store, rhos: list[float] = RHOS) 
     steps = [(m, s, r) for m in profile.models for s in profile.seeds for r in rows]
     for model, seed, (label, model_args) in tqdm(steps, desc="gsm8k transfer", unit="row"):
         bundles = {} if model_args is None else {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
-        common.tally(cells, model, label, common.score(store, profile, model, seed, COLUMNS, bundles, model_args or ""))
+        scores = common.score(store, profile, model, seed, COLUMNS, bundles, model_args or "")
+        common.tally(cells, model, label, common.add_gate_rates(scores, GATE_COLUMNS))
     for by_label in cells.values():  # the change from Vanilla, per seed
         base = by_label["Vanilla"]
         for by_column in by_label.values():
@@ -53,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args, profile, store, command = common.start(__doc__, "transfer_gsm8k.py", argv, rhos_arg)
     started = time.time()
     cells = run(profile, store, [float(r) for r in args.rhos.split(",")])
-    intro = ("In %. The MARI bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, "
-             "strict exact match). The paper's Table 3 is for Llama-3-8B.")
-    columns = ["tqa_mc1", "tqa_mc1_delta", "gsm8k", "gsm8k_delta"]
+    intro = ("Scores in %; gate columns (ours only): fraction of documents on which the gate opened. The MARI "
+             "bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, strict exact match). "
+             "The paper's Table 3 is for Llama-3-8B.")
+    columns = ["tqa_mc1", "tqa_mc1_delta", "gsm8k", "gsm8k_delta"] + list(GATE_COLUMNS)
     common.write_tables(Path(args.out), "transfer_gsm8k", "Table 3: GSM8K transfer", intro, cells, columns,
                         paper_figures, profile, command, time.time() - started, store)
     return 0

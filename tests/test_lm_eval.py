@@ -274,10 +274,13 @@ def test_mari_routed_answer_is_the_chosen_experts_answer(tmp_path, mari_lm):
 
 def test_mari_generation_routes_over_the_first_steps(tmp_path, mari_lm):
     lm = _mari(_mari_bundle(tmp_path, mari_lm.model))
-    req = [Instance("generate_until", {}, ("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 12}), 0)]
+    req = [Instance("generate_until", {}, ("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 12}), 0,
+                    metadata=("gsm8k", 0, 1))]
     out = lm.generate_until(req)
     record = lm.records[-1]
     assert isinstance(out[0], str) and len(record["entropy"]) == 3 and "energy" in record
+    assert record["task"] == "gsm8k"  # a call holding one task's requests names it (per-task diagnostics)
+    assert lm.intervention.summarize([])["gate_rate"] is None  # no prompt seen: no rate, not 0
 
 
 def test_mari_ablation_args_are_checked(tmp_path, mari_lm):

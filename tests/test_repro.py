@@ -148,3 +148,12 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
     if outputs[0].endswith(".json"):
         record = json.loads((smoke_dirs[1] / outputs[0]).read_text())
         assert record["profile"] == "smoke" and record["command"].startswith("python repro/")
+    for row in (record["models"]["smollm2-135m-instruct"]["rows"] if script in GATE_COLUMNS else []):
+        for column in GATE_COLUMNS[script]:  # MARI's gate rate on every benchmark, generation and groups included
+            rate = row["ours"][column]["mean"]
+            assert (rate != rate) if row["row"] in UNGATED_ROWS else 0 <= rate <= 1, (row["row"], column, rate)
+
+
+GATE_COLUMNS = {"transfer_gsm8k.py": ["gate_tqa", "gate_gsm8k"], "sensitivity.py": ["gate_tqa", "gate_mmlu"],
+                "latency.py": ["gate_rate"]}
+UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT"}  # no gate: no rate
