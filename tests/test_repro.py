@@ -77,6 +77,9 @@ def test_main_table_smoke_writes_ours_beside_the_papers_and_resumes_without_reco
     second = json.loads((out / "main_table.json").read_text())
     assert second["computed_now"] == []
     assert second["models"] == first["models"]
+    # ...and still says what its steps cost when they were computed (the first run's figure).
+    assert second["compute_time_s"] == first["compute_time_s"] > 0
+    assert f"took {first['compute_time_s']:.0f} s of computation" in (out / "main_table.md").read_text()
 
 
 def _finished(runs) -> set[str]:
