@@ -203,10 +203,11 @@ def test_one_option_and_duplicate_options(mari_lm):
     assert record["entropy"] == [0.0, 0.0, 0.0] and record["expert"] == 0
     assert single == pytest.approx(_whole_sequence(mari_lm, mari_lm.tok_encode("The sky is"), mari_lm.tok_encode(" blue"), 0),
                                    abs=1e-4)
-    # Duplicates: scored alike, one routing decision for the question.
+    # Duplicates: scored alike (to float rounding: they sit in different rows of a batch,
+    # which on some CPUs differ in the 7th digit), one routing decision for the question.
     before = len(mari_lm.records)
     a, b, c = _loglikelihoods(mari_lm, [("The sky is", " blue"), ("The sky is", " blue"), ("The sky is", " green")])
-    assert a == b != c and len(mari_lm.records) == before + 1
+    assert a == pytest.approx(b, abs=1e-5) and abs(a - c) > 1e-2 and len(mari_lm.records) == before + 1
 
 
 def test_non_ascii_and_right_to_left_text_is_scored_as_tokenised(vanilla_lm, mari_lm, smollm2_path):
