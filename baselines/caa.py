@@ -65,8 +65,8 @@ def steering_vector(session, pairs, layer: int) -> torch.Tensor:
         neg_letter = "B" if pos_letter == "A" else "A"
         acts = []
         for letter in (pos_letter, neg_letter):
-            ids = torch.tensor([ab_prompt(session, question, first, second, letter)], device=session.lm.device)
-            acts.append(site.hidden_at_site(session.model, ids, torch.ones_like(ids), layer)[0])
+            ids = torch.tensor([ab_prompt(session, question, first, second, letter)], device=session.device)
+            acts.append(site.hidden_at_site(session.model, ids, torch.ones_like(ids), layer)[0].float())
         diffs.append(acts[0] - acts[1])
     return torch.stack(diffs).mean(0)
 
@@ -77,7 +77,7 @@ class CAA(Intervention):
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         hp = self.config["hyperparameters"]
-        return hidden + hp["multiplier"] * self.tensors["vector"].to(hidden)
+        return hidden + hp["multiplier"] * self.tensors_like(hidden)["vector"]
 
     def applied(self, model, positions, variant_ids=None):
         return site.edit_from_site(model, self.layer, self.edit, positions)

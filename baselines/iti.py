@@ -63,7 +63,7 @@ def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
     model = session.model
     rows = [[ex.context[-1]] + list(c) for c in continuations]
     width = max(map(len, rows))
-    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=session.lm.device)
+    ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=session.device)
     owner, cols = [], []
     for r, row in enumerate(rows):  # row position 0 is p*, the continuation starts at 1
         span = range(max(1, len(row) - tokens), len(row))
@@ -149,8 +149,8 @@ def layer_shifts(model, heads: torch.Tensor, vectors: torch.Tensor) -> dict[int,
         for (l, h), v in zip(heads.tolist(), vectors):
             if l == layer:
                 s[h * head_dim : (h + 1) * head_dim] = v
-        weight = site.attention_output(model, layer).weight
-        shifts[layer] = F.linear(s.to(weight), weight)  # no bias: only the shift moves
+        weight = site.weight_of(model, site.attention_output(model, layer))  # also when offloaded
+        shifts[layer] = F.linear(s.to(weight.device, torch.float32), weight.float())  # in float32; no bias: only the shift moves
     return shifts
 
 

@@ -64,8 +64,8 @@ class ReFT(Intervention):
     """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last."""
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
-        t = self.tensors
-        return loreft(hidden, t["R"].to(hidden), t["W"].to(hidden), t["b"].to(hidden))
+        t = self.tensors_like(hidden)
+        return loreft(hidden, t["R"], t["W"], t["b"])
 
     def prompt_sites(self, length: int) -> list[int]:
         hp = self.config["hyperparameters"]
@@ -86,9 +86,9 @@ class ReFT(Intervention):
         hp = {**DEFAULTS, **hyperparameters}
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
-        free = torch.randn(hp["rank"], d, generator=gen)
+        free = torch.randn(hp["rank"], d, generator=gen).to(session.site_device)  # float32, as trained parameters stay
         R0 = orthonormal_rows(free)
-        params = {"free": free, "W": R0.clone(), "b": torch.zeros(hp["rank"])}
+        params = {"free": free, "W": R0.clone(), "b": torch.zeros(hp["rank"], device=session.site_device)}
         for p in params.values():
             p.requires_grad_(True)
         fit_examples, val_examples = validation_split(data.train, seed)

@@ -44,7 +44,7 @@ def _splits(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging
 
-    from mari_eval.train import train
+    from mari_eval.train import Placement, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho}
@@ -59,10 +59,25 @@ def _train(args: argparse.Namespace) -> int:
     if args.single:
         hp["single"] = True
     hp = {k: v for k, v in hp.items() if v is not None}
+    placement = Placement(dtype=args.dtype, device=args.device, device_map=args.device_map,
+                          max_memory_per_gpu=args.max_memory_per_gpu, max_cpu_memory=args.max_cpu_memory)
     path = train(args.method, args.attribute, args.model, args.seed, args.out, layer=args.layer,
-                 max_train=args.max_train, max_ctrl=args.max_ctrl, max_pca=args.max_pca, hyperparameters=hp)
+                 max_train=args.max_train, max_ctrl=args.max_ctrl, max_pca=args.max_pca, hyperparameters=hp,
+                 placement=placement)
     print(f"bundle: {path}")
     return 0
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype, --device, --device-map and the memory caps (``train.Placement``), shared with repro/."""
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the frozen model's dtype (default auto: the checkpoint's, as lm-eval's --model hf); "
+                             "trained parameters stay float32")
+    parser.add_argument("--device", help="cuda, cuda:1, cpu... (default: cuda when available, else cpu)")
+    parser.add_argument("--device-map", choices=["auto"],
+                        help="auto: spread the model over the GPUs, then CPU and disk (accelerate; lm-eval's parallelize=True)")
+    parser.add_argument("--max-memory-per-gpu", help="with --device-map auto: cap per GPU, e.g. 70GiB")
+    parser.add_argument("--max-cpu-memory", help="with --device-map auto: cap on the CPU before offloading to disk, e.g. 100GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
+    add_placement_arguments(p)
     p.set_defaults(run=_train)
     return parser
 

@@ -48,7 +48,7 @@ class MariLM(HFLM):
         pretrained: str = DEFAULT_MODEL,
         bundle: str | None = None,
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         gate: bool | str = True,
         rho: float | None = None,
         experts: str | int = "routed",
@@ -67,6 +67,7 @@ class MariLM(HFLM):
             **kwargs,
         )
         self.model.requires_grad_(False)
+        self._enable_data_parallel_ranks()
         self.intervention: methods.Intervention | None = None
         if bundle:
             self.intervention = methods.load_bundle(bundle)
@@ -81,8 +82,20 @@ class MariLM(HFLM):
                 raise ValueError(f"gate/rho/experts apply to MARI bundles; this bundle is {self.intervention.method}")
         self.diagnostics_path = diagnostics
         self.records: list[dict] = []  # one per prompt: the method's choice (expert, gate, energy...)
+        self._record_keys: list[tuple] = []  # each record's prompt (its place in a canonical order)
         self._request_meta: list | None = None
         self._generation_task: str | None = None  # the task of the generation requests being answered
+
+    def _enable_data_parallel_ranks(self) -> None:
+        """Data parallelism under ``accelerate launch`` / torchrun whatever the device.
+
+        lm-eval 0.4.13's HFLM turns ranks on only when it counts more than one GPU, so two
+        CPU processes (gloo) or one GPU per process on separate hosts would each evaluate
+        everything. Here every process launched together takes its share of the requests.
+        """
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1 and self.world_size == 1:
+            self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
 
     # ------------------------------------------------------------------ the site
 
@@ -108,11 +121,31 @@ class MariLM(HFLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         # Keep which question each request belongs to: a method that chooses among
         # variants (MARI's entropy routing) sees all options of a question together.
-        self._request_meta = [(r.task_name, r.doc_id, r.doc) for r in requests]
-        try:
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-        finally:
-            self._request_meta = None
+        def score(unique):
+            self._request_meta = [(r.task_name, r.doc_id, r.doc) for r in unique]
+            try:
+                return super(MariLM, self).loglikelihood(unique, disable_tqdm=disable_tqdm)
+            finally:
+                self._request_meta = None
+
+        return self._once_per_request(requests, score)
+
+    def _once_per_request(self, requests, answer):
+        """``answer`` the distinct request objects once, then gather the diagnostics of all ranks.
+
+        Under data parallelism lm-eval pads a rank's list with copies of its last request
+        (the same object again); scored as requests they would join that question's
+        option group and move its routing entropies, and generated they would count twice
+        in the diagnostics. Each copy gets its original's answer instead.
+        """
+        first = {}
+        for request in requests:
+            first.setdefault(id(request), request)
+        unique = list(first.values())
+        start = len(self.records)
+        answers = dict(zip(first, answer(unique)))
+        self._gather_records(start)
+        return [answers[id(request)] for request in requests]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """Sum of continuation log-probs and whether it is the greedy continuation, per request.
@@ -142,7 +175,7 @@ class MariLM(HFLM):
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
         prefixes = runner.PrefixCache(self.model)
         # Sorted by context tokens, questions sharing a preamble are neighbours (PrefixCache).
-        for (task, doc_id, context), idxs in sorted(groups.items(), key=lambda item: item[0][2]):
+        for (task, doc_id, context), idxs in sorted(groups.items(), key=lambda item: _prompt_order(*item[0])):
             conts = [requests[i][2] for i in idxs]
             # Left-truncate like HFLM so that the longest row fits in max_length.
             context = context[-(self.max_length + 1 - max(map(len, conts))):]
@@ -163,9 +196,9 @@ class MariLM(HFLM):
             if iv is not None:
                 doc = meta[idxs[0]][2] if meta else None
                 self._record(record, task, doc_id, run, variants, _gold_options(task, doc, len(conts)))
+                self._record_keys.append(_prompt_order(task, doc_id, context))
             pbar.update(len(idxs))
         pbar.close()
-        self._write_diagnostics()
         return results
 
     # ------------------------------------------------------------------ diagnostics
@@ -180,6 +213,27 @@ class MariLM(HFLM):
                 # Appendix C.2: does the entropy choice pick an expert whose answer is correct?
                 record["routing_agrees"] = bool(correct[answering.index(record["expert"])])
         self.records.append(record)
+
+    def _gather_records(self, start: int) -> None:
+        """The records of the call that began at ``start``, from every rank, in one order.
+
+        They are sorted by task, document and content, so one process and several give the
+        same list; every rank then holds all of them, and rank 0 writes the file.
+        """
+        if self.intervention is None:
+            return
+        mine = list(zip(self._record_keys[start:], self.records[start:]))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+            mine = [pair for part in everyone for pair in part]
+        mine.sort(key=lambda pair: pair[0])
+        self._record_keys[start:] = [key for key, _ in mine]
+        self.records[start:] = [record for _, record in mine]
+        if self.rank == 0:
+            self._write_diagnostics()
 
     def diagnostics_summary(self) -> dict:
         if self.intervention is None:
@@ -215,7 +269,7 @@ class MariLM(HFLM):
         tasks = {request.task_name for request in requests}
         self._generation_task = tasks.pop() if len(tasks) == 1 else None
         try:
-            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            return self._once_per_request(requests, lambda unique: super(MariLM, self).generate_until(unique, disable_tqdm))
         finally:
             self._generation_task = None
 
@@ -298,9 +352,10 @@ class MariLM(HFLM):
             stopping_criteria=lambda rows, width: stop_sequences_criteria(self.tokenizer, stop, width, rows),
             **kwargs,
         )
-        for record in records:
+        for row, record in enumerate(records):
             self.records.append({"task": self._generation_task, "doc_id": None, **record})
-        self._write_diagnostics()
+            prompt = context[row][attention_mask[row].bool()]
+            self._record_keys.append(_prompt_order(self._generation_task, None, tuple(prompt.tolist())))
         return sequences
 
     # ------------------------------------------------------------------ bookkeeping
@@ -327,6 +382,12 @@ class MariLM(HFLM):
         if self.intervention is not None:
             info["mari_diagnostics"] = self.diagnostics_summary()
         return info
+
+
+def _prompt_order(task, doc_id, prompt: tuple[int, ...]) -> tuple:
+    """The order prompts are scored in (by their tokens, so a shared preamble is read once) and
+    their records kept in, whichever rank scored them."""
+    return prompt, str(task), -1 if doc_id is None else doc_id
 
 
 def _as_bool(value) -> bool:

@@ -141,9 +141,10 @@ def out_ortho_loss(deltas: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 def pca_basis(states: torch.Tensor, rank: int) -> torch.Tensor:
     """Orthonormal [d, rank] basis of the top principal directions of ``states`` [N, d]."""
+    states = states.float()  # a bf16 model's states: the basis is fitted in float32 (and float64 below)
     centred = states - states.mean(0, keepdim=True)
     _, _, Vh = torch.linalg.svd(centred.double(), full_matrices=False)
-    return Vh[:rank].T.to(states.dtype).contiguous()
+    return Vh[:rank].T.float().contiguous()
 
 
 def offsubspace_penalty(delta: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ def propagation_energy(probed: torch.Tensor, base: torch.Tensor) -> torch.Tensor
 
     probed, base: [..., n_layers, d] -> [...]. An even count takes the mean of the two middle values.
     """
-    return torch.quantile((probed - base).norm(dim=-1).float(), 0.5, dim=-1)
+    return torch.quantile((probed.float() - base.float()).norm(dim=-1), 0.5, dim=-1)
 
 
 def energy_threshold(energies: torch.Tensor, applicable: torch.Tensor, rho: float) -> float:
@@ -172,8 +173,10 @@ def energy_threshold(energies: torch.Tensor, applicable: torch.Tensor, rho: floa
 
 def run_energy(run: runner.VariantRun, probe_id: int, layers: list[int]) -> torch.Tensor:
     """E(x) from a run holding the base model's and the probe's states at p* after ``layers``."""
-    probed = torch.stack([run.site[m][run.row(probe_id)] for m in layers])
-    base = torch.stack([run.site[m][run.row(runner.BASE)] for m in layers])
+    # Layers may live on different devices (a device map): gather them in float32 on the first's.
+    device = run.site[layers[0]].device
+    probed = torch.stack([run.site[m][run.row(probe_id)].to(device, torch.float32) for m in layers])
+    base = torch.stack([run.site[m][run.row(runner.BASE)].to(device, torch.float32) for m in layers])
     return propagation_energy(probed, base)
 
 
@@ -257,7 +260,7 @@ class MARI(Intervention):
     def edit_variants(self, hidden: torch.Tensor, variant_ids: torch.Tensor) -> torch.Tensor:
         """h + alpha gamma s_k U_k (V_k^T h + b_k) per row (eq:act_phi, eq:act_lowrank); probe rows get
         h + alpha_probe delta_phi(h) (eq:probe_update); BASE rows pass through."""
-        return apply_variants(self.tensors, self.config["hyperparameters"], hidden, variant_ids)
+        return apply_variants(self.tensors_like(hidden), self.config["hyperparameters"], hidden, variant_ids)
 
     # ------------------------------------------------------------------ routing and gate
 
@@ -377,13 +380,22 @@ def probe_delta(hidden: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch
 # ----------------------------------------------------------------------------- training
 
 
-def _lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """U small (the edit starts near the identity), V a random projection, b zero."""
+def _lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """U small (the edit starts near the identity), V a random projection, b zero.
+
+    Drawn on the CPU (the same numbers on every device), then kept in float32 on ``device``
+    (the site layer's): trained parameters stay float32 whatever the model's dtype."""
     return {
-        "U": (torch.randn(K, d, r, generator=gen) * scale).requires_grad_(),
-        "V": (torch.randn(K, d, r, generator=gen) / math.sqrt(d)).requires_grad_(),
-        "b": torch.zeros(K, r).requires_grad_(),
+        "U": (torch.randn(K, d, r, generator=gen) * scale).to(device).requires_grad_(),
+        "V": (torch.randn(K, d, r, generator=gen) / math.sqrt(d)).to(device).requires_grad_(),
+        "b": torch.zeros(K, r, device=device).requires_grad_(),
     }
+
+
+def like(params: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float32 parameters cast to ``hidden``'s dtype and device (gradients flow back through the cast)."""
+    return {name: value.to(hidden) for name, value in params.items()}
 
 
 def _batches(n: int, size: int, gen: torch.Generator) -> list[list[int]]:
@@ -406,15 +418,16 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
     Checkpointed after every epoch as ``stage`` (``session.checkpoints``); a killed run resumes there."""
     from tqdm import tqdm
 
-    p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen)
+    p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen, session.site_device)
     opt = torch.optim.Adam(p.values(), lr=hp["lr"])
     gamma = hp["gamma"]
     checkpoints = session.checkpoints
     done, state, _ = checkpoints.restore(stage, p, opt, gen)
     history = state.get("history", [])
 
-    def edit(h, ids):  # eq:act_phi with s_k = 1
-        return h + gamma * lowrank_delta(h, p["U"][ids], p["V"][ids], p["b"][ids])
+    def edit(h, ids):  # eq:act_phi with s_k = 1, in the model's dtype
+        q = like(p, h)
+        return h + gamma * lowrank_delta(h, q["U"][ids], q["V"][ids], q["b"][ids])
 
     for epoch in range(done, hp["epochs"]):
         sums = {"routed": 0.0, "bal": 0.0, "inter": 0.0, "out": 0.0}
@@ -422,8 +435,9 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
         batches = _batches(len(examples), hp["batch_size"], gen)
         for step, idx in enumerate(tqdm(batches, desc=f"{label} epoch {epoch + 1}/{hp['epochs']}", leave=False)):
             batch = [examples[i] for i in idx]
-            losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold) for ex in batch])
-            hidden = torch.stack([ex.hidden for ex in batch])  # [B, d]
+            losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
+                                  for ex in batch]).to(session.site_device)
+            hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
             deltas = torch.stack([gamma * lowrank_delta(hidden, p["U"][[k] * len(batch)], p["V"][[k] * len(batch)],
                                                         p["b"][[k] * len(batch)]) for k in range(K)], dim=1)  # eq:delta_def
             route, winners = routed_loss(losses)
@@ -433,7 +447,7 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
             opt.zero_grad()
             total.backward()
             opt.step()
-            usage += torch.bincount(winners, minlength=K)
+            usage += torch.bincount(winners, minlength=K).cpu()
             for key, value in zip(sums, (route, bal, inter, out)):
                 sums[key] += float(value.detach()) * len(batch)
         record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()},
@@ -452,7 +466,7 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
     """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsub_penalty)."""
     from tqdm import tqdm
 
-    p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen)
+    p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
     p = {"probe_U": p["U"][0].detach().requires_grad_(), "probe_V": p["V"][0].detach().requires_grad_(),
          "probe_b": p["b"][0].detach().requires_grad_()}
     opt = torch.optim.Adam(p.values(), lr=hp["lr"])
@@ -464,8 +478,8 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
         sums = {"task": 0.0, "off": 0.0}
         for step, idx in enumerate(tqdm(_batches(len(examples), hp["batch_size"], gen), desc=f"probe epoch {epoch + 1}", leave=False)):
             batch = [examples[i] for i in idx]
-            task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, p)).logprobs, ex.gold)[0]
-                                for ex in batch]).mean()
+            task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
+                                            ex.gold)[0] for ex in batch]).mean().to(session.site_device)
             off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
             total = task + hp["lambda_off"] * off
             _check_finite(total, "probe", epoch, step, [ex.id for ex in batch])
@@ -492,7 +506,7 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
     layers = list(range(session.layer, session.num_layers))
     energies, applicable, applicable_single, agrees = [], [], [], []
     def edit(h, ids):
-        return apply_variants(tensors, hp, h, ids)
+        return apply_variants(like(tensors, h), hp, h, ids)
 
     for ex in tqdm(examples, desc="calibrating the energy gate on D_ctrl", leave=False):
         run = session.run(ex, variants, edit, capture=layers, site_only=[K + 1])

@@ -72,7 +72,18 @@ class Intervention(ABC):
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
         self.config = config  # everything bundle.json records (model, site, hyperparameters, splits...)
-        self.tensors = tensors
+        self.tensors = tensors  # as stored: float32 for trained parameters, on the CPU until used
+        self._cast: dict[tuple[torch.device, torch.dtype], dict[str, torch.Tensor]] = {}
+
+    def tensors_like(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The floating tensors on ``hidden``'s device and in its dtype (other tensors as stored),
+        cast once per (device, dtype): edits are applied in the model's dtype, on the device of
+        the layer they edit, while the bundle keeps float32."""
+        key = (hidden.device, hidden.dtype)
+        if key not in self._cast:
+            self._cast[key] = {name: t.to(device=hidden.device, dtype=hidden.dtype) if t.is_floating_point() else t
+                               for name, t in self.tensors.items()}
+        return self._cast[key]
 
     @property
     def layer(self) -> int:
@@ -207,7 +218,8 @@ class Intervention(ABC):
         from safetensors.torch import save
 
         directory = Path(directory)
-        atomic_write(directory / BUNDLE_WEIGHTS, save({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}))
+        stored = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in self.tensors.items()}
+        atomic_write(directory / BUNDLE_WEIGHTS, save(stored))
         atomic_write_json(directory / BUNDLE_JSON, {"method": self.method, **self.config}, sort_keys=True)
         return directory
 

@@ -68,7 +68,7 @@ def encode_prefix(
     tokens = tuple(tokens)
     if len(tokens) == 0:
         return Prefix((), None)
-    device = next(model.parameters()).device
+    device = site.input_device(model)
     cache, start = None, 0
     if base is not None and base.cache is not None and len(base.tokens) < len(tokens) and tokens[: len(base.tokens)] == base.tokens:
         if sites:
@@ -204,7 +204,7 @@ def score_variants(
        needed: MARI's closed gate answers with BASE, so its experts are never run and
        their log-likelihoods stay NaN.
     """
-    device = next(model.parameters()).device
+    device = site.input_device(model)
     n_var, n_opt = len(variants), len(continuations)
     scores: dict[tuple[int, int], torch.Tensor] = {}
     flags: dict[tuple[int, int], bool] = {}
@@ -228,14 +228,15 @@ def score_variants(
                     continue
                 if below is not None:
                     kept[m] = below[j]
-                target = torch.tensor(continuations[m], device=device)
+                target = torch.tensor(continuations[m], device=logits[j].device)
                 lp = F.log_softmax(logits[j].float(), dim=-1)
                 scores[v, m] = lp.gather(-1, target[:, None]).sum()
                 flags[v, m] = bool((lp.argmax(-1) == target).all())
         return [kept[m] for m in range(n_opt)] if len(kept) == n_opt else None
 
     def run_so_far() -> VariantRun:
-        nan = torch.tensor(float("nan"), device=device)
+        # Scores live where the output head computes (the last device of a device map).
+        nan = torch.tensor(float("nan"), device=next(iter(scores.values())).device if scores else device)
         logprobs = torch.stack([torch.stack([scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
         greedy = torch.tensor([[flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)], device=device)
         site_states = {layer: _rows_of(by_v, n_var) for layer, by_v in states.items() if by_v}
@@ -335,8 +336,7 @@ def _packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool
 
 def _packing(model, prefix, rows):
     """Token ids, position ids and attention mask of ``rows`` packed into one sequence after ``prefix``."""
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    device, dtype = site.input_device(model), model.dtype
     past = len(prefix.tokens)
     lengths = torch.tensor([len(r) for r in rows], device=device)
     starts = torch.cumsum(lengths, 0) - lengths
@@ -382,7 +382,7 @@ def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None
 
 
 def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
-    device = next(model.parameters()).device
+    device = site.input_device(model)
     width = max(map(len, rows))
     # Right padding needs no mask: pads come after every scored position.
     ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
@@ -597,7 +597,7 @@ def _routing_window(model, input_ids, attention_mask, variant_ids, apply, captur
     with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, output_logits=True,
                              return_dict_in_generate=True, past_key_values=cache, **generation_kwargs)
-    per_step = step_entropy(torch.stack(out.logits, dim=1))  # [rows, steps]
+    per_step = step_entropy(torch.stack(out.logits, dim=1)).to(input_ids.device)  # [rows, steps]
     generated = out.sequences[:, input_ids.shape[1]:]
     ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=input_ids.device)).long()
     live = ((ended.cumsum(-1) - ended) == 0).float()
@@ -608,7 +608,7 @@ def _routing_window(model, input_ids, attention_mask, variant_ids, apply, captur
 def routing_entropy(model: torch.nn.Module, prompt: Sequence[int], variants: Sequence[int], apply: ApplyEdits,
                     window: int) -> torch.Tensor:
     """u_k of eq:entropy_gen for one prompt under each variant ([V])."""
-    device = next(model.parameters()).device
+    device = site.input_device(model)
     ids = torch.tensor([list(prompt)] * len(variants), device=device)
     pad = getattr(model.generation_config, "pad_token_id", None)
     _, entropy, _ = _routing_window(model, ids, torch.ones_like(ids), torch.tensor(list(variants), device=device), apply,

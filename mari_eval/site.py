@@ -90,6 +90,56 @@ def attention_heads(model: nn.Module) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where a forward pass's inputs go: the device the embedding layer computes on.
+
+    With a device map (accelerate), an offloaded embedding's weight is a meta tensor and
+    its hook names the device it runs on; otherwise it is the weight's device.
+    """
+    embedding = model.get_input_embeddings()
+    for hook in _accelerate_hooks(embedding):
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    return embedding.weight.device
+
+
+def layer_device(model: nn.Module, layer: int) -> torch.device:
+    """The device decoder layer ``layer`` computes on (its accelerate hook's, else its weights')."""
+    block = decoder_layers(model)[check_layer(model, layer)]
+    for module in block.modules():  # the hook sits on the layer, or on its submodules when offloaded
+        for hook in _accelerate_hooks(module):
+            if getattr(hook, "execution_device", None) is not None:
+                return torch.device(hook.execution_device)
+    return next(p.device for p in block.parameters())
+
+
+def _accelerate_hooks(module: nn.Module) -> list:
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
+
+
+def weight_of(model: nn.Module, module: nn.Module) -> torch.Tensor:
+    """``module.weight`` with its values, also when accelerate offloaded it (a meta tensor
+    whose values live in a hook's weights map, on the CPU or on disk)."""
+    weight = module.weight
+    if weight.device.type != "meta":
+        return weight
+    names = {m: name for name, m in model.named_modules()}
+    target = names[module]
+    for owner, name in names.items():  # the hook holding the map sits on the module or on an ancestor
+        if name and target != name and not target.startswith(name + "."):
+            continue
+        relative = target[len(name):].lstrip(".")
+        for hook in _accelerate_hooks(owner):
+            weights = getattr(hook, "weights_map", None)
+            if weights is not None:
+                try:
+                    return weights[f"{relative}.weight" if relative else "weight"]
+                except KeyError:
+                    continue
+    raise SiteError(f"The weight of {target} is offloaded and no accelerate hook holds its values")
+
+
 def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
@@ -317,32 +367,57 @@ def can_start_after(model: nn.Module) -> bool:
 
 @contextmanager
 def start_after(model: nn.Module, layer: int, hidden: torch.Tensor) -> Iterator[None]:
-    """Forward passes inside run only the layers above ``layer``; ``layer`` outputs ``hidden``.
+    """Forward passes inside skip the work of the layers up to ``layer``; ``layer`` outputs ``hidden``.
 
     ``hidden`` ([B, T, d]) is the frozen model's state after ``layer`` for the same
-    tokens, computed earlier. Nothing below ``layer`` may be edited: those layers are
-    replaced by pass-throughs (their key/value cache is not extended, which is fine
-    because no later call reads it). Hooks on ``layer`` still run, so an edit there
-    applies to ``hidden``.
+    tokens, computed earlier. Nothing below ``layer`` may be edited. Everything is done
+    with hooks, so accelerate's own hooks (device alignment, offload) stay in place and
+    no ``forward`` is replaced:
+
+    * a forward pre-hook on each layer up to ``layer`` shortens its input to the first
+      token (the hidden states, the position ids and embeddings, the cache position and
+      the attention mask's query rows and key columns), so it computes one token instead
+      of T; what it appends to its key/value cache is never read (the caches passed here
+      are copies made for one pass);
+    * a forward hook on ``layer``, run before any other, replaces its output by ``hidden``,
+      so the edits and captures installed on ``layer`` apply to ``hidden``.
     """
     check_layer(model, layer)
     if not can_start_after(model):
         raise SiteError(f"{type(model).__name__}: skipping lower layers is supported for {', '.join(_TENSOR_LAYER_TYPES)}")
     blocks = decoder_layers(model)
+    length = hidden.shape[1]
 
-    def passthrough(hidden_states, *args, **kwargs):
-        return hidden_states
+    def first_token_only(module, args, kwargs):
+        states, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+        kwargs = {name: _first_query(name, value, length) for name, value in kwargs.items()}
+        return (states[:, :1], *rest), kwargs
 
-    def replay(hidden_states, *args, **kwargs):
-        return hidden.to(hidden_states.dtype)
+    def replay(module, args, output):
+        return _with_hidden(output, hidden.to(device=_hidden_of(output).device, dtype=_hidden_of(output).dtype))
 
-    for i in range(layer + 1):
-        blocks[i].forward = replay if i == layer else passthrough
+    handles = [blocks[i].register_forward_pre_hook(first_token_only, with_kwargs=True) for i in range(layer + 1)]
+    handles.append(blocks[layer].register_forward_hook(replay, prepend=True))
     try:
         yield
     finally:
-        for i in range(layer + 1):
-            del blocks[i].forward  # back to the class's forward
+        for handle in handles:
+            handle.remove()
+
+
+def _first_query(name: str, value, length: int):
+    """A decoder layer's keyword argument cut to the first of ``length`` query tokens."""
+    if isinstance(value, tuple):  # position_embeddings: (cos, sin), each [B, T, head_dim]
+        return tuple(_first_query(name, v, length) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if name == "attention_mask" and value.dim() == 4:  # [B, 1, T, past + T]: first query row, keys up to it
+        return value[:, :, :1, : value.shape[-1] - length + 1]
+    if name == "cache_position":
+        return value[:1]
+    if value.dim() >= 2 and value.shape[1] == length:  # position ids [B, T], cos/sin [B, T, head_dim]
+        return value[:, :1]
+    return value
 
 
 def run_through(model: nn.Module, layer: int, **forward_kwargs) -> None:

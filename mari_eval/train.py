@@ -49,6 +49,36 @@ ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry
 ARC_CTRL_TASK = "arc_easy"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and in which precision the frozen model runs (``mari-eval train --dtype --device --device-map``).
+
+    ``dtype`` "auto" takes the checkpoint's own (bf16 for the paper's models), as lm-eval's
+    ``--model hf`` does; ``device_map="auto"`` spreads the layers over the visible GPUs
+    (and the CPU / disk beyond ``max_memory``), as ``parallelize=True`` does in lm-eval.
+    Trained parameters are float32 on the site layer's device whatever is chosen here.
+    """
+
+    dtype: str = "auto"
+    device: str | None = None  # default: cuda when available, else cpu
+    device_map: str | None = None  # None or "auto"
+    max_memory_per_gpu: str | None = None
+    max_cpu_memory: str | None = None
+
+    def __post_init__(self):
+        if self.device_map not in (None, "auto"):
+            raise ValueError(f"device_map={self.device_map!r}: use 'auto' (spread over the devices) or leave it unset")
+        if self.device_map is None and (self.max_memory_per_gpu or self.max_cpu_memory):
+            raise ValueError("max memory per device applies to device_map='auto' only; add --device-map auto")
+
+    def model_args(self) -> dict[str, Any]:
+        """MariLM / HFLM keyword arguments."""
+        args: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        if self.device_map == "auto":
+            args.update(parallelize=True, max_memory_per_gpu=self.max_memory_per_gpu, max_cpu_memory=self.max_cpu_memory)
+        return args
+
+
 @dataclass
 class Example:
     """One tokenised training or control example."""
@@ -75,14 +105,18 @@ class Example:
 class Session:
     """The frozen model at one site, and the runner calls every method's training uses."""
 
-    def __init__(self, model_name: str, layer: int | None = None, device: str | None = None, max_tokens: int = 1024):
+    def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
+                 max_tokens: int = 1024):
         from mari_eval.lm import MariLM
 
         self.model_name = model_name
-        self.lm = MariLM(pretrained=model_name, device=device)
+        self.placement = placement or Placement()
+        self.lm = MariLM(pretrained=model_name, **self.placement.model_args())
         self.model = self.lm.model
         self.num_layers = site.num_layers(self.model)
         self.layer = site.check_layer(self.model, self.num_layers // 2 if layer is None else layer)
+        self.device = site.input_device(self.model)  # where token ids go
+        self.site_device = site.layer_device(self.model, self.layer)  # where trained parameters live
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         self.max_tokens = max_tokens
         self.checkpoints = NO_CHECKPOINTS  # per-epoch training state; ``train`` gives it a directory
@@ -126,8 +160,8 @@ class Session:
         """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca."""
         states = []
         for tokens in prompts:
-            ids = torch.tensor([tokens], device=self.lm.device)
-            states.append(site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0])
+            ids = torch.tensor([tokens], device=self.device)
+            states.append(site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0].float())
         return torch.stack(states)
 
     # ------------------------------------------------------------------ runner
@@ -266,6 +300,7 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
     return {
         "base_model": {"name": session.model_name, "hidden_size": session.hidden_size, "num_layers": session.num_layers},
         "site": {"layer": session.layer, "position": "last prompt token"},
+        "training_dtype": str(session.model.dtype).removeprefix("torch."),
         "attribute": attribute,
         "seed": seed,
         "splits": {**splits.to_json(), "fingerprint": splits.fingerprint(), "train_used": list(train_ids)},
@@ -283,7 +318,8 @@ def checkpoint_dir(out: str | Path) -> Path:
 
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
           max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
-          hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None) -> Path:
+          hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None,
+          placement: Placement | None = None) -> Path:
     """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``.
 
     Training state is checkpointed after every epoch into ``checkpoints`` (default
@@ -297,7 +333,7 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     cls = methods.method_class(method)
     torch.manual_seed(seed)
     t0 = time.time()
-    session = Session(model, layer=layer)
+    session = Session(model, layer=layer, placement=placement)
     attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
     config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])

@@ -186,14 +186,15 @@ def test_rows_above_the_site_reuse_the_base_rows_lower_states(family):
         whole = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
                                       bundle.site_only_variants())
         calls = []
-        hook = site.attention_output(model, 0).register_forward_hook(lambda *a: calls.append(1))
+        hook = site.attention_output(model, 0).register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
         shared = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
                                        bundle.site_only_variants(), edit_layer=bundle.layer)
         hook.remove()
     torch.testing.assert_close(shared.logprobs, whole.logprobs, atol=1e-4, rtol=0, equal_nan=True)
     for m in whole.site:
         torch.testing.assert_close(shared.site[m], whole.site[m], atol=1e-4, rtol=1e-4)
-    assert len(calls) == 1  # layer 0 computed the base rows only (the other rows passed through it)
+    # Layer 0 computed the base rows; for the other rows (started from the base rows' states) it saw one token.
+    assert calls[0] == sum(len(o) for o in OPTIONS) and calls[1:] and set(calls[1:]) == {1}
 
 
 def test_a_closed_gate_never_runs_the_experts():
