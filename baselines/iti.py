@@ -74,7 +74,7 @@ def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
     cache = runner.broadcast_cache(ex.prefix.cache, len(rows))
     # Right padding: every read position comes before the pads, so no mask is needed.
     with site.capture_attention_heads(model, layers, (owner_t, torch.tensor(cols, device=ids.device))) as seen:
-        model(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+        model(input_ids=ids, **runner.with_cache(model, cache), use_cache=cache is not None)
     count = torch.bincount(owner_t, minlength=len(rows))[:, None].float()
     means = [torch.zeros(len(rows), seen[l].shape[-1]).index_add_(0, owner_t.cpu(), seen[l].float().cpu()) / count.cpu()
              for l in layers]

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -51,6 +53,23 @@ class Prefix:
 
     tokens: tuple[int, ...]
     cache: object | None
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The forward/generate keyword holding a key/value cache: ``cache`` in transformers that
+    renamed it (``past_key_values`` is deprecated there, removed in 5.40), else ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The key/value cache a forward pass or ``generate`` returned (under either name)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def encode_prefix(
@@ -79,8 +98,9 @@ def encode_prefix(
         cols = torch.tensor(sorted(sites), device=device)
         edit = apply(None, (torch.zeros_like(cols), cols))
     with torch.set_grad_enabled(bool(sites) and torch.is_grad_enabled()), edit:
-        out = model(input_ids=torch.tensor([tokens[start:]], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return Prefix(tokens, out.past_key_values)
+        out = model(input_ids=torch.tensor([tokens[start:]], device=device), **with_cache(model, cache), use_cache=True,
+                    logits_to_keep=1)
+    return Prefix(tokens, cache_of(out))
 
 
 class PrefixCache:
@@ -362,7 +382,7 @@ def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], 
     inputs, starts, lengths = _packing(model, prefix, rows)
     everywhere = _all_positions(inputs)
     cache = broadcast_cache(prefix.cache, 1)
-    states = site.states_after(model, layer, everywhere, past_key_values=cache, use_cache=cache is not None, **inputs)
+    states = site.states_after(model, layer, everywhere, **with_cache(model, cache), use_cache=cache is not None, **inputs)
     return [states[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
@@ -376,7 +396,7 @@ def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None
         skip = site.start_after(model, start[0], start[1][None])
     with skip, apply(variant_ids, sites), site.capture_site(model, capture, sites) as seen, \
             site.capture_site(model, [] if keep_after is None else [keep_after], everywhere) as below:
-        logits = model(past_key_values=cache, use_cache=cache is not None, **inputs).logits[0]
+        logits = model(**with_cache(model, cache), use_cache=cache is not None, **inputs).logits[0]
     split = lambda x: [x[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
     return split(logits), dict(seen), split(below[keep_after]) if keep_after is not None else None
 
@@ -389,7 +409,7 @@ def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
     at_p_star = torch.zeros(len(rows), dtype=torch.long, device=device)
     cache = broadcast_cache(prefix.cache, len(rows))
     with apply(variant_ids, at_p_star), site.capture_site(model, capture, at_p_star) as seen:
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits
+        logits = model(input_ids=ids, **with_cache(model, cache), use_cache=cache is not None).logits
     return [logits[j, : len(r)] for j, r in enumerate(rows)], dict(seen)
 
 
@@ -467,21 +487,21 @@ def generate_variants(
     routed = list(range(n_prompts))
     if screened:
         first, base = _base_first_token(model, input_ids, attention_mask, capture, edit_layer, kwargs)
-        probe = _probe_at_p_star(model, input_ids, attention_mask, first.past_key_values, site_only, apply,
+        probe = _probe_at_p_star(model, input_ids, attention_mask, cache_of(first), site_only, apply,
                                  capture, edit_layer, base)
         n = len(site_only)
         states = {p: {m: torch.cat([base[m][p:p + 1], probe[m][p * n:(p + 1) * n]]) for m in capture} for p in range(n_prompts)}
         routed = [p for p in range(n_prompts) if screen(run_of(p, states[p], None))]
         kept = [p for p in range(n_prompts) if p not in routed]
         if kept:  # the untouched model answers, decoding on from its first token
-            out = _continue(model, first.sequences[kept], attention_mask[kept], cache_rows(first.past_key_values, kept),
+            out = _continue(model, first.sequences[kept], attention_mask[kept], cache_rows(cache_of(first), kept),
                             width, max_length, stop(len(kept), width), streamer, kwargs)
             for j, p in enumerate(kept):
                 answers[p] = out[j]
                 records[p] = choose(run_of(p, states[p], None))[1]
         # The routed prompts feed p* again over the untouched cache, whose p* is masked out.
         ids, mask = torch.cat([input_ids, input_ids[:, -1:]], dim=1), _p_star_fed_again(attention_mask)
-        cache = first.past_key_values
+        cache = cache_of(first)
     else:
         ids, mask, cache = input_ids, attention_mask, _prefill(model, input_ids[:, :-1], attention_mask[:, :-1])
     if routed:
@@ -498,7 +518,7 @@ def generate_variants(
             chosen, record = choose(run)
             chosen_rows.append(j * n_var + answering.index(chosen))
             records[p] = record
-        cache = window_out.past_key_values
+        cache = cache_of(window_out)
         cache.batch_select_indices(torch.tensor(chosen_rows, device=device))
         extra = ids.shape[1] - width  # the re-fed p*, dropped from the answer
         out = _continue(model, window_out.sequences[chosen_rows], mask[routed], cache, ids.shape[1],
@@ -522,7 +542,7 @@ def _continue(model, sequences, prompt_mask, cache, answer_from, max_length, cri
             streamer.end()
         return sequences
     mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, prompt_mask.shape[1]:])], dim=1)
-    return model.generate(input_ids=sequences, attention_mask=mask, past_key_values=cache, max_length=max_length,
+    return model.generate(input_ids=sequences, attention_mask=mask, **with_cache(model, cache), max_length=max_length,
                           stopping_criteria=criteria, streamer=_SkipPrompt(streamer) if streamer is not None else None,
                           **kwargs)
 
@@ -548,7 +568,7 @@ def _probe_at_p_star(model, input_ids, attention_mask, cache, variants, apply, c
         skip = site.start_after(model, edit_layer, base[edit_layer][index][:, None])
     with skip, apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
         site.run_through(model, max(capture), input_ids=input_ids[index, -1:], attention_mask=mask,
-                         position_ids=_positions(prompt_mask)[:, -1:], past_key_values=cache_rows(cache, index), use_cache=True)
+                         position_ids=_positions(prompt_mask)[:, -1:], **with_cache(model, cache_rows(cache, index)), use_cache=True)
     return dict(seen)
 
 
@@ -584,7 +604,7 @@ def _prefill(model, input_ids, attention_mask):
         return None
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
                 use_cache=True, logits_to_keep=1)
-    return out.past_key_values
+    return cache_of(out)
 
 
 def _routing_window(model, input_ids, attention_mask, variant_ids, apply, capture, steps, cache=None, **generation_kwargs):
@@ -596,7 +616,7 @@ def _routing_window(model, input_ids, attention_mask, variant_ids, apply, captur
     """
     with apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, output_logits=True,
-                             return_dict_in_generate=True, past_key_values=cache, **generation_kwargs)
+                             return_dict_in_generate=True, **with_cache(model, cache), **generation_kwargs)
     per_step = step_entropy(torch.stack(out.logits, dim=1)).to(input_ids.device)  # [rows, steps]
     generated = out.sequences[:, input_ids.shape[1]:]
     ended = torch.isin(generated, torch.tensor(_eos_ids(model) or [-1], device=input_ids.device)).long()
