@@ -58,6 +58,7 @@ class MariLM(HFLM):
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        _cpu_ranks_under_a_launcher()
         # A model object passed in is named by the checkpoint it was loaded from (bundle checks).
         self.model_name = pretrained if isinstance(pretrained, str) else getattr(pretrained, "name_or_path", "") or type(pretrained).__name__
         super().__init__(
@@ -382,6 +383,19 @@ class MariLM(HFLM):
         if self.intervention is not None:
             info["mari_diagnostics"] = self.diagnostics_summary()
         return info
+
+
+def _cpu_ranks_under_a_launcher() -> None:
+    """Under torchrun / ``accelerate launch`` without a GPU, let accelerate start the CPU ranks (gloo).
+
+    HFLM creates ``Accelerator()``, which on a machine without an accelerator counts one
+    process unless told to use the CPU (``accelerate launch --cpu`` says so through
+    ACCELERATE_USE_CPU). A user's own setting is kept.
+    """
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 
 def _prompt_order(task, doc_id, prompt: tuple[int, ...]) -> tuple:
