@@ -31,7 +31,7 @@ def validation_loss(session, examples, apply: runner.ApplyEdits = runner.no_edit
 
     losses = []
     for ex in examples:
-        run = runner.score_variants(session.model, ex.prefix, ex.context[-1], ex.options, [0], apply,
+        run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, [0], apply,
                                     max_tokens=session.max_tokens)
         losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
     return sum(losses) / len(losses)

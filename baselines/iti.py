@@ -71,7 +71,7 @@ def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
         cols += list(span)
     owner_t = torch.tensor(owner, device=ids.device)
     layers = range(session.num_layers)
-    cache = runner.broadcast_cache(ex.prefix.cache, len(rows))
+    cache = runner.broadcast_cache(session.prefix(ex).cache, len(rows))
     # Right padding: every read position comes before the pads, so no mask is needed.
     with site.capture_attention_heads(model, layers, (owner_t, torch.tensor(cols, device=ids.device))) as seen:
         model(input_ids=ids, **runner.with_cache(model, cache), use_cache=cache is not None)

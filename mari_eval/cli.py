@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
                           max_memory_per_gpu=args.max_memory_per_gpu, max_cpu_memory=args.max_cpu_memory)
     path = train(args.method, args.attribute, args.model, args.seed, args.out, layer=args.layer,
                  max_train=args.max_train, max_ctrl=args.max_ctrl, max_pca=args.max_pca, hyperparameters=hp,
-                 placement=placement)
+                 placement=placement, max_memory=args.max_memory)
     print(f"bundle: {path}")
     return 0
 
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
     add_placement_arguments(p)
+    p.add_argument("--max-memory", help="what training may keep of the frozen model's work, e.g. 40GiB (default: half "
+                                        "the site device's free memory); beyond it caches are recomputed, not kept")
     p.set_defaults(run=_train)
     return parser
 

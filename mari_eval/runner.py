@@ -148,6 +148,47 @@ def _truncated(prefix: Prefix, length: int) -> Prefix | None:
     return Prefix(prefix.tokens[:length], cache)
 
 
+def own_part(prefix: Prefix, shared: Prefix) -> Prefix | None:
+    """What ``prefix`` (which extends ``shared``) holds beyond ``shared``: its full-attention
+    layers cut to the tokens after ``shared`` (a copy, so the shared part is not kept twice);
+    sliding-window layers, which hold at most their window, whole. None when nothing is beyond."""
+    from transformers.cache_utils import DynamicLayer
+
+    if len(prefix.tokens) == len(shared.tokens):
+        return None
+    if shared.cache is None:
+        return prefix
+    own = copy.copy(prefix.cache)
+    own.layers = []
+    for layer in prefix.cache.layers:
+        layer = copy.copy(layer)
+        if type(layer) is DynamicLayer:
+            layer.keys = layer.keys[..., len(shared.tokens):, :].clone()
+            layer.values = layer.values[..., len(shared.tokens):, :].clone()
+        own.layers.append(layer)
+    return Prefix(prefix.tokens, own)
+
+
+def joined(shared: Prefix, own: Prefix | None) -> Prefix:
+    """The cache of ``own.tokens`` from the shared part and an example's own part (``own_part``);
+    new tensors, so neither part is ever written."""
+    from transformers.cache_utils import DynamicLayer
+
+    if own is None:
+        return shared
+    if shared.cache is None:
+        return own
+    cache = copy.copy(own.cache)
+    cache.layers = []
+    for base, layer in zip(shared.cache.layers, own.cache.layers):
+        layer = copy.copy(layer)
+        if type(layer) is DynamicLayer:
+            layer.keys = torch.cat([base.keys, layer.keys], dim=-2)
+            layer.values = torch.cat([base.values, layer.values], dim=-2)
+        cache.layers.append(layer)
+    return Prefix(own.tokens, cache)
+
+
 def broadcast_cache(cache, rows: int):
     """A cache whose every layer reads the batch-1 ``cache`` for ``rows`` rows."""
     return cache_rows(cache, [0] * rows)
@@ -275,7 +316,7 @@ def score_variants(
     kept = run_rows(layout(base), keep_after)
     if kept is None and keep_after is not None and len(probes) + len(answering) > 1:
         rows = [[last_token] + list(c[:-1]) for c in continuations]  # no BASE rows to keep them from
-        if _packable(model, len(prefix.tokens), max(map(len, rows))):
+        if packable(model, len(prefix.tokens), max(map(len, rows))):
             kept = lower_states(model, prefix, rows, keep_after)
     if kept is not None:
         lower = (keep_after, kept)
@@ -340,12 +381,12 @@ def forward_rows(
     """
     if bool((variant_ids == BASE).all()):  # nothing to edit: no hook at all, as in a vanilla run
         apply = no_edit
-    if _packable(model, len(prefix.tokens), max(map(len, rows))):
+    if packable(model, len(prefix.tokens), max(map(len, rows))):
         return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start, keep_after)
     return (*_forward_batched(model, prefix, rows, variant_ids, apply, capture), None)
 
 
-def _packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
+def packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
     config = model.config.get_text_config()
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return False

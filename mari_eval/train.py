@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mari_eval import data, runner, site
+from mari_eval import data, memory, runner, site
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,11 @@ class Example:
     gold: int | None  # index of the correct option; None = generation (loss = NLL of options[0])
     question: str = ""  # the question or instruction alone (baselines build their own prompts from it)
     choices: list[str] = field(default_factory=list)  # the options' text
-    prefix: runner.Prefix | None = field(default=None, repr=False)
+    # The frozen model's work, kept by Session.prepare (see mari_eval.memory): the cache of the
+    # preamble shared with the other examples of its set (one object for all of them), the cache
+    # of its own remainder of the prompt (None: recomputed at each use), the states after l*.
+    shared: runner.Prefix | None = field(default=None, repr=False)
+    own: runner.Prefix | None = field(default=None, repr=False)
     lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
     hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
     negatives: list[list[int]] = field(default_factory=list)  # behaviour-negative targets (generation)
@@ -105,8 +109,11 @@ class Example:
 class Session:
     """The frozen model at one site, and the runner calls every method's training uses."""
 
+    memory_held = 0  # bytes kept by earlier ``prepare`` calls
+    _memory_budget: int | None = None  # None: the default, read when first needed
+
     def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, max_memory: str | int | None = None):
         from mari_eval.lm import MariLM
 
         self.model_name = model_name
@@ -115,11 +122,31 @@ class Session:
         self.model = self.lm.model
         self.num_layers = site.num_layers(self.model)
         self.layer = site.check_layer(self.model, self.num_layers // 2 if layer is None else layer)
-        self.device = site.input_device(self.model)  # where token ids go
-        self.site_device = site.layer_device(self.model, self.layer)  # where trained parameters live
+        self.memory_budget = memory.parse_size(max_memory) if max_memory is not None else None
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         self.max_tokens = max_tokens
         self.checkpoints = NO_CHECKPOINTS  # per-epoch training state; ``train`` gives it a directory
+
+    @property
+    def device(self) -> torch.device:
+        """Where token ids go (the embedding's device)."""
+        return site.input_device(self.model)
+
+    @property
+    def site_device(self) -> torch.device:
+        """Where trained parameters live: the site layer's device."""
+        return site.layer_device(self.model, self.layer)
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes ``prepare`` may keep (``--max-memory``; default half the site device's free memory)."""
+        if self._memory_budget is None:
+            self._memory_budget = memory.default_budget(self.site_device)
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, value: int | None) -> None:
+        self._memory_budget = value
 
     # ------------------------------------------------------------------ tokens
 
@@ -141,20 +168,48 @@ class Session:
     # ------------------------------------------------------------------ frozen work, once
 
     @torch.no_grad()
-    def prepare(self, examples: list[Example], desc: str, lower: bool = True) -> None:
-        """Prefix cache of every example (shared common prefix computed once) and, with ``lower``,
-        the states after l* of its option rows and its site hidden state (for edits at l*)."""
+    def prepare(self, examples: list[Example], desc: str, lower: bool = True) -> memory.Plan:
+        """The frozen model's work on ``examples`` that no edit changes, done once (``mari_eval.memory``).
+
+        The cache of the preamble all of them share is computed and held once; each example
+        keeps its own remainder of the prompt cache and, with ``lower`` (methods editing at
+        l*), the states after l* of its option rows and its site state ``hidden``. What
+        does not fit the memory budget is recomputed at each use instead; the plan is logged
+        before any work starts.
+        """
         from tqdm import tqdm
 
-        shared = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
-        base = runner.encode_prefix(self.model, shared) if len(shared) > 1 else None
+        common = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
+        common = common if len(common) > 1 else ()
+        rows = {ex.id: [[ex.context[-1]] + option[:-1] for option in ex.options] for ex in examples}
+        need = memory.estimate(self.model, len(common), [len(ex.context) - 1 - len(common) for ex in examples],
+                               [sum(map(len, rows[ex.id])) for ex in examples], lower)
+        plan = memory.plan(need, max(0, self.memory_budget - self.memory_held))
+        (log.info if plan.keep_caches else log.warning)(plan.describe(f"encoding {desc}"))
+        shared = runner.encode_prefix(self.model, common)
         for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
-            ex.prefix = runner.encode_prefix(self.model, ex.context[:-1], base=base)
-            if not lower:
-                continue
-            rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
-            ex.lower = runner.lower_states(self.model, ex.prefix, rows, self.layer)
-            ex.hidden = ex.lower[0][0]
+            prefix = runner.encode_prefix(self.model, ex.context[:-1], base=shared)
+            ex.shared, ex.own = shared, runner.own_part(prefix, shared) if plan.keep_caches else None
+            ex.lower = ex.hidden = None
+            if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows[ex.id]))):
+                states = runner.lower_states(self.model, prefix, rows[ex.id], self.layer)
+                ex.lower = states if plan.keep_lower else None
+                ex.hidden = states[0][0] if plan.keep_lower else states[0][0].clone()
+            elif lower:  # rows crossing a sliding window run whole (runner): only the site state is kept
+                ids = torch.tensor([ex.context], device=self.device)
+                ex.hidden = site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0]
+        self.memory_held += need.shared_bytes + (need.cache_bytes if plan.keep_caches else 0) + \
+            (need.lower_bytes if plan.keep_lower else 0)
+        return plan
+
+    def prefix(self, ex: Example) -> runner.Prefix:
+        """The frozen model's cache of ``ex``'s prompt before p*: the shared preamble's joined
+        with the example's own part, or the own part recomputed when it was not kept."""
+        if ex.shared is None:
+            raise ValueError(f"example {ex.id} was not prepared: call Session.prepare on its set first")
+        if ex.own is not None or len(ex.shared.tokens) == len(ex.context) - 1:
+            return runner.joined(ex.shared, ex.own)
+        return runner.encode_prefix(self.model, ex.context[:-1], base=ex.shared)
 
     def hidden_of_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
         """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca."""
@@ -184,7 +239,7 @@ class Session:
     ) -> runner.VariantRun:
         """``ex``'s options under each variant; ``apply(hidden [R, d], variant_ids [R])`` edits p*."""
         return runner.score_variants(
-            self.model, ex.prefix, ex.context[-1], ex.options, variants, self.edits(apply),
+            self.model, self.prefix(ex), ex.context[-1], ex.options, variants, self.edits(apply),
             capture=capture, site_only=site_only, max_tokens=self.max_tokens,
             lower=(self.layer, ex.lower) if ex.lower is not None else None,
         )
@@ -319,7 +374,7 @@ def checkpoint_dir(out: str | Path) -> Path:
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
           max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
           hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None,
-          placement: Placement | None = None) -> Path:
+          placement: Placement | None = None, max_memory: str | int | None = None) -> Path:
     """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``.
 
     Training state is checkpointed after every epoch into ``checkpoints`` (default
@@ -333,7 +388,7 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     cls = methods.method_class(method)
     torch.manual_seed(seed)
     t0 = time.time()
-    session = Session(model, layer=layer, placement=placement)
+    session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
     attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
     config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
