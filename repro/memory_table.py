@@ -1,0 +1,142 @@
+"""Training memory of the paper's six models, by the formula of mari_eval.memory.
+
+    python repro/memory_table.py [--seed 0] [--tokenizer-model smollm2-135m-instruct]
+
+For every attribute, the sets MARI's training prepares (D_train, then D_ctrl's attribute
+and ARC-Easy sources) are tokenised by the embedded model's tokenizer (the paper's models
+cannot be downloaded here; their tokenizers give other counts, so the numbers are
+estimates of the right size, not exact), and for each paper model, built on the meta
+device from its public configuration's shape (no weights), the training state is
+computed by ``memory.estimate``: the shared preamble once, each example's own prompt
+cache and its states after l*. Beside it, what the earlier code held (a whole prompt
+cache per example, preamble included), and the bf16 weights. Writes
+results/memory.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mari_eval import memory, runner  # noqa: E402
+from mari_eval.files import atomic_write, atomic_write_json  # noqa: E402
+
+# Shapes from the models' public config.json files (the checkpoints repro/common.py's paper profile names).
+PAPER_SHAPES = {
+    "Llama-2-7B": transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    "Llama-2-13B": transformers.LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                                            num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40),
+    "Llama-3-8B": transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "Qwen2-7B": transformers.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                         tie_word_embeddings=False),
+    "Qwen2.5-14B": transformers.Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                                            num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                                            tie_word_embeddings=False),
+    "Qwen2.5-32B": transformers.Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                                            num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                                            tie_word_embeddings=False),
+}
+ATTRIBUTES = ("truthfulqa", "bbq", "sorry_bench")
+
+
+def token_counts(model_name: str, seed: int) -> dict[str, list[dict]]:
+    """Per attribute, per prepared set: shared preamble tokens, own tokens and row tokens of each example."""
+    from mari_eval.train import Session, attribute_data
+
+    session = Session(model_name, placement=None)
+    out = {}
+    for attribute in ATTRIBUTES:
+        data = attribute_data(session, attribute, seed)
+        sets = [("D_train", data.train)] + [
+            (f"D_ctrl ({source})", [ex for ex, s in zip(data.ctrl, data.ctrl_source) if s == source])
+            for source in dict.fromkeys(data.ctrl_source)]
+        out[attribute] = []
+        for name, examples in sets:
+            shared = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
+            shared = len(shared) if len(shared) > 1 else 0
+            out[attribute].append({"set": name, "examples": len(examples), "shared_tokens": shared,
+                                   "own_tokens": [len(ex.context) - 1 - shared for ex in examples],
+                                   "row_tokens": [sum(map(len, ex.options)) for ex in examples]})
+    return out
+
+
+def model_rows(counts: dict[str, list[dict]]) -> dict[str, dict]:
+    rows = {}
+    for name, config in PAPER_SHAPES.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        c = memory.cache_bytes_per_token(model)
+        row = {"parameters": sum(p.numel() for p in model.parameters()), "cache_bytes_per_token": c,
+               "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "attributes": {}}
+        for attribute, sets in counts.items():
+            now = before = 0
+            for s in sets:
+                e = memory.estimate(model, s["shared_tokens"], s["own_tokens"], s["row_tokens"], lower=True)
+                now += e.total
+                before += e.total - e.shared_bytes + s["examples"] * e.shared_bytes  # the preamble copied per example
+            row["attributes"][attribute] = {"now_bytes": now, "before_bytes": before}
+        rows[name] = row
+    return rows
+
+
+def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int) -> str:
+    gib = lambda n: f"{n / 2**30:.1f}"
+    lines = ["# Training memory of the paper's models (MARI, bf16)\n",
+             f"Generated by `{command}`: split seed {seed}, full D_train and D_ctrl of each attribute, token counts "
+             f"from the `{tokenizer}` tokenizer (the paper's models tokenise differently: sizes, not exact figures). "
+             "Per model, the formula of `mari_eval/memory.py`, c = 2 L H_kv d_h b bytes per cached token and "
+             "M = P c + sum_i (q_i c + r_i d b), on a meta-device model of the public configuration's shape.\n",
+             "Sets: " + "; ".join(f"{a}: " + ", ".join(f"{s['set']} {s['examples']} examples, preamble {s['shared_tokens']} tokens"
+                                                   for s in sets) for a, sets in counts.items()) + ".\n",
+             "| model | parameters | weights (GiB) | c (KiB/token) | " + " | ".join(
+                 f"{a}: held now (GiB) | {a}: before, preamble per example (GiB)" for a in counts) + " | peak now, largest attribute (GiB) |",
+             "|---|---|---|---|" + "---|---|" * len(counts) + "---|"]
+    for name, row in rows.items():
+        cells = [name, f"{row['parameters'] / 1e9:.2f} B", gib(row["weights_bytes"]), f"{row['cache_bytes_per_token'] / 1024:.0f}"]
+        for a in counts:
+            cells += [gib(row["attributes"][a]["now_bytes"]), gib(row["attributes"][a]["before_bytes"])]
+        largest = max(v["now_bytes"] for v in row["attributes"].values())
+        cells.append(gib(row["weights_bytes"] + largest))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("\nPeak = weights + the largest attribute's training state; one training step adds its own "
+                 "activations (a few option rows through the layers above l*), small beside these. Past "
+                 "`mari-eval train --max-memory` (default: half the free memory of the site layer's device), "
+                 "the per-example caches are recomputed at each use instead of kept.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-model", default="smollm2-135m-instruct")
+    parser.add_argument("--out", default=str(REPO / "results"))
+    args = parser.parse_args(argv)
+    start = time.time()
+    counts = token_counts(args.tokenizer_model, args.seed)
+    rows = model_rows(counts)
+    command = "python repro/memory_table.py" + (f" --seed {args.seed}" if args.seed else "")
+    out = Path(args.out)
+    summary = {a: [{k: v for k, v in s.items() if k not in ("own_tokens", "row_tokens")} |
+                   {"own_tokens_total": sum(s["own_tokens"]), "row_tokens_total": sum(s["row_tokens"])} for s in sets]
+               for a, sets in counts.items()}
+    atomic_write_json(out / "memory.json", {"command": command, "seed": args.seed, "tokenizer": args.tokenizer_model,
+                                            "dtype": "bfloat16", "sets": summary, "models": rows,
+                                            "wall_time_s": round(time.time() - start, 1)})
+    atomic_write(out / "memory.md", markdown(rows, counts, command, args.tokenizer_model, args.seed).encode())
+    print(markdown(rows, counts, command, args.tokenizer_model, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
