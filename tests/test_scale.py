@@ -145,3 +145,36 @@ def test_two_torchrun_ranks_equal_one_process(bundles, tmp_path):
         assert a["entropy"] == pytest.approx(b["entropy"], abs=1e-4) and a["energy"] == pytest.approx(b["energy"], rel=1e-5)
     assert two_diag["summary"] == one_diag["summary"]
     assert two["config"]["mari_diagnostics"] == one["config"]["mari_diagnostics"]
+
+
+@pytest.mark.parametrize("method", ["mari", "reft", "caa", "iti"])
+def test_a_bundle_trained_in_bfloat16_keeps_float32_and_loads_in_float32(method, tmp_path):
+    """Training on a bf16 model (tiny: bf16 backward is slow on CPUs) keeps float32 parameters."""
+    from mari_eval import methods
+    from mari_eval.train import AttributeData, Example
+
+    from .test_reliability import _tiny_session
+    from .tiny import tiny_model
+
+    fp32 = tiny_model("llama")
+    session = _tiny_session(tiny_model("llama").to(torch.bfloat16))
+    session.memory_budget = 2**30
+    session.encode_prompt = lambda text: [5, 6, 7]  # CAA's A/B prompts (the tiny model has no tokenizer)
+    session.chat_prompt = lambda user, without_template: without_template
+    g = torch.Generator().manual_seed(2)
+    make = lambda i: Example(f"ex{i}", torch.randint(1, 97, (9,), generator=g).tolist(),
+                             [torch.randint(1, 97, (2,), generator=g).tolist() for _ in range(3)], i % 3,
+                             question=f"q{i}", choices=["a", "b", "c"])
+    data = AttributeData("tiny", None, [torch.randint(1, 97, (6,), generator=g).tolist() for _ in range(20)],
+                         [make(i) for i in range(10)], [make(10 + i) for i in range(6)], ["attribute"] * 6)
+    config = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
+    hp = {"mari": {"K": 2, "epochs": 1, "pca_rank": 4}, "reft": {"epochs": 1},
+          "caa": {"layers": [1], "multipliers": [1.0]}, "iti": {"head_fractions": [0.2], "alphas": [2.0]}}[method]
+    trained = methods.method_class(method).fit(session, data, config, hp, seed=0)
+    floats = {k: v for k, v in trained.tensors.items() if v.is_floating_point()}
+    assert floats and all(v.dtype == torch.float32 and bool(v.isfinite().all()) for v in floats.values())
+    loaded = methods.load_bundle(trained.save(tmp_path / method))
+    ids = torch.tensor([data.train[0].context])
+    for model in (fp32, session.model):  # the same bundle edits a float32 and a bf16 model
+        with torch.no_grad(), loaded.applied(model, None):
+            assert bool(model(ids).logits.isfinite().all())
