@@ -537,6 +537,9 @@ def fit_mari(cls, session, data, config, hyperparameters, seed):
     if unknown:
         raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     hp = {**DEFAULTS, **{k: v for k, v in hyperparameters.items() if v is not None and k != "single"}}
+    if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records
+        raise ValueError(f"D_pca has {len(data.pca_prompts)} prompts, fewer than pca_rank={hp['pca_rank']}: "
+                         f"raise --max-pca to at least {hp['pca_rank']} or lower it with --set pca_rank=N")
     gen = torch.Generator().manual_seed(seed)
     data.prepare(session)
     pca_states = session.hidden_of_prompts(data.pca_prompts)
