@@ -18,6 +18,10 @@ Workloads:
 MARI's cost depends on how often its gate opens, so its gate rate is reported beside
 its timings.
 
+Every entry loads the model in the placement of ``--dtype``, ``--device`` and ``--device-map``
+(``mari-eval train``'s flags; default: dtype auto, the checkpoint's own, on cuda when
+available, else cpu), lm-eval's ``hf`` included, so all compare on the same footing.
+
 Every (entry, workload) runs in a fresh subprocess, so its peak resident memory is its
 own. Writes results/bench.json and results/bench.md with the command, the machine and
 the ratios to ``hf``. Benchmarks, not tests: nothing here asserts a timing.
@@ -33,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,17 +46,41 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- one measurement (subprocess)
 
 
-def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args: str = ""):
+PLACEMENT_FIELDS = ("dtype", "device", "device_map", "max_memory_per_gpu", "max_cpu_memory")
+
+
+def placement_of(args):
+    """The ``train.Placement`` of bench's flags (or of any namespace with its fields, e.g. latency.py's)."""
+    from mari_eval.train import Placement
+
+    return Placement(**{k: getattr(args, k, None) for k in PLACEMENT_FIELDS if getattr(args, k, None) is not None})
+
+
+def _placement_argv(placement) -> list[str]:
+    """The flags that give a worker process ``placement``."""
+    argv = []
+    for name in PLACEMENT_FIELDS:
+        value = getattr(placement, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args: str = "", placement=None):
+    import torch
     from lm_eval.api.registry import get_model
 
     from mari_eval.models import resolve_model
+    from mari_eval.train import Placement
 
+    placed = placement or Placement()
+    # The same placement for everyone; the device named, since lm-eval's hf has its own default.
+    kwargs = {**placed.model_args(), "device": placed.device or ("cuda" if torch.cuda.is_available() else "cpu")}
     if entry == "hf":
-        return get_model("hf").create_from_arg_string(
-            f"pretrained={resolve_model(model)},batch_size={batch_size},device=cpu,dtype=float32")
+        return get_model("hf").create_from_arg_string(f"pretrained={resolve_model(model)},batch_size={batch_size}", kwargs)
     args = f"pretrained={model},batch_size={batch_size}" + (f",bundle={bundle}" if bundle else "") + (
         f",{model_args}" if model_args else "")
-    return get_model("mari").create_from_arg_string(args)
+    return get_model("mari").create_from_arg_string(args, kwargs)
 
 
 def _peak_rss_mib() -> float:
@@ -136,7 +165,7 @@ def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
 
 
 def worker(args) -> None:
-    lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size, args.model_args or "")
+    lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size, args.model_args or "", placement_of(args))
     if args.workload == "mc":
         result = measure_mc(lm, args.limit or None, args.repeats)
     else:
@@ -152,7 +181,8 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
     """One measurement in a fresh process (its own peak memory); its BENCH line parsed."""
     command = [sys.executable, __file__, "--worker", "--entry", entry, "--workload", workload, "--model", args.model,
                "--batch-size", str(args.batch_size), "--limit", str(args.limit), "--repeats", str(args.repeats),
-               "--gen-prompts", str(args.gen_prompts), "--gen-tokens", str(args.gen_tokens)]
+               "--gen-prompts", str(args.gen_prompts), "--gen-tokens", str(args.gen_tokens),
+               *_placement_argv(placement_of(args))]
     if bundle:
         directory, _, model_args = bundle.partition(",")
         command += ["--bundle-dir", directory] + (["--model-args", model_args] if model_args else [])
@@ -189,6 +219,8 @@ def table(results: dict, tokens: int) -> list[str]:
 
 
 def main() -> int:
+    from mari_eval.cli import add_placement_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR[,ARGS]",
@@ -202,6 +234,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", default="mc,gen")
     p.add_argument("--out", default=str(REPO / "results"))
+    add_placement_arguments(p.add_argument_group(
+        "placement", "Where every entry (hf included) loads the model: mari-eval train's flags."))
     # internal: one measurement in a subprocess
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--entry", help=argparse.SUPPRESS)
@@ -210,6 +244,10 @@ def main() -> int:
     p.add_argument("--model-args", help=argparse.SUPPRESS)
     p.add_argument("--force", action="store_true", help="remeasure entries already in the output's bench.json")
     args = p.parse_args()
+    try:
+        placement = placement_of(args)
+    except ValueError as e:
+        p.error(str(e))
     if args.worker:
         worker(args)
         return 0
@@ -234,13 +272,14 @@ def main() -> int:
         "command": "python repro/bench.py " + " ".join(sys.argv[1:]),
         "model": args.model, "bundles": {k: v for k, v in entries.items() if v}, "batch_size": args.batch_size,
         "limit": args.limit or "all", "repeats": args.repeats, "machine": platform.platform(),
-        "processor": platform.processor(), "cpus": os.cpu_count(), "results": {},
+        "processor": platform.processor(), "cpus": os.cpu_count(), "placement": asdict(placement), "results": {},
     }
     # Measurements of an earlier run with the same settings are kept (an interrupted or extended run
     # measures only what is missing); --force remeasures.
     settings = ("model", "batch_size", "limit", "repeats", "machine")
     previous = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() and not args.force else {}
-    if any(previous.get(k) != record[k] for k in settings) or previous.get("gen") != [args.gen_prompts, args.gen_tokens]:
+    if (any(previous.get(k) != record[k] for k in settings) or previous.get("gen") != [args.gen_prompts, args.gen_tokens]
+            or previous.get("placement") != record["placement"]):  # one without a placement predates the flags
         previous = {}
     record["gen"] = [args.gen_prompts, args.gen_tokens]
     record["kept_from_earlier_run"] = []
@@ -260,12 +299,13 @@ def main() -> int:
             (out / "bench.json").write_text(json.dumps({**record, "complete": False}, indent=2) + "\n")
     record["wall_time_s"] = round(time.time() - started, 1)
     results = record["results"]
+    placed = ", ".join(f"{k} {v}" for k, v in record["placement"].items() if v is not None)
     (out / "bench.json").write_text(json.dumps({**record, "complete": True}, indent=2) + "\n")
     lines = ["# Speed benchmark\n",
              f"Generated by `{record['command'].strip()}` on {record['machine']} in {record['wall_time_s']:.0f} s"
              + (f" ({len(record['kept_from_earlier_run'])} measurements kept from an earlier run of it with the same "
                 "settings, bench.json `kept_from_earlier_run`). " if record["kept_from_earlier_run"] else ". ") +
-             f"Model `{args.model}`; truthfulqa_mc2 ({record['limit']} questions, batch size {args.batch_size}); "
+             f"Model `{args.model}` ({placed}); truthfulqa_mc2 ({record['limit']} questions, batch size {args.batch_size}); "
              f"{args.gen_prompts} SORRY-Bench generations of {args.gen_tokens} tokens, one at a time. "
              f"Medians of {args.repeats} repeat(s); warm-up excluded; ratios are to lm-eval's `--model hf`.\n"]
     lines += [f"- `{name}`: " + ", ".join(f"{w} bundle `{d}`" for w, d in dirs.items() if d) for name, dirs in entries.items() if dirs]

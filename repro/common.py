@@ -7,6 +7,11 @@ sizes, seeds, hyperparameters, and the package versions). A finished step is rea
 instead of recomputed, so an interrupted script continues where it stopped; a step that
 was killed midway left only a temporary directory, which the next run replaces.
 ``force=True`` (``--force``) recomputes.
+
+Every script takes ``mari-eval train``'s placement flags (``--dtype``, ``--device``,
+``--device-map``, ``--max-memory-per-gpu``, ``--max-cpu-memory``): one ``Placement`` for
+the bundles it trains and the evaluations it runs. The dtype enters the cache keys
+(``placement_key``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +58,16 @@ COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3}
 
 @dataclass
 class Profile:
-    """How much of everything a run computes."""
+    """How much of everything a run computes, and (``cuda_placement``) where it runs by default.
+
+    ``cuda_placement``: the placement flags a profile sets on a machine with CUDA
+    (``torch.cuda.is_available()``) when the command line does not give them. The ``paper``
+    profile runs its models in bfloat16 with ``device_map=auto`` there (``--dtype bfloat16
+    --device-map auto``); an explicit ``--dtype`` wins over its dtype, and an explicit
+    ``--device`` or ``--device-map`` over its device map. Without CUDA, and for the other
+    profiles, the defaults are ``mari-eval train``'s: dtype auto (the checkpoint's own),
+    cuda when available, else cpu.
+    """
 
     name: str
     models: list[str]
@@ -64,6 +79,7 @@ class Profile:
     max_pca: int | None = None  # D_pca prompts for MARI's subspace (None: the whole split)
     gen_tokens: dict[str, int] = field(default_factory=dict)  # per generation task: max_gen_toks (else the task's)
     tasks: dict[str, str] = field(default_factory=dict)  # a stand-in per task (smoke: one MMLU subject)
+    cuda_placement: dict[str, str] = field(default_factory=dict)  # flags' defaults on a CUDA machine (see above)
 
     def task(self, name: str) -> str:
         return self.tasks.get(name, name)
@@ -94,10 +110,17 @@ PROFILES = {
                      {"truthfulqa_mc1_heldout": 30, "truthfulqa_mc2_heldout": 30, "bbq_disambig_heldout": 30,
                       "sorry_bench_heldout": 8, "mmlu": 1, "arc_easy": 10, "arc_challenge": 10, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
-    # The paper's setting on GPU machines: its models, full test sets, 3 seeds.
+    # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
-                     None, {}),
+                     None, {}, cuda_placement={"dtype": "bfloat16", "device_map": "auto"}),
 }
+PLACEMENT_HELP = """\
+The frozen model's placement, for the bundles a script trains and the evaluations it runs
+(the flags of `mari-eval train`). --profile paper on a machine with CUDA defaults to
+--dtype bfloat16 --device-map auto: an explicit --dtype replaces its dtype, an explicit
+--device or --device-map its device map. Otherwise: dtype auto (the checkpoint's own;
+float32 for the embedded models), cuda when available, else cpu. The resolved dtype is
+part of every cached step's key under --runs (bf16 and float32 are cached apart)."""
 
 
 def profile_from_args(args) -> Profile:
@@ -109,8 +132,30 @@ def profile_from_args(args) -> Profile:
     return profile
 
 
+def placement_from_args(args, profile: Profile):
+    """The ``train.Placement`` of a script's command line: its flags, else the profile's
+    defaults on a CUDA machine (``Profile.cuda_placement``), else ``mari-eval train``'s."""
+    from mari_eval.train import Placement
+
+    values = {"dtype": args.dtype, "device": args.device, "device_map": args.device_map,
+              "max_memory_per_gpu": args.max_memory_per_gpu, "max_cpu_memory": args.max_cpu_memory}
+    if profile.cuda_placement:
+        import torch
+
+        if torch.cuda.is_available():
+            defaults = dict(profile.cuda_placement)
+            if values["device"] is not None:  # one device named: no device map of the profile's
+                defaults.pop("device_map", None)
+            values.update({k: v for k, v in defaults.items() if values[k] is None})
+    return Placement(**{**values, "dtype": values["dtype"] or "auto"})
+
+
 def add_common_args(parser) -> None:
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick", help="how much to compute (default: quick)")
+    from mari_eval.cli import add_placement_arguments
+
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick",
+                        help="how much to compute (default: quick); paper also defaults to bf16 with --device-map auto "
+                             "on a CUDA machine (see placement below)")
     parser.add_argument("--smoke", dest="profile", action="store_const", const="smoke", help="same as --profile smoke")
     parser.add_argument("--model", help="run this model (embedded alias or Hub id) instead of the profile's")
     parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's")
@@ -118,6 +163,11 @@ def add_common_args(parser) -> None:
     parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
     parser.add_argument("--force", action="store_true", help="recompute cached steps")
     parser.add_argument("--columns", help="comma-separated subset of the table's benchmark columns (e.g. tqa_mc1,bbq_acc)")
+    placement = parser.add_argument_group("placement", PLACEMENT_HELP)
+    add_placement_arguments(placement)
+    parser.set_defaults(dtype=None)  # not given: the profile's default (placement_from_args)
+    placement.add_argument("--max-memory", help="as mari-eval train's: what training may keep of the frozen model's work, "
+                                                "e.g. 40GiB (beyond it caches are recomputed; results are the same)")
 
 
 def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
@@ -152,6 +202,50 @@ def config_key(config: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+@lru_cache(maxsize=None)
+def resolved_dtype(dtype: str, model: str) -> str:
+    """The dtype ``model`` is loaded in under ``dtype``: "auto" is the checkpoint's config's
+    (as transformers reads it), or stays "auto" when the config does not say or cannot be read."""
+    if dtype != "auto":
+        return dtype
+    try:
+        from transformers import AutoConfig
+
+        from mari_eval.models import resolve_model
+
+        config = AutoConfig.from_pretrained(resolve_model(model))
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    except (OSError, ValueError, KeyError) as e:
+        log.info("dtype auto of %s unresolved (%s): cached under 'auto'", model, e)
+        found = None
+    return "auto" if found is None else str(found).removeprefix("torch.")
+
+
+def placement_key(placement, model: str) -> dict | None:
+    """What a placement adds to the cache key of a step on ``model``: None (nothing) for float32.
+
+    Only the dtype enters the key, resolved ("auto" is the checkpoint's dtype): it changes what
+    is computed (a bf16 evaluation is never read back for a float32 request, nor the reverse).
+    The device, the device map and the memory caps do not: they change where layers run, which
+    moves results by rounding only (tests/test_scale.py: a device map equals one device), and
+    keys never told CPU from GPU hosts either (``--device`` defaults to whichever the host has).
+
+    Nothing is added for float32 so that the steps cached before placements existed stay
+    valid: every one of them ran in float32 (MariLM's and training's dtype until dtype auto
+    became the default), and "auto" on a float32 checkpoint (the embedded models) is float32,
+    so the default command keeps its keys. "auto" on a bf16 checkpoint (the paper's models)
+    now computes in bf16 and gets a key of its own, so an older float32 step of such a model
+    is not read back for it; "auto" that cannot be resolved is keyed as "auto".
+    """
+    dtype = resolved_dtype(placement.dtype, model)
+    return None if dtype == "float32" else {"dtype": dtype}
+
+
+def _with_placement(config: dict, placement, model: str) -> dict:
+    key = placement_key(placement, model)
+    return config if key is None else {**config, "placement": key}
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically: a reader (or a killed writer) never leaves a half-written file."""
     atomic_write_json(path, obj)
@@ -164,8 +258,12 @@ def write_text(path: Path, text: str) -> None:
 class Store:
     """Bundles and evaluation results under ``root``, keyed by configuration."""
 
-    def __init__(self, root: str | Path, force: bool = False):
+    def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None):
+        from mari_eval.train import Placement
+
         self.root, self.force = Path(root), force
+        self.placement = placement or Placement()  # of every bundle trained and every evaluation run here
+        self.max_memory = max_memory  # training's budget for the frozen model's work: not in keys (same results)
         self.computed: list[str] = []  # keys computed by this process (the rest were read back)
         # Seconds each step used by this process took when it was computed (now or by an earlier
         # run): a table read back from the cache in seconds still says what it cost.
@@ -187,6 +285,7 @@ class Store:
         config = {"kind": "bundle", "method": method, "attribute": attribute, "model": model, "seed": seed,
                   "max_train": profile.max_train.get(attribute), "max_ctrl": profile.max_ctrl, "max_pca": profile.max_pca,
                   "hyperparameters": hp}
+        config = _with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
         if (final / "bundle.json").is_file() and (not self.force or final.name in self.computed):
@@ -197,10 +296,11 @@ class Store:
         # epochs are resumed by the next run (mari_eval.checkpoint).
         tmp = final.with_name(f"{final.name}.partial-{os.getpid()}")
         _remove_abandoned(final.parent.glob(f"{final.name}.partial-*"))
-        log.info("training %s on %s (%s, seed %d)", method, attribute, model, seed)
+        log.info("training %s on %s (%s, seed %d, %s)", method, attribute, model, seed, describe(self.placement))
         train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=profile.max_ctrl,
-              max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"))
-        write_json(tmp / "repro_config.json", config)
+              max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
+              placement=self.placement, max_memory=self.max_memory)
+        write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})
         if self.force or not (final / "bundle.json").is_file():  # a stale or damaged bundle is replaced
             shutil.rmtree(final, ignore_errors=True)
         try:
@@ -227,21 +327,29 @@ class Store:
             fingerprint = load_bundle(bundle).fingerprint()
         paths, configs = {}, {}
         for task in tasks:
-            configs[task] = {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
-                             "model_args": model_args, "gen_tokens": gen_tokens,
-                             "split_seed": split_seed if "heldout" in task else None}  # the others have no split of ours
+            configs[task] = _with_placement(
+                {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
+                 "model_args": model_args, "gen_tokens": gen_tokens,
+                 "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
+                self.placement, model)
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
         missing = [t for t in tasks if not paths[t].is_file() or (self.force and paths[t].name not in self.computed)]
         if missing:
-            log.info("evaluating %s on %s (%s%s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
-                     f", {model_args}" if model_args else "")
-            for task, result in _evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed).items():
-                write_json(paths[task], {"config": configs[task], **result})
+            log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
+                     f", {model_args}" if model_args else "", describe(self.placement))
+            for task, result in _evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
+                                          self.placement).items():
+                write_json(paths[task], {"config": configs[task], "placement_used": asdict(self.placement), **result})
                 self.computed.append(paths[task].name)
         results = {t: json.loads(paths[t].read_text()) for t in tasks}
         for task, result in results.items():  # tasks evaluated together share their run's seconds
             self.step_seconds[paths[task].name] = result["seconds"] / len(result.get("tasks_run_together") or [task])
         return results
+
+
+def describe(placement) -> str:
+    """A placement in a log line: dtype bfloat16, device_map auto."""
+    return ", ".join(f"{k} {v}" for k, v in asdict(placement).items() if v is not None)
 
 
 def _remove_abandoned(partials) -> None:
@@ -259,18 +367,20 @@ def _remove_abandoned(partials) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-_BASE_MODELS: dict[str, tuple] = {}  # model name -> (frozen model, tokenizer), loaded once per process
+_BASE_MODELS: dict[tuple, tuple] = {}  # (model name, placement) -> (frozen model, tokenizer), loaded once per process
 
 
-def _mari_lm(model: str, bundle: Path | None, model_args: str):
+def _mari_lm(model: str, bundle: Path | None, model_args: str, placement=None):
     from lm_eval.utils import simple_parse_args_string
 
     from mari_eval.lm import MariLM
+    from mari_eval.train import Placement
 
-    if model not in _BASE_MODELS:
-        first = MariLM(pretrained=model)
-        _BASE_MODELS[model] = (first.model, first.tokenizer)
-    frozen, tokenizer = _BASE_MODELS[model]
+    placement = placement or Placement()
+    if (model, placement) not in _BASE_MODELS:  # loaded in the placement; the later MariLMs share the loaded model
+        first = MariLM(pretrained=model, **placement.model_args())
+        _BASE_MODELS[(model, placement)] = (first.model, first.tokenizer)
+    frozen, tokenizer = _BASE_MODELS[(model, placement)]
     kwargs = simple_parse_args_string(model_args) if model_args else {}
     return MariLM(pretrained=frozen, tokenizer=tokenizer, bundle=str(bundle) if bundle else None, **kwargs)
 
@@ -285,13 +395,13 @@ def _documents(out: dict, name: str) -> int:
     return sum(out["n-samples"][t]["effective"] for t in _task_names(out, name) if t in out["n-samples"])
 
 
-def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed) -> dict[str, dict]:
+def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement=None) -> dict[str, dict]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     if any(t.startswith("sorry") for t in tasks):
         _ensure_judge()
-    lm = _mari_lm(model, bundle, model_args)
+    lm = _mari_lm(model, bundle, model_args, placement)
     started = time.time()
     out = simple_evaluate(
         model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=0,
@@ -307,6 +417,7 @@ def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed) -
             names = _task_names(out, task)
             diagnostics = lm.intervention.summarize([r for r in lm.records if r.get("task") in names])
         results[task] = {"metrics": metrics, "n": _documents(out, task), "seconds": seconds, "tasks_run_together": list(tasks),
+                         "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
                          "diagnostics": diagnostics}
     return results
 
@@ -388,7 +499,12 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     args = parser.parse_args(argv)
     setup_logging()
     command = (f"python repro/{script} " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    return args, profile_from_args(args), Store(args.runs, force=args.force), command
+    profile = profile_from_args(args)
+    try:
+        placement = placement_from_args(args, profile)
+    except ValueError as e:
+        parser.error(str(e))
+    return args, profile, Store(args.runs, force=args.force, placement=placement, max_memory=args.max_memory), command
 
 
 def add_gate_rates(scores: dict[str, dict], columns: dict[str, str]) -> dict[str, dict]:
@@ -446,16 +562,19 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     """
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
+              "placement": asdict(store.placement),
               "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(), "computed_now": store.computed,
               "models": {}}
-    md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}) in {wall:.0f} s; "
+    md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}, "
+          f"{describe(store.placement)}) in {wall:.0f} s; "
           f"{cost(store)}. {intro}\n"]
     tex = ["\\begin{tabular}{l" + "c" * len(columns) + "}", "\\toprule",
            " & ".join(["Row"] + [c.replace("_", "\\_") for c in columns]) + " \\\\", "\\midrule"]
     for model, rows in cells.items():
         paper_model, paper = paper_lookup(model)
-        entry = record["models"][model] = {"paper_model": paper_model, "rows": []}
-        md += [f"\n## {model} (paper column: {paper_model})\n",
+        entry = record["models"][model] = {"paper_model": paper_model, "dtype": resolved_dtype(store.placement.dtype, model),
+                                           "rows": []}
+        md += [f"\n## {model} ({entry['dtype']}; paper column: {paper_model})\n",
                "| row | " + " | ".join(f"{c} (ours) | {c} (paper)" for c in columns) + " |",
                "|---|" + "---|---|" * len(columns)]
         tex.append(f"\\multicolumn{{{len(columns) + 1}}}{{c}}{{\\textit{{{model}}}}} \\\\")

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - started
     out = Path(args.out)
     common.write_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,
+                                                  "placement": common.asdict(store.placement),
                                                   "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(),
                                                   "computed_now": store.computed,
                                                   "bundles": diag})

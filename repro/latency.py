@@ -1,13 +1,14 @@
 """Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI (SORRY-Bench-trained bundles).
 
-    python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128]
+    python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
 
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
 the first answer token is streamed), tokens/s after it (TPS) and total latency (TTLT).
 The bundles are the main table's SORRY-Bench ones (same cache under runs/). Writes
 results/latency.{json,md,tex} with the paper's Table 4 beside ours (its hardware and
-model differ: compare ratios to Base, not absolute numbers).
+model differ: compare ratios to Base, not absolute numbers). The bundles are trained and
+the timed processes load the model in the placement of --dtype/--device/--device-map.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int)
     for model, seed, label in tqdm(steps, desc="latency", unit="method"):
         method = ROWS[label]
         bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
-        args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens)
+        args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens,
+                               **common.asdict(store.placement))  # bench's worker loads the model in this placement
         result = bench.run_one(args, "vanilla", str(bundle) if bundle else None, "gen")
         row = cells.setdefault(model, {}).setdefault(label, {})
         for column, value in (("ftl_ms", 1000 * result["first_token_s"]), ("tps", result["tokens_per_s"]),

@@ -1,0 +1,143 @@
+"""The repro scripts' placement flags (--dtype, --device, --device-map): one Placement for
+training and evaluation, the profile's defaults, and the dtype in every cache key."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mari_eval.train import Placement
+
+from .test_repro import _repro, repro_common
+
+MODEL = "smollm2-135m-instruct"  # a float32 checkpoint
+
+
+def _placement(monkeypatch, cuda: bool, *argv: str) -> Placement:
+    common = repro_common()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    parser = argparse.ArgumentParser()
+    common.add_common_args(parser)
+    args = parser.parse_args(argv)
+    return common.placement_from_args(args, common.profile_from_args(args))
+
+
+@pytest.mark.parametrize("cuda,argv,expected", [
+    (True, ["--profile", "paper"], Placement(dtype="bfloat16", device_map="auto")),
+    (False, ["--profile", "paper"], Placement()),  # no CUDA: mari-eval train's defaults
+    (True, ["--profile", "quick"], Placement()),
+    # An explicit flag wins over the profile's default: --dtype over its dtype, --device over its device map.
+    (True, ["--profile", "paper", "--dtype", "float32"], Placement(dtype="float32", device_map="auto")),
+    (True, ["--profile", "paper", "--dtype", "auto"], Placement(device_map="auto")),
+    (True, ["--profile", "paper", "--device", "cuda:1"], Placement(dtype="bfloat16", device="cuda:1")),
+    (True, ["--profile", "paper", "--max-memory-per-gpu", "70GiB"],
+     Placement(dtype="bfloat16", device_map="auto", max_memory_per_gpu="70GiB")),
+    (False, ["--smoke", "--dtype", "float16", "--device", "cpu"], Placement(dtype="float16", device="cpu")),
+])
+def test_the_paper_profile_runs_in_bf16_over_the_gpus_unless_the_flags_say_otherwise(monkeypatch, cuda, argv, expected):
+    assert _placement(monkeypatch, cuda, *argv) == expected
+
+
+def test_memory_caps_without_a_device_map_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="add --device-map auto"):  # train.Placement's own check
+        _placement(monkeypatch, False, "--max-cpu-memory", "10GiB")
+
+
+def test_every_script_documents_the_flags_and_the_paper_default():
+    common = repro_common()
+    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    text = " ".join(parser.format_help().split())
+    for flag in ("--dtype {auto,float32,bfloat16,float16}", "--device DEVICE", "--device-map {auto}", "--max-memory"):
+        assert flag in text
+    assert "--profile paper on a machine with CUDA defaults to --dtype bfloat16 --device-map auto" in text
+    assert "--dtype bfloat16 --device-map auto" in " ".join(common.Profile.__doc__.split())
+
+
+def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
+    common = repro_common()
+    config = {"kind": "evaluation", "model": MODEL, "task": "truthfulqa_mc1_heldout", "limit": 2}  # as before placements
+    keyed = lambda placement, model=MODEL: common.config_key(common._with_placement(config, placement, model))
+    earlier = common.config_key(config)
+    # dtype auto on a float32 checkpoint computes in float32, as every step cached before the flags did: same key.
+    assert common.resolved_dtype("auto", MODEL) == "float32"
+    assert keyed(Placement()) == keyed(Placement(dtype="float32")) == earlier
+    # Devices and device maps move results by rounding only: not in the key.
+    assert keyed(Placement(dtype="float32", device="cpu")) == earlier
+    assert keyed(Placement(device_map="auto", max_cpu_memory="9GiB")) == earlier
+    # Another dtype is another key, each its own.
+    others = {keyed(Placement(dtype=d)) for d in ("bfloat16", "float16")}
+    assert len(others) == 2 and earlier not in others
+    # dtype auto that cannot be resolved (a model not on this machine, offline) is keyed apart from float32.
+    assert common.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
+
+
+# The configurations every step was cached under before placements existed (repro/common.py, Store):
+# the default placement must keep these keys, so that runs/ stays valid.
+EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", "model": MODEL, "seed": 0, "max_train": 4,
+                  "max_ctrl": 2, "max_pca": 24, "hyperparameters": {}}
+EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", "limit": 2, "bundle": None, "model_args": "",
+                      "gen_tokens": None, "split_seed": None}
+
+
+def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, monkeypatch):
+    common = repro_common()
+    calls = []
+
+    def train(method, attribute, model, seed, out, **kwargs):  # records its arguments, writes an empty bundle
+        calls.append(kwargs)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "bundle.json").write_text('{"train_seconds": 1.0}')
+        return Path(out)
+
+    monkeypatch.setattr("mari_eval.train.train", train)
+    placements = {"default": Placement(), "float32": Placement(dtype="float32", device="cpu"),
+                  "bf16": Placement(dtype="bfloat16"), "bf16 mapped": Placement(dtype="bfloat16", device_map="auto")}
+    bundles = {name: common.Store(tmp_path, placement=p, max_memory="1GiB").bundle("caa", "truthfulqa", MODEL, 0,
+                                                                                   common.PROFILES["smoke"])
+               for name, p in placements.items()}
+    assert bundles["default"].name == f"caa-truthfulqa-s0-{common.config_key(EARLIER_BUNDLE)}"  # the earlier key
+    assert bundles["float32"] == bundles["default"] != bundles["bf16"] == bundles["bf16 mapped"]
+    # Trained twice (the float32 and the mapped bf16 requests read back the first two), in the placement asked for.
+    assert [c["placement"] for c in calls] == [placements["default"], placements["bf16"]]
+    assert all(c["max_memory"] == "1GiB" for c in calls)
+    recorded = json.loads((bundles["bf16"] / "repro_config.json").read_text())
+    assert recorded["placement"] == {"dtype": "bfloat16"} and recorded["placement_used"]["dtype"] == "bfloat16"
+
+
+def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, monkeypatch):
+    common = repro_common()
+    calls = []
+
+    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement):
+        calls.append(placement)
+        return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "model_dtype": placement.dtype} for t in tasks}
+
+    monkeypatch.setattr(common, "_evaluate", evaluate)
+    files = {}
+    for name, placement in {"default": Placement(), "float32": Placement(dtype="float32"),
+                            "bf16": Placement(dtype="bfloat16")}.items():
+        common.Store(tmp_path, placement=placement).evaluations(MODEL, ["arc_easy"], 2)
+        files[name] = {p.name for p in (tmp_path / "evaluations").iterdir()} - set().union(*files.values())
+    assert files["default"] == {f"arc_easy-{common.config_key(EARLIER_EVALUATION)}.json"}  # the earlier key
+    assert files["float32"] == set() and len(files["bf16"]) == 1  # float32 read back the default's; bf16 its own
+    assert calls == [Placement(), Placement(dtype="bfloat16")]
+
+
+@pytest.mark.needs_data
+def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
+    common = repro_common()
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    # Vanilla on one MMLU question: the cheapest real evaluation (the bundles' placement is tested above).
+    _repro("main_table.py", (runs, out), "--methods", "vanilla", "--columns", "mmlu", "--dtype", "bfloat16")
+    record = json.loads((out / "main_table.json").read_text())
+    assert record["placement"]["dtype"] == "bfloat16" and record["models"][MODEL]["dtype"] == "bfloat16"
+    assert "dtype bfloat16" in (out / "main_table.md").read_text()
+    [path] = (runs / "evaluations").glob("*.json")
+    stored = json.loads(path.read_text())
+    assert stored["model_dtype"] == "bfloat16" and stored["placement_used"]["dtype"] == "bfloat16"  # computed in bf16
+    assert stored["config"]["placement"] == {"dtype": "bfloat16"}
+    assert path.stem.endswith(common.config_key(stored["config"]))  # stored under its bf16 configuration's key...
+    float32 = {k: v for k, v in stored["config"].items() if k != "placement"}
+    assert not path.stem.endswith(common.config_key(float32))  # ...not the float32 (default) request's
