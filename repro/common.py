@@ -11,7 +11,8 @@ was killed midway left only a temporary directory, which the next run replaces.
 Every script takes ``mari-eval train``'s placement flags (``--dtype``, ``--device``,
 ``--device-map``, ``--max-memory-per-gpu``, ``--max-cpu-memory``): one ``Placement`` for
 the bundles it trains and the evaluations it runs. The dtype enters the cache keys
-(``placement_key``).
+(``placement_key``). Several hosts may share ``runs/``: a half-trained bundle is named
+after its host and process and only its own host judges whether it was abandoned.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -294,7 +297,7 @@ class Store:
         # half bundle under the final name, and two runs training the same bundle never share
         # one. The per-epoch checkpoints are keyed by the configuration, so a killed run's
         # epochs are resumed by the next run (mari_eval.checkpoint).
-        tmp = final.with_name(f"{final.name}.partial-{os.getpid()}")
+        tmp = partial_dir(final)
         _remove_abandoned(final.parent.glob(f"{final.name}.partial-*"))
         log.info("training %s on %s (%s, seed %d, %s)", method, attribute, model, seed, describe(self.placement))
         train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=profile.max_ctrl,
@@ -352,18 +355,54 @@ def describe(placement) -> str:
     return ", ".join(f"{k} {v}" for k, v in asdict(placement).items() if v is not None)
 
 
+def _host() -> str:
+    """This machine's name as partial directories record it (characters safe in a file name)."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "unknown_host"
+
+
+def partial_dir(final: Path) -> Path:
+    """Where this process trains the bundle ``final``: ``<final>.partial-<host>-<pid>``.
+
+    The host is part of the name because several machines may share runs/: a pid says
+    nothing about a process on another host, so only the host named in a partial directory
+    may judge it abandoned (``_remove_abandoned``). Dashes in the host name become "_", so
+    the pid is whatever follows the last dash."""
+    return final.with_name(f"{final.name}.partial-{_host()}-{os.getpid()}")
+
+
+def _partial_owner(path: Path) -> tuple[str | None, int] | None:
+    """(host, pid) of a partial directory; host None for the names of earlier versions
+    (``<final>.partial-<pid>``, written before runs/ was shared by hosts); None if unreadable."""
+    host, _, pid = path.name.rsplit(".partial-", 1)[-1].rpartition("-")
+    if not pid.isdigit():
+        return None
+    return host or None, int(pid)
+
+
 def _remove_abandoned(partials) -> None:
-    """Delete the half-trained bundle directories of runs that no longer exist (killed ones)."""
+    """Delete the half-trained bundle directories of runs that no longer exist (killed ones).
+
+    A partial directory is abandoned when it is this host's (its name says so, or names no
+    host: the earlier versions' names) and its process is not alive here. One of another
+    host is never touched, whatever its pid: that process may be training it right now."""
     for path in partials:
-        pid = int(path.name.rsplit("-", 1)[1])
+        owner = _partial_owner(path)
+        if owner is None:
+            log.warning("%s: not a partial bundle of ours (no host-pid suffix); left alone", path)
+            continue
+        host, pid = owner
+        if host is not None and host != _host():
+            log.info("%s: a partial bundle of host %s (pid %d), not this one (%s); left alone", path.name, host, pid, _host())
+            continue
         try:
             os.kill(pid, 0)
-            alive = pid != os.getpid()
+            alive = pid != os.getpid()  # our own pid: a previous process's directory, this one is about to train
         except ProcessLookupError:
             alive = False
         except PermissionError:  # another user's live process
             alive = True
         if not alive:
+            log.info("%s: abandoned by process %d, which is gone; removed", path.name, pid)
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -8,6 +8,7 @@ One section per kind of failure. Elsewhere: missing data files, bad lines and wr
 import gzip
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -363,3 +364,45 @@ def test_two_processes_writing_the_same_files_never_corrupt_them(tmp_path):
     lines = cache.read_text().splitlines()
     assert len(lines) == 300 and {json.loads(line)["key"] for line in lines} == {f"{m}-{i}" for m in "ab" for i in range(150)}
 
+
+
+# ----------------------------------------------------------------------------- half-trained repro bundles, hosts sharing runs/
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: no process has its pid now
+    return child.pid
+
+
+def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_gone(tmp_path, caplog, monkeypatch):
+    from .test_repro import repro_common
+
+    common = repro_common()
+    monkeypatch.setattr(common.socket, "gethostname", lambda: "gpu-node-3.cluster")  # dashes and dots, as hosts have
+    final = tmp_path / "mari-truthfulqa-s0-0123456789abcdef0123"
+    mine = common.partial_dir(final)
+    assert mine.name == f"{final.name}.partial-gpu_node_3.cluster-{os.getpid()}"
+    assert common._partial_owner(mine) == ("gpu_node_3.cluster", os.getpid())
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        dead = _dead_pid()
+        partials = {
+            "another host, its process unknown here": f"other_host-{dead}",
+            "another host, a pid alive here": f"other_host-{live.pid}",
+            "this host, process gone": f"gpu_node_3.cluster-{dead}",
+            "this host, process alive": f"gpu_node_3.cluster-{live.pid}",
+            "earlier name (no host), process gone": f"{dead}",
+            "earlier name (no host), process alive": f"{live.pid}",
+        }
+        for suffix in partials.values():
+            (tmp_path / f"{final.name}.partial-{suffix}").mkdir()
+        with caplog.at_level(logging.INFO, logger="repro"):
+            common._remove_abandoned(tmp_path.glob(f"{final.name}.partial-*"))
+        left = {what for what, suffix in partials.items() if (tmp_path / f"{final.name}.partial-{suffix}").is_dir()}
+        assert left == {"another host, its process unknown here", "another host, a pid alive here",
+                        "this host, process alive", "earlier name (no host), process alive"}
+        assert f"a partial bundle of host other_host (pid {dead}), not this one" in caplog.text
+    finally:
+        live.kill()
+        live.wait()
