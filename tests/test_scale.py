@@ -68,8 +68,7 @@ def _bf16_tolerance(logprob: float) -> float:
     return 0.1 + 0.03 * abs(logprob)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method, dtype", [(m, "bfloat16") for m in METHODS] + [("mari", "float16")])
 def test_every_method_scores_and_generates_in_half_precision(bundles, method, dtype):
     fp32, bf16 = _lm(bundles[method], ",dtype=float32"), _lm(bundles[method], f",dtype={dtype}")
     assert fp32.model.dtype == torch.float32 and bf16.model.dtype == getattr(torch, dtype)
