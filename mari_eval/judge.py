@@ -250,7 +250,6 @@ class JudgeCache:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
         self._lock = threading.Lock()
         self._records: dict[str, dict] | None = None
-        self._needs_newline = False
 
     def records(self) -> dict[str, dict]:
         with self._lock:
@@ -268,24 +267,25 @@ class JudgeCache:
         line = json.dumps(record, ensure_ascii=False) + "\n"
         records = self.records()
         with self._lock:
-            if self._needs_newline:
-                line = "\n" + line
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # other processes appending to the same cache wait their turn
+                # Whether the file ends mid-line (a killed writer) is read under the lock: read before
+                # it, another process's line could still be half written.
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    line = "\n" + line
                 os.write(fd, line.encode("utf-8"))
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._needs_newline = False
             records[record["key"]] = record
 
     def _read(self) -> dict[str, dict]:
         if not self.path.exists():
             return {}
         raw = self.path.read_bytes()
-        self._needs_newline = bool(raw) and not raw.endswith(b"\n")
         records, bad = {}, 0
         for line in raw.decode("utf-8", errors="replace").splitlines():
             if not line.strip():
