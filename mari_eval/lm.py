@@ -218,8 +218,8 @@ class MariLM(HFLM):
     def _gather_records(self, start: int) -> None:
         """The records of the call that began at ``start``, from every rank, in one order.
 
-        They are sorted by task, document and content, so one process and several give the
-        same list; every rank then holds all of them, and rank 0 writes the file.
+        They are sorted by their prompts (``_prompt_order``), so one process and several give
+        the same list; every rank then holds all of them, and rank 0 writes the file.
         """
         if self.intervention is None:
             return

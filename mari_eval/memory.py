@@ -34,14 +34,11 @@ recomputed too (edited rows then run every layer). Results are the same either w
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_FRACTION = 0.5
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -93,6 +90,16 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.shared_bytes + self.cache_bytes + self.lower_bytes
+
+
+def token_counts(examples) -> tuple[tuple[int, ...], list[int], list[int]]:
+    """(P's tokens, q_i, r_i) of a set of ``train.Example``s: the preamble all share (when
+    longer than one token), each one's own prompt tokens before p*, its option rows' tokens."""
+    from mari_eval import runner
+
+    common = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
+    common = common if len(common) > 1 else ()
+    return common, [len(ex.context) - 1 - len(common) for ex in examples], [sum(map(len, ex.options)) for ex in examples]
 
 
 def estimate(model: torch.nn.Module, shared_tokens: int, own_tokens: Sequence[int], row_tokens: Sequence[int],

@@ -139,9 +139,7 @@ class PrefixCache:
 
 def _truncated(prefix: Prefix, length: int) -> Prefix | None:
     """``prefix`` cut to its first ``length`` tokens, reading its cache (full-attention layers only, else None)."""
-    from transformers.cache_utils import DynamicLayer
-
-    if prefix.cache is None or any(type(layer) is not DynamicLayer for layer in prefix.cache.layers):
+    if prefix.cache is None or not all(map(_full_attention, prefix.cache.layers)):
         return None  # a sliding-window layer no longer holds the early tokens
     cache = cache_rows(prefix.cache, [0])
     cache.crop(length - len(prefix.tokens))
@@ -152,41 +150,52 @@ def own_part(prefix: Prefix, shared: Prefix) -> Prefix | None:
     """What ``prefix`` (which extends ``shared``) holds beyond ``shared``: its full-attention
     layers cut to the tokens after ``shared`` (a copy, so the shared part is not kept twice);
     sliding-window layers, which hold at most their window, whole. None when nothing is beyond."""
-    from transformers.cache_utils import DynamicLayer
-
     if len(prefix.tokens) == len(shared.tokens):
         return None
     if shared.cache is None:
         return prefix
-    own = copy.copy(prefix.cache)
-    own.layers = []
-    for layer in prefix.cache.layers:
-        layer = copy.copy(layer)
-        if type(layer) is DynamicLayer:
-            layer.keys = layer.keys[..., len(shared.tokens):, :].clone()
-            layer.values = layer.values[..., len(shared.tokens):, :].clone()
-        own.layers.append(layer)
-    return Prefix(prefix.tokens, own)
+    cut = len(shared.tokens)
+
+    def beyond(i, layer):
+        if _full_attention(layer):
+            layer.keys, layer.values = layer.keys[..., cut:, :].clone(), layer.values[..., cut:, :].clone()
+
+    return Prefix(prefix.tokens, _layerwise(prefix.cache, beyond))
 
 
 def joined(shared: Prefix, own: Prefix | None) -> Prefix:
     """The cache of ``own.tokens`` from the shared part and an example's own part (``own_part``);
     new tensors, so neither part is ever written."""
-    from transformers.cache_utils import DynamicLayer
-
     if own is None:
         return shared
     if shared.cache is None:
         return own
-    cache = copy.copy(own.cache)
-    cache.layers = []
-    for base, layer in zip(shared.cache.layers, own.cache.layers):
-        layer = copy.copy(layer)
-        if type(layer) is DynamicLayer:
+
+    def after_shared(i, layer):
+        if _full_attention(layer):
+            base = shared.cache.layers[i]
             layer.keys = torch.cat([base.keys, layer.keys], dim=-2)
             layer.values = torch.cat([base.values, layer.values], dim=-2)
-        cache.layers.append(layer)
-    return Prefix(own.tokens, cache)
+
+    return Prefix(own.tokens, _layerwise(own.cache, after_shared))
+
+
+def _layerwise(cache, change: Callable[[int, object], None]):
+    """A shallow copy of ``cache`` whose layers are copies, each handed to ``change(i, layer)``
+    to rebind its tensors; ``cache`` itself is never written."""
+    new = copy.copy(cache)
+    new.layers = []
+    for i, layer in enumerate(cache.layers):
+        layer = copy.copy(layer)
+        change(i, layer)
+        new.layers.append(layer)
+    return new
+
+
+def _full_attention(layer) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
 
 
 def broadcast_cache(cache, rows: int):
@@ -202,10 +211,8 @@ def cache_rows(cache, index: Sequence[int]):
     """
     if cache is None:
         return None
-    new = copy.copy(cache)
-    new.layers = []
-    for layer in cache.layers:
-        layer = copy.copy(layer)
+
+    def gather(i, layer):
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             if layer.keys.shape[0] == 1:
                 layer.keys = layer.keys.expand(len(index), *layer.keys.shape[1:])
@@ -213,8 +220,8 @@ def cache_rows(cache, index: Sequence[int]):
             else:
                 rows = torch.tensor(list(index), device=layer.keys.device)
                 layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        new.layers.append(layer)
-    return new
+
+    return _layerwise(cache, gather)
 
 
 @dataclass

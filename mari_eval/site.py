@@ -97,20 +97,23 @@ def input_device(model: nn.Module) -> torch.device:
     its hook names the device it runs on; otherwise it is the weight's device.
     """
     embedding = model.get_input_embeddings()
-    for hook in _accelerate_hooks(embedding):
-        if getattr(hook, "execution_device", None) is not None:
-            return torch.device(hook.execution_device)
-    return embedding.weight.device
+    return _execution_device([embedding]) or embedding.weight.device
 
 
 def layer_device(model: nn.Module, layer: int) -> torch.device:
     """The device decoder layer ``layer`` computes on (its accelerate hook's, else its weights')."""
     block = decoder_layers(model)[check_layer(model, layer)]
-    for module in block.modules():  # the hook sits on the layer, or on its submodules when offloaded
+    # The hook sits on the layer, or on its submodules when offloaded.
+    return _execution_device(block.modules()) or next(p.device for p in block.parameters())
+
+
+def _execution_device(modules) -> torch.device | None:
+    """The device the first accelerate hook on ``modules`` runs them on (None without one)."""
+    for module in modules:
         for hook in _accelerate_hooks(module):
             if getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
-    return next(p.device for p in block.parameters())
+    return None
 
 
 def _accelerate_hooks(module: nn.Module) -> list:

@@ -179,11 +179,8 @@ class Session:
         """
         from tqdm import tqdm
 
-        common = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
-        common = common if len(common) > 1 else ()
-        rows = {ex.id: [[ex.context[-1]] + option[:-1] for option in ex.options] for ex in examples}
-        need = memory.estimate(self.model, len(common), [len(ex.context) - 1 - len(common) for ex in examples],
-                               [sum(map(len, rows[ex.id])) for ex in examples], lower)
+        common, own_tokens, row_tokens = memory.token_counts(examples)
+        need = memory.estimate(self.model, len(common), own_tokens, row_tokens, lower)
         plan = memory.plan(need, max(0, self.memory_budget - self.memory_held))
         (log.info if plan.keep_caches else log.warning)(plan.describe(f"encoding {desc}"))
         shared = runner.encode_prefix(self.model, common)
@@ -191,8 +188,9 @@ class Session:
             prefix = runner.encode_prefix(self.model, ex.context[:-1], base=shared)
             ex.shared, ex.own = shared, runner.own_part(prefix, shared) if plan.keep_caches else None
             ex.lower = ex.hidden = None
-            if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows[ex.id]))):
-                states = runner.lower_states(self.model, prefix, rows[ex.id], self.layer)
+            rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
+            if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows))):
+                states = runner.lower_states(self.model, prefix, rows, self.layer)
                 ex.lower = states if plan.keep_lower else None
                 ex.hidden = states[0][0] if plan.keep_lower else states[0][0].clone()
             elif lower:  # rows crossing a sliding window run whole (runner): only the site state is kept

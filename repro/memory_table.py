@@ -26,7 +26,7 @@ import transformers
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mari_eval import memory, runner  # noqa: E402
+from mari_eval import memory  # noqa: E402
 from mari_eval.files import atomic_write, atomic_write_json  # noqa: E402
 
 # Shapes from the models' public config.json files (the checkpoints repro/common.py's paper profile names).
@@ -63,11 +63,9 @@ def token_counts(model_name: str, seed: int) -> dict[str, list[dict]]:
             for source in dict.fromkeys(data.ctrl_source)]
         out[attribute] = []
         for name, examples in sets:
-            shared = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
-            shared = len(shared) if len(shared) > 1 else 0
-            out[attribute].append({"set": name, "examples": len(examples), "shared_tokens": shared,
-                                   "own_tokens": [len(ex.context) - 1 - shared for ex in examples],
-                                   "row_tokens": [sum(map(len, ex.options)) for ex in examples]})
+            common, own_tokens, row_tokens = memory.token_counts(examples)  # as Session.prepare counts them
+            out[attribute].append({"set": name, "examples": len(examples), "shared_tokens": len(common),
+                                   "own_tokens": own_tokens, "row_tokens": row_tokens})
     return out
 
 
