@@ -264,7 +264,7 @@ class MariLM(HFLM):
         for request in requests:
             turn = request.doc.get(CHAT_TURN_FIELD) if isinstance(request.doc, dict) else None
             if isinstance(turn, str) and request.args[0] == turn:
-                request.arguments = (self.chat_prompt(turn, without_template=turn + "\n"), *request.args[1:])
+                request.arguments = (self.chat_turn_prompt(turn), *request.args[1:])
         # lm-eval sends every task's generation requests in one call and reorders them, so a
         # generation record can name its task only when the call holds one task's requests.
         tasks = {request.task_name for request in requests}
@@ -273,6 +273,20 @@ class MariLM(HFLM):
             return self._once_per_request(requests, lambda unique: super(MariLM, self).generate_until(unique, disable_tqdm))
         finally:
             self._generation_task = None
+
+    def chat_turn_prompt(self, user: str) -> str:
+        """The prompt of a task whose doc carries CHAT_TURN_FIELD (SORRY-Bench), as generated
+        and as trained: one user turn of the chat template, or ``user + "\\n"`` without one."""
+        return self.chat_prompt(user, without_template=user + "\n")
+
+    def generation_ids(self, prompt: str) -> list[int]:
+        """The token ids HFLM's ``generate_until`` gives the model for ``prompt`` (its
+        ``tok_batch_encode``, padding aside); p* is the last. Training and calibration on
+        generation examples use these ids (``train.Session.encode_generation``), never
+        ``_encode_pair``, which moves a template's trailing "\\n" into the continuation and so
+        would put p* on another token than the one generation edits."""
+        ids, mask = self.tok_batch_encode([prompt])
+        return ids[0][mask[0].bool()].tolist()
 
     def chat_prompt(self, user: str, without_template: str) -> str:
         """``user`` as one user turn of the chat template, ready for the answer;

@@ -113,12 +113,13 @@ class Session:
     _memory_budget: int | None = None  # None: the default, read when first needed
 
     def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
-                 max_tokens: int = 1024, max_memory: str | int | None = None):
+                 max_tokens: int = 1024, max_memory: str | int | None = None, lm=None):
+        """``lm``: an already loaded ``MariLM`` to train through (``model_name`` then only names it)."""
         from mari_eval.lm import MariLM
 
         self.model_name = model_name
         self.placement = placement or Placement()
-        self.lm = MariLM(pretrained=model_name, **self.placement.model_args())
+        self.lm = lm if lm is not None else MariLM(pretrained=model_name, **self.placement.model_args())
         self.model = self.lm.model
         self.num_layers = site.num_layers(self.model)
         self.layer = site.check_layer(self.model, self.num_layers // 2 if layer is None else layer)
@@ -157,6 +158,12 @@ class Session:
         if len(contexts) != 1:  # trailing whitespace moved into the continuation differs per option
             raise ValueError(f"options of one prompt tokenise to different contexts: {context[-60:]!r}")
         return list(pairs[0][0]), [cont for _, cont in pairs]
+
+    def encode_generation(self, prompt: str, targets: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+        """A generation prompt tokenised exactly as ``lm_eval`` generation feeds it
+        (``MariLM.generation_ids``: p* is the token generation edits), and each target
+        tokenised on its own, as the tokens that would be generated after it."""
+        return self.lm.generation_ids(prompt), [self.lm.tok_encode(t, add_special_tokens=False) for t in targets]
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.lm.tok_encode(text)
@@ -296,15 +303,13 @@ def _mc_examples(session: Session, task, docs: dict[str, dict], ids: Sequence[st
     return out
 
 
-def sorry_prompt(session: Session, instruction: str) -> str:
-    return session.chat_prompt(instruction, without_template=instruction + "\n")
-
-
 def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
+    # The prompt the sorry_bench tasks generate from (MariLM.chat_turn_prompt), in generation's tokens.
     out = []
     for i in ids:
         instruction = records[i]["turns"][0]
-        ctx, conts = session.encode(sorry_prompt(session, instruction), [REFUSAL_TARGET, COMPLIANCE_TARGET])
+        prompt = session.lm.chat_turn_prompt(instruction)
+        ctx, conts = session.encode_generation(prompt, [REFUSAL_TARGET, COMPLIANCE_TARGET])
         out.append(Example(i, ctx, conts[:1], None, question=instruction, choices=[REFUSAL_TARGET], negatives=conts[1:]))
     return out
 
@@ -320,7 +325,7 @@ def attribute_data(session: Session, attribute: str, seed: int, max_train: int |
     manager = _task_manager()
     if attribute == "sorry_bench":
         records = {r["id"]: r for r in data.load_sorry_bench()}
-        pca = [session.encode_prompt(sorry_prompt(session, records[i]["turns"][0])) for i in pca_ids]
+        pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
         train = _sorry_examples(session, records, splits.train)
         ctrl = _sorry_examples(session, records, splits.ctrl)
     else:
