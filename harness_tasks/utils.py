@@ -152,8 +152,10 @@ def _heldout(records, dataset: str, split_seed, *, keep_only_test: bool, task: s
         "exactly the test ids" if keep_only_test else "every id not in pca/train/ctrl",
         ", ".join(f"{n}={len(getattr(splits, n))}" for n in (*HELDOUT_DROP, "test")),
     )
-    # Every held-out doc carries the split it was cut with (visible in --log_samples output).
-    return [{**r, "split_seed": splits.seed, "split_fingerprint": fingerprint} for r in kept]
+    # Every held-out doc carries the split it was cut with (visible in --log_samples output):
+    # the lm-eval model checks a bundle's recorded splits against these (data.check_recorded_splits).
+    return [{**r, "split_dataset": splits.dataset, "split_seed": splits.seed, "split_fingerprint": fingerprint}
+            for r in kept]
 
 
 # ----------------------------------------------------------------------------- loaders (custom_dataset)
