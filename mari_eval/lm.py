@@ -24,6 +24,8 @@ Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 from __future__ import annotations
 
 import contextlib
+import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +51,17 @@ class MariLM(HFLM):
         bundle: str | None = None,
         device: str | None = None,
         dtype: str = "auto",
-        gate: bool | str = True,
-        rho: float | None = None,
-        experts: str | int = "routed",
+        gate: bool | str | None = None,
+        rho: float | str | None = None,
+        experts: str | int | None = None,
         diagnostics: str | None = None,
-        allow_other_model: bool | str = False,
+        allow_other_model: bool | str | None = None,
         **kwargs: Any,
     ) -> None:
+        ablation = _ablation_args(bundle, gate=gate, rho=rho, experts=experts, diagnostics=diagnostics,
+                                  allow_other_model=allow_other_model)
+        if diagnostics:
+            _check_writable(Path(diagnostics))
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         _cpu_ranks_under_a_launcher()
@@ -70,22 +76,24 @@ class MariLM(HFLM):
         self.model.requires_grad_(False)
         self._enable_data_parallel_ranks()
         self.intervention: methods.Intervention | None = None
-        if bundle:
+        if bundle is not None:
             self.intervention = methods.load_bundle(bundle)
-            self.intervention.check_compatible(self.model, self.model_name, _as_bool(allow_other_model))
+            self.intervention.check_compatible(self.model, self.model_name,
+                                               _as_bool(allow_other_model or False, "allow_other_model"))
             iv = self.intervention
             if iv.prompt_sites(64) and (len(iv.variants()) > 1 or iv.uses_base):
                 raise ValueError(f"{iv.method}: edits before p* (prompt_sites) need a method with one variant")
-            ablation = {"gate": _as_bool(gate), "rho": None if rho is None else float(rho), "experts": str(experts)}
             if hasattr(self.intervention, "configure"):
                 self.intervention.configure(**ablation)
-            elif ablation != {"gate": True, "rho": None, "experts": "routed"}:
-                raise ValueError(f"gate/rho/experts apply to MARI bundles; this bundle is {self.intervention.method}")
+            elif ablation:
+                raise ValueError(f"{', '.join(ablation)} apply to MARI bundles; this bundle is {self.intervention.method}: "
+                                 "drop them from --model_args")
         self.diagnostics_path = diagnostics
         self.records: list[dict] = []  # one per prompt: the method's choice (expert, gate, energy...)
         self._record_keys: list[tuple] = []  # each record's prompt (its place in a canonical order)
         self._request_meta: list | None = None
         self._generation_task: str | None = None  # the task of the generation requests being answered
+        self._splits_checked: set[tuple] = set()  # held-out splits found consistent with the bundle's
 
     def _enable_data_parallel_ranks(self) -> None:
         """Data parallelism under ``accelerate launch`` / torchrun whatever the device.
@@ -122,6 +130,8 @@ class MariLM(HFLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         # Keep which question each request belongs to: a method that chooses among
         # variants (MARI's entropy routing) sees all options of a question together.
+        self._check_heldout_splits(requests)
+
         def score(unique):
             self._request_meta = [(r.task_name, r.doc_id, r.doc) for r in unique]
             try:
@@ -130,6 +140,31 @@ class MariLM(HFLM):
                 self._request_meta = None
 
         return self._once_per_request(requests, score)
+
+    def _check_heldout_splits(self, requests) -> None:
+        """Refuse a held-out test set that may hold the bundle's training or control examples.
+
+        Held-out docs name the split they were cut with (``split_dataset``, ``split_seed``,
+        ``split_fingerprint``: harness_tasks/utils.py). A bundle trained on that dataset must
+        have used the same seed, and the data must still give the split it recorded
+        (``data.check_recorded_splits``: same fingerprint, same file hashes).
+        """
+        from mari_eval import data
+
+        recorded = (self.intervention.config.get("splits") or {}) if self.intervention is not None else {}
+        for request in requests:
+            doc = request.doc if isinstance(request.doc, dict) else {}
+            key = (doc.get("split_dataset"), doc.get("split_seed"), doc.get("split_fingerprint"))
+            if key[0] is None or key[0] != recorded.get("dataset") or key in self._splits_checked:
+                continue  # not a held-out doc, or of a dataset the bundle was not trained on
+            if key[1] != recorded.get("seed"):
+                raise data.DataError(
+                    f"task {request.task_name} holds out the {key[0]} split of seed {key[1]}, but the bundle was "
+                    f"trained on the split of seed {recorded.get('seed')}: its training and control examples are "
+                    f"in this test set. Add --metadata '{{\"split_seed\": {recorded.get('seed')}}}', or use a bundle "
+                    f"trained with --seed {key[1]}.")
+            data.check_recorded_splits(key[0], recorded, self.intervention.config.get("data_files"))
+            self._splits_checked.add(key)
 
     def _once_per_request(self, requests, answer):
         """``answer`` the distinct request objects once, then gather the diagnostics of all ranks.
@@ -189,6 +224,7 @@ class MariLM(HFLM):
                 run = runner.score_variants(self.model, prefix, context[-1], conts, variants, apply, capture, site_only,
                                             edit_layer=edit_layer, screen=screen)
             chosen, record = self._choose(run)
+            _refuse_nonfinite(run, record, iv, f"task {task}, document {doc_id}")
             row = run.row(chosen)
             for m, i in enumerate(idxs):
                 answer = (float(run.logprobs[row, m]), bool(run.greedy[row, m]))
@@ -257,6 +293,7 @@ class MariLM(HFLM):
     # ------------------------------------------------------------------ generation
 
     def generate_until(self, requests, disable_tqdm: bool = False):
+        self._check_heldout_splits(requests)
         # Tasks whose docs carry CHAT_TURN_FIELD (SORRY-Bench) want their prompt as one user
         # turn of the chat template, as training renders it. A context lm-eval already
         # changed (--apply_chat_template, a system instruction, few-shot) no longer equals
@@ -300,6 +337,10 @@ class MariLM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         width = context.shape[1]
         context, generation_kwargs["attention_mask"] = self._without_empty_rows(context, generation_kwargs.get("attention_mask"))
+        from transformers import LogitsProcessorList
+
+        generation_kwargs["logits_processor"] = LogitsProcessorList(
+            [*generation_kwargs.get("logits_processor", []), _FiniteLogits(self, context, generation_kwargs["attention_mask"])])
         added = context.shape[1] - width  # a column added for an all-empty batch, cut from the answer below
         return self._generate_nonempty(context, max_length + added, stop, **generation_kwargs)[:, added:]
 
@@ -360,8 +401,14 @@ class MariLM(HFLM):
         variants, apply, capture, site_only = self._variants()
         iv = self.intervention
         window = int(iv.config.get("hyperparameters", {}).get("T_ent", 8))
+        def choose(run: runner.VariantRun) -> tuple[int, dict]:
+            chosen, record = iv.choose(run)
+            _refuse_nonfinite(run, record, iv, f"task {self._generation_task}, prompt "
+                                               f"{self._prompt_text(context[run.prompt], attention_mask[run.prompt])!r}")
+            return chosen, record
+
         sequences, records = runner.generate_variants(
-            self.model, context, attention_mask, variants, apply, iv.choose, window, max_length,
+            self.model, context, attention_mask, variants, apply, choose, window, max_length,
             capture=capture, site_only=site_only, screen=iv.screen if iv.uses_base else None, edit_layer=iv.layer,
             pad_token_id=self.tokenizer.pad_token_id,
             stopping_criteria=lambda rows, width: stop_sequences_criteria(self.tokenizer, stop, width, rows),
@@ -372,6 +419,11 @@ class MariLM(HFLM):
             prompt = context[row][attention_mask[row].bool()]
             self._record_keys.append(_prompt_order(self._generation_task, None, tuple(prompt.tolist())))
         return sequences
+
+    def _prompt_text(self, ids: torch.Tensor, mask: torch.Tensor) -> str:
+        """A prompt row's text, shortened, to name it in errors."""
+        text = self.tok_decode(ids[mask.bool()].tolist(), skip_special_tokens=False)
+        return text if len(text) <= 120 else text[:40] + " ... " + text[-75:]
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -418,14 +470,96 @@ def _prompt_order(task, doc_id, prompt: tuple[int, ...]) -> tuple:
     return prompt, str(task), -1 if doc_id is None else doc_id
 
 
-def _as_bool(value) -> bool:
+def _as_bool(value, name: str) -> bool:
     if isinstance(value, str):
-        if value.lower() in ("true", "on", "1", "yes"):
+        if value.strip().lower() in ("true", "on", "1", "yes"):
             return True
-        if value.lower() in ("false", "off", "0", "no"):
+        if value.strip().lower() in ("false", "off", "0", "no"):
             return False
-        raise ValueError(f"gate={value!r}: use true/false")
-    return bool(value)
+    elif isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}={value!r} in --model_args: use true or false")
+
+
+def _ablation_args(bundle, **given) -> dict[str, Any]:
+    """The MARI switches given in --model_args (gate, rho, experts), checked; the others need a bundle too.
+
+    An empty ``bundle=`` (an unset shell variable) is refused, never read as "no bundle":
+    it would evaluate the plain model and report it as ``--model mari``.
+    """
+    if isinstance(bundle, str) and not bundle.strip():
+        raise ValueError("bundle= is empty in --model_args (an unset shell variable?): give the bundle's directory, "
+                         "or leave bundle out to evaluate the plain model")
+    given = {k: v for k, v in given.items() if v is not None and v != ""}
+    if bundle is None and given:
+        raise ValueError(f"{', '.join(given)} in --model_args need a bundle: add bundle=DIR, or drop them to "
+                         "evaluate the plain model")
+    ablation: dict[str, Any] = {}
+    if "gate" in given:
+        ablation["gate"] = _as_bool(given["gate"], "gate")
+    if "rho" in given:
+        try:
+            ablation["rho"] = float(given["rho"])
+        except (TypeError, ValueError):
+            raise ValueError(f"rho={given['rho']!r} in --model_args is not a number: give the gate's quantile, "
+                             "e.g. rho=0.9") from None
+    if "experts" in given:
+        ablation["experts"] = str(given["experts"])
+    return ablation
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse, before anything is scored, a ``diagnostics=`` file that could not be written at the end."""
+    if path.is_dir():
+        raise ValueError(f"diagnostics={path} is a directory: give a file name, e.g. diagnostics={path / 'diagnostics.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as e:
+        raise ValueError(f"diagnostics={path} cannot be written ({e.strerror or e}): choose a writable path") from None
+
+
+class NonFiniteError(ArithmeticError):
+    """A NaN or infinite number while scoring or generating: an answer is never picked from one."""
+
+
+def _variant_name(iv: methods.Intervention | None, variant: int) -> str:
+    if variant == runner.BASE:
+        return "the untouched model"
+    return iv.variant_name(variant) if iv is not None and hasattr(iv, "variant_name") else f"variant {variant}"
+
+
+def _refuse_nonfinite(run: runner.VariantRun, record: dict, iv: methods.Intervention | None, where: str) -> None:
+    """Stop on a non-finite log-likelihood, entropy, state or energy (eq:energy), naming the document and the variant."""
+    bad = [f"{what} of {_variant_name(iv, v)}" for v, what in run.nonfinite()]
+    bad += [f"{key} {value}" for key, value in record.items() if key in ("energy", "entropy")
+            and not all(math.isfinite(x) for x in (value if isinstance(value, list) else [value]))]
+    if bad:
+        raise NonFiniteError(f"non-finite numbers at {where}: {'; '.join(bad)}. The scores would be meaningless; "
+                             "check the bundle (retrain it) and the model's dtype (float32 avoids overflow)")
+
+
+class _FiniteLogits:
+    """A logits processor for ``generate``: stops on NaN or +inf next-token scores (or a row of -inf
+    only), naming the prompt. (-inf for some tokens is a processor's masking, e.g. min_new_tokens.)"""
+
+    def __init__(self, lm: "MariLM", context: torch.Tensor, attention_mask: torch.Tensor):
+        self.lm, self.context, self.mask = lm, context, attention_mask
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bad = scores.isnan().any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            # Routed generation runs several rows per prompt; then the batch is named by its first prompt.
+            which = row if len(scores) == len(self.context) else 0
+            prompt = self.lm._prompt_text(self.context[which], self.mask[which])
+            if len(scores) != len(self.context):
+                prompt = f"one of {len(self.context)} prompts, the first {prompt!r}"
+            raise NonFiniteError(
+                f"non-finite next-token scores while generating (task {self.lm._generation_task}, prompt {prompt!r}); "
+                "check the bundle (retrain it) and the model's dtype (float32 avoids overflow)")
+        return scores
 
 
 def _gold_options(task: str | None, doc: dict | None, n_options: int) -> set[int] | None:

@@ -282,13 +282,19 @@ class MARI(Intervention):
         else:  # multiple choice: eq:entropy_mc
             u = option_entropy(run.logprobs[rows])
         chosen = runner.BASE
-        if not bool(u.isnan().any()):  # NaN: the experts were not run (``screen``: closed gate)
+        if all(run.was_scored(v) for v in answering):  # not run: ``screen`` (closed gate) turned them away
             chosen = answering[int(u.argmin())]  # eq:entropy_route
             record.update(expert=chosen, entropy=[round(float(x), 5) for x in u])
         if not is_open:
             chosen = runner.BASE
         record["variant"] = chosen
         return chosen, record
+
+    def variant_name(self, variant: int) -> str:
+        """How errors and diagnostics name a variant."""
+        if variant == self.single_id:
+            return "the single adapter"
+        return "the gate's probe" if variant == self.probe_id else f"expert {variant}"
 
     def energy(self, run: runner.VariantRun) -> torch.Tensor:
         return run_energy(run, self.probe_id, self.captured_layers())

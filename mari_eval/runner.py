@@ -233,9 +233,32 @@ class VariantRun:
     greedy: torch.Tensor | None  # [V, M] whether each option is the greedy continuation
     site: dict[int, torch.Tensor]  # layer -> [V, d] hidden state at p* after that layer
     entropy: torch.Tensor | None = None  # [V] mean next-token entropy of the routing window (generation)
+    # Variants whose outputs (log-likelihoods or routing-window entropies) were computed; the
+    # others' rows are NaN placeholders (site-only variants, experts behind a closed gate).
+    # None: every variant's.
+    scored: frozenset[int] | None = None
+    prompt: int | None = None  # generation: the prompt's row in the batch
 
     def row(self, variant: int) -> int:
         return self.variants.index(variant)
+
+    def was_scored(self, variant: int) -> bool:
+        return self.scored is None or variant in self.scored
+
+    def nonfinite(self) -> list[tuple[int, str]]:
+        """(variant, what) for every computed number of the run that is NaN or infinite."""
+        bad = []
+        for v in self.variants:
+            r = self.row(v)
+            if self.was_scored(v):
+                if self.logprobs is not None and not bool(torch.isfinite(self.logprobs[r]).all()):
+                    bad.append((v, "log-likelihood"))
+                if self.entropy is not None and not bool(torch.isfinite(self.entropy[r]).all()):
+                    bad.append((v, "routing entropy"))
+            for layer, states in self.site.items():
+                if not bool(states[r].isnan().all()) and not bool(torch.isfinite(states[r]).all()):
+                    bad.append((v, f"hidden state at p* after layer {layer}"))
+        return bad
 
 
 def score_variants(
@@ -308,7 +331,8 @@ def score_variants(
         logprobs = torch.stack([torch.stack([scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
         greedy = torch.tensor([[flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)], device=device)
         site_states = {layer: _rows_of(by_v, n_var) for layer, by_v in states.items() if by_v}
-        return VariantRun(list(variants), logprobs, greedy, site_states)
+        scored = frozenset(variants[v] for v, _ in scores)
+        return VariantRun(list(variants), logprobs, greedy, site_states, scored=scored)
 
     def layout(of: list[int]) -> list[tuple[int, int | None]]:
         out = []
@@ -527,7 +551,8 @@ def generate_variants(
         u = torch.cat([nan(len(screened)), entropy if entropy is not None else nan(len(answering))])
         site_states = {m: torch.cat([h, h[:1].new_full((len(screened) + len(answering) - len(h), h.shape[-1]), float("nan"))])
                        for m, h in states.items()}
-        return VariantRun(screened + answering, None, None, site_states, u)
+        return VariantRun(screened + answering, None, None, site_states, u,
+                          scored=frozenset(answering if entropy is not None else []), prompt=p)
 
     answers: dict[int, torch.Tensor] = {}
     records: dict[int, dict] = {}

@@ -1,0 +1,157 @@
+"""``--model mari`` refuses what would give a silent wrong number: an empty ``bundle=``, MARI switches
+without a bundle, values of the wrong type, a diagnostics file it could not write at the end, and
+non-finite numbers while scoring or generating."""
+
+import pytest
+import torch
+import transformers
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+
+from mari_eval import lm as mari_lm
+from mari_eval.models import resolve_model
+
+from .test_mari import _bundle
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    # A tiny random model with SmolLM2's tokenizer: lm-eval's request handling, no real weights needed.
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval(), tok
+
+
+def _lm(tiny_lm, bundle=None, **model_args):
+    model, tok = tiny_lm
+    return mari_lm.MariLM(pretrained=model, tokenizer=tok, bundle=None if bundle is None else str(bundle),
+                          device="cpu", dtype="float32", batch_size=2, **model_args)
+
+
+def _requests():
+    pairs = [("Q: Is the sky blue?\nA:", " Yes."), ("Q: Is the sky blue?\nA:", " No."), ("The sea is", " salty")]
+    return [Instance("loglikelihood", {}, p, i, metadata=("tqa", i // 2, 1)) for i, p in enumerate(pairs)]
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_bundle_is_refused_not_read_as_no_bundle(value):
+    # As a shell writes it: bundle=$UNSET_VARIABLE. Refused before any model is loaded.
+    with pytest.raises(ValueError, match="bundle= is empty .*unset shell variable"):
+        get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={value}")
+
+
+@pytest.mark.parametrize("arg", ["gate=false", "rho=0.5", "experts=1", "diagnostics=d.json", "allow_other_model=true"])
+def test_mari_switches_without_a_bundle_are_refused(arg):
+    name = arg.split("=")[0]
+    with pytest.raises(ValueError, match=f"{name} in --model_args need a bundle"):
+        get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,{arg}")
+
+
+def test_values_of_the_wrong_type_name_their_argument(tiny_lm, tmp_path):
+    path = _bundle(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"rho='abc' in --model_args is not a number"):
+        _lm(tiny_lm, path, rho="abc", allow_other_model=True)
+    with pytest.raises(ValueError, match=r"allow_other_model='maybe' in --model_args: use true or false"):
+        _lm(tiny_lm, path, allow_other_model="maybe")
+    with pytest.raises(ValueError, match=r"gate='maybe' in --model_args"):
+        _lm(tiny_lm, path, gate="maybe", allow_other_model=True)
+    with pytest.raises(ValueError, match=r"rho=nan must lie in \[0, 1\]"):
+        _lm(tiny_lm, path, rho="nan", allow_other_model=True)
+
+
+def test_an_unwritable_diagnostics_path_is_refused_before_scoring(tiny_lm, tmp_path, monkeypatch):
+    path = _bundle(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
+    scored = []
+    monkeypatch.setattr(mari_lm.MariLM, "_loglikelihood_tokens", lambda self, *a, **k: scored.append(1))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match="diagnostics=.*a-file/d.json cannot be written"):
+        _lm(tiny_lm, path, allow_other_model=True, diagnostics=str(tmp_path / "a-file" / "d.json"))
+    with pytest.raises(ValueError, match="is a directory: give a file name"):
+        _lm(tiny_lm, path, allow_other_model=True, diagnostics=str(tmp_path))
+    assert not scored
+    # A writable path in a folder that does not exist yet is fine (created), and nothing is left in it.
+    _lm(tiny_lm, path, allow_other_model=True, diagnostics=str(tmp_path / "new" / "d.json"))
+    assert list((tmp_path / "new").iterdir()) == []
+
+
+def _overflowing_bundle(expert: int):
+    bundle = _bundle(K=3, d=32, layers=4, layer=1)
+    bundle.tensors["expert_U"][expert] = 1e20  # finite weights whose edit overflows float32
+    bundle.tensors["expert_b"][expert] = 1e20
+    return bundle
+
+
+def test_a_non_finite_log_likelihood_stops_scoring_naming_document_and_variant(tiny_lm, tmp_path):
+    path = _overflowing_bundle(expert=1).save(tmp_path / "b")
+    lm = _lm(tiny_lm, path, allow_other_model=True, gate=False)
+    with pytest.raises(mari_lm.NonFiniteError, match=r"task tqa, document 0: .*log-likelihood of expert 1"):
+        lm.loglikelihood(_requests())
+    assert lm.records == []  # nothing was recorded as an answer
+
+
+def test_a_nan_expert_is_not_silently_replaced_by_the_base_model(tiny_lm, tmp_path):
+    # Before: NaN entropies read as "experts not run", so the base model answered while the gate said open.
+    path = _overflowing_bundle(expert=0).save(tmp_path / "b")
+    lm = _lm(tiny_lm, path, allow_other_model=True, rho=0.0)  # tau_E at the lowest control energy: gate open
+    with pytest.raises(mari_lm.NonFiniteError, match="expert 0"):
+        lm.loglikelihood(_requests())
+
+
+def test_non_finite_scores_while_generating_stop_naming_the_prompt(tiny_lm, tmp_path):
+    from baselines.caa import CAA
+
+    caa = CAA({"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1},
+               "hyperparameters": {"multiplier": 1e20}}, {"vector": torch.full((32,), 1e20)})
+    lm = _lm(tiny_lm, caa.save(tmp_path / "caa"), allow_other_model=True)
+    request = Instance("generate_until", {}, ("Tell me a story.", {"until": ["\n\n"], "max_gen_toks": 3}), 0,
+                       metadata=("story", 0, 1))
+    with pytest.raises(mari_lm.NonFiniteError, match=r"while generating \(task story, prompt '.*Tell me a story\."):
+        lm.generate_until([request])
+
+
+def _trained_on_truthfulqa(seed: int = 0):
+    from mari_eval import data
+
+    bundle = _bundle(K=3, d=32, layers=4, layer=1)
+    splits = data.make_splits("truthfulqa", seed)
+    bundle.config.update(splits={**splits.to_json(), "fingerprint": splits.fingerprint()},
+                         data_files=data.data_fingerprint("truthfulqa"))
+    return bundle
+
+
+def _heldout_requests(seed: int, fingerprint: str):
+    doc = {"split_dataset": "truthfulqa", "split_seed": seed, "split_fingerprint": fingerprint}
+    return [Instance("loglikelihood", doc, p, i, metadata=("truthfulqa_mc1_heldout", 0, 1))
+            for i, p in enumerate([("Q: Is the sky blue?\nA:", " Yes."), ("Q: Is the sky blue?\nA:", " No.")])]
+
+
+def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tmp_path, monkeypatch):
+    import gzip
+    import shutil
+
+    from mari_eval import data
+
+    bundle = _trained_on_truthfulqa(seed=0)
+    fingerprint = bundle.config["splits"]["fingerprint"]
+    lm = _lm(tiny_lm, bundle.save(tmp_path / "b"), allow_other_model=True)
+    assert len(lm.loglikelihood(_heldout_requests(0, fingerprint))) == 2  # the split it was trained on: scored
+    other = data.make_splits("truthfulqa", 1).fingerprint()
+    with pytest.raises(data.DataError, match=r"split of seed 1, but the bundle was trained on the split of seed 0.*"
+                                             r"--metadata '\{\"split_seed\": 0\}'"):
+        lm.loglikelihood(_heldout_requests(1, other))
+    # The TruthfulQA file with its first line deleted: other ids, another split, held-out questions trained on.
+    root = tmp_path / "data"
+    shutil.copytree(data.data_dir() / "truthfulqa", root / "truthfulqa")
+    shutil.copytree(data.data_dir() / "arc", root / "arc")
+    path = root / "truthfulqa" / "mc.jsonl.gz"
+    lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines(keepends=True)
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.writelines(lines[1:])
+    monkeypatch.setenv(data.DATA_ENV, str(root))
+    changed = data.make_splits("truthfulqa", 0).fingerprint()
+    lm = _lm(tiny_lm, tmp_path / "b", allow_other_model=True)
+    with pytest.raises(data.DataError, match=f"fingerprint {fingerprint}; the current data .* give fingerprint {changed}"
+                                             r".*truthfulqa/mc.jsonl.gz \(sha256 recorded"):
+        lm.loglikelihood(_heldout_requests(0, changed))
