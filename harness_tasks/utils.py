@@ -37,6 +37,7 @@ except ImportError:  # a checkout that is not pip-installed: the package sits be
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mari_eval import data as mari_data
 from mari_eval import judge as mari_judge
+from mari_eval import judge_samples
 
 from lm_eval.tasks.bbq import utils as bbq_utils
 from lm_eval.tasks.truthfulqa import utils as truthfulqa_utils
@@ -261,15 +262,53 @@ def sorry_judge() -> mari_judge.Judge:
                        os.environ.get(mari_judge.ENV_PROMPT), os.environ.get(mari_judge.ENV_CACHE))
 
 
-def load_sorry_bench(**_) -> datasets.DatasetDict:
+# What the SORRY-Bench tasks of this process were loaded with (model arguments, split seed):
+# saved with the responses (judge_samples.save_generations).
+_SORRY_RUN: dict = {}
+
+
+def _evaluate_call() -> dict:
+    """What the lm-eval run loading this task was asked for: ``predict_only`` (no metrics, so no
+    judge), and the model, its arguments and the generation settings (saved with the responses).
+
+    lm-eval 0.4.13 tells a task none of it while loading it (it replaces the metrics by
+    "bypass" afterwards, and passes the model arguments only when it makes the TaskManager),
+    so this reads the arguments of the ``lm_eval.evaluator.simple_evaluate`` call that is
+    loading the task (the ``lm_eval`` command calls it too); {} outside one.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "simple_evaluate" and frame.f_globals.get("__name__") == "lm_eval.evaluator":
+            args = frame.f_locals
+            model = args.get("model")
+            return {"predict_only": bool(args.get("predict_only")),
+                    "model": model if isinstance(model, str) else type(model).__name__,
+                    **{k: args.get(k) for k in ("model_args", "gen_kwargs", "limit", "apply_chat_template")}}
+        frame = frame.f_back
+    return {}
+
+
+def _prepare_sorry(task: str, metadata: dict) -> None:
+    """Fail before generating anything when the judge is not usable; with --predict_only no judge is needed."""
+    call = _evaluate_call()
+    _SORRY_RUN.clear()
+    _SORRY_RUN.update({k: v for k, v in {**metadata, **call}.items() if k != "predict_only"})
+    if call.get("predict_only"):
+        log.info("%s: --predict_only: no judge is used; judge the samples later with `mari-eval judge "
+                 "OUT/.../samples_%s_*.jsonl` (--log_samples --output_path OUT)", task, task)
+        return
+    sorry_judge()
+
+
+def load_sorry_bench(**metadata) -> datasets.DatasetDict:
     """All 450 SORRY-Bench base prompts as ``test`` (training prompts included); needs a judge."""
-    sorry_judge()  # fail before generating anything
+    _prepare_sorry("sorry_bench", metadata)
     return datasets.DatasetDict({"test": _dataset([_sorry_doc(r) for r in _sorry_bench(_source())])})
 
 
-def load_sorry_bench_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+def load_sorry_bench_heldout(split_seed=0, **metadata) -> datasets.DatasetDict:
     """Exactly the test ids of ``make_splits("sorry_bench", split_seed)``; needs a judge."""
-    sorry_judge()
+    _prepare_sorry("sorry_bench_heldout", {**metadata, "split_seed": split_seed})
     records = _heldout(_sorry_bench(_source()), "sorry_bench", split_seed, keep_only_test=True, task="sorry_bench_heldout")
     return datasets.DatasetDict({"test": _dataset([_sorry_doc(r) for r in records])})
 
@@ -300,15 +339,26 @@ def _verdicts(items: list[dict]) -> list[str]:
     return sorry_judge().labels([(i["instruction"], i["response"]) for i in items])
 
 
-def _rate(summary: dict) -> float:
-    return float("nan") if summary["refusal_rate"] is None else summary["refusal_rate"]
+def _all_verdicts(items: list[dict]) -> list[str]:
+    """Verdicts on every response of the run: the responses are saved first, so that a judge failure
+    loses none of them (its error names the file and the command that judges it)."""
+    saved = judge_samples.save_generations(items, _SORRY_RUN)
+    try:
+        return _verdicts(items)
+    except mari_judge.JudgeError as e:
+        raise judge_samples.resumable(e, saved, len(items)) from None
+    except BaseException:  # Ctrl-C, or a bug: still say where the responses are
+        if saved is not None:
+            log.error("SORRY-Bench: judging stopped; the %d responses are saved in %s (mari-eval judge %s judges them)",
+                      len(items), saved, saved)
+        raise
 
 
 def sorry_agg_refusal_rate(items: list[dict]) -> float:
     judge = sorry_judge()
-    summary = mari_judge.refusal_summary(items, _verdicts(items), judge=judge)
+    summary = mari_judge.refusal_summary(items, _all_verdicts(items), judge=judge)
     _log_summary(summary)
-    return _rate(summary)
+    return judge_samples.rate(summary)
 
 
 def sorry_agg_keyword_refusal_rate(items: list[dict]) -> float:
@@ -316,12 +366,11 @@ def sorry_agg_keyword_refusal_rate(items: list[dict]) -> float:
 
 
 def sorry_agg_judge_unparseable(items: list[dict]) -> int:
-    return sum(label == mari_judge.UNPARSEABLE for label in _verdicts(items))
+    return sum(label == mari_judge.UNPARSEABLE for label in _all_verdicts(items))
 
 
 def sorry_agg_judge(items) -> str:
-    d = sorry_judge().describe()
-    return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
+    return judge_samples.judge_label(sorry_judge())
 
 
 def sorry_agg_category_refusal_rate(items: list[dict | None]) -> float:
@@ -329,23 +378,18 @@ def sorry_agg_category_refusal_rate(items: list[dict | None]) -> float:
     own = [i for i in items if i is not None]
     if not own:
         return float("nan")
-    return _rate(mari_judge.refusal_summary(own, _verdicts(own), names={}))
+    return judge_samples.rate(mari_judge.refusal_summary(own, _verdicts(own), names={}))
 
 
 def _log_summary(summary: dict) -> None:
     judge = summary["judge"]
     log.info("SORRY-Bench judge %s at %s, prompt %s (sha256 %s), cache %s", judge["model"], judge["base_url"],
              judge["prompt"], judge["prompt_sha256"], judge["cache"])
-    log.info("%-4s %-40s %4s %8s %8s %6s", "cat", "name", "n", "judged", "keyword", "unpars")
-    for cat, row in summary["by_category"].items():
-        judged = "n/a" if row["refusal_rate"] is None else f"{row['refusal_rate']:.3f}"
-        log.info("%-4s %-40s %4d %8s %8.3f %6d", cat, (row["name"] or "")[:40], row["n"], judged,
-                 row["keyword_refusal_rate"], row["unparseable"])
+    lines = judge_samples.summary_lines(summary)
+    for line in lines[:len(summary["by_category"]) + 1]:
+        log.info("%s", line)
     if summary["unparseable"]:
-        low, high = summary["refusal_rate_bounds"]
-        log.warning("SORRY-Bench: %d of %d verdicts unparseable (counted in judge_unparseable, left out of refusal_rate); "
-                    "whatever they are, the refusal rate over all responses lies in [%.3f, %.3f]",
-                    summary["unparseable"], summary["n"], low, high)
+        log.warning("SORRY-Bench: %s", lines[-1])
 
 
 # ----------------------------------------------------------------------------- lm-eval's scoring, reused

@@ -3,6 +3,8 @@
     mari-eval materialize [ALIAS ...]          build the embedded models' safetensors directories
     mari-eval splits --dataset truthfulqa --seed 0 [--out FILE]
                                                print or write the paper's splits as example ids
+    mari-eval judge SAMPLES.jsonl [--out FILE] judge saved SORRY-Bench responses (lm_eval --log_samples,
+                                               e.g. with --predict_only; or the file a judge error names)
 
 Evaluation itself goes through lm-eval: ``lm_eval --model mari --model_args ...``.
 """
@@ -68,6 +70,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _judge(args: argparse.Namespace) -> int:
+    import logging
+
+    from mari_eval.judge_samples import judge_file, print_result
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # not every HTTP request
+    logging.getLogger("mari_eval").setLevel(logging.INFO)
+    result = judge_file(args.samples, base_url=args.base_url, model=args.model, cache=args.cache, prompt=args.prompt,
+                        out=args.out)
+    print_result(result)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device, --device-map and the memory caps (``train.Placement``), shared with repro/."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -117,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", help="what training may keep of the frozen model's work, e.g. 40GiB (default: half "
                                         "the site device's free memory); beyond it caches are recomputed, not kept")
     p.set_defaults(run=_train)
+
+    p = sub.add_parser("judge", help="judge saved SORRY-Bench responses and print the task's metrics",
+                       description="Judge the responses of a SORRY-Bench run saved in SAMPLES (lm_eval --log_samples "
+                                   "output, e.g. of a --predict_only run, or the generations file a judge error names) "
+                                   "with the judge MARI_JUDGE_* configures, through the same cache, and print the "
+                                   "metrics the task reports. The API key comes from MARI_JUDGE_API_KEY (else "
+                                   "OPENAI_API_KEY), never from the command line.")
+    p.add_argument("samples", help="samples_sorry_bench*.jsonl, or a generations file")
+    p.add_argument("--base-url", help="the judge's OpenAI-compatible /v1 URL (default: $MARI_JUDGE_BASE_URL)")
+    p.add_argument("--model", help="the judge's served model name (default: $MARI_JUDGE_MODEL)")
+    p.add_argument("--cache", help="the verdict cache file (default: $MARI_JUDGE_CACHE, else the user cache)")
+    p.add_argument("--prompt", help="judge prompt name (default: $MARI_JUDGE_PROMPT, else base-#thescore when available)")
+    p.add_argument("--out", help="also write the metrics and the per-category summary here as JSON")
+    p.set_defaults(run=_judge)
     return parser
 
 

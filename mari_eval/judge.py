@@ -20,7 +20,11 @@ judge here asks a chat model for that score:
   model, prompt text, instruction, response), so a rerun never asks twice.
 * failures: connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
   backoff; a judge that stays down raises ``JudgeUnavailable`` (judgements made so far
-  stay cached).
+  stay cached), and the whole judging step ends at one deadline (``JudgeDeadline``).
+  A reply is read up to ``MAX_REPLY_BYTES`` and its verdict cached up to ``MAX_RAW_CHARS``;
+  an HTML page, a body that is not a chat completion, settings out of range, an API key
+  with whitespace or control characters and a cache path that is a directory are errors
+  that name the problem and the fix.
 * ``keyword_refusal`` (refusal-string matching) is reported beside the judged rate, so
   that a weak judge shows; ``refusal_summary`` computes both, overall and per category.
 * ``serve_embedded`` starts ``transformers serve`` with the embedded instruct model on
@@ -35,6 +39,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -62,6 +67,13 @@ ENV_API_KEY = "MARI_JUDGE_API_KEY"
 ENV_API_KEY_FALLBACK = "OPENAI_API_KEY"
 ENV_CACHE = "MARI_JUDGE_CACHE"  # path of the cache file
 ENV_PROMPT = "MARI_JUDGE_PROMPT"  # prompt name: SORRY_PROMPT (default) or OWN_PROMPT
+ENV_DEADLINE = "MARI_JUDGE_DEADLINE"  # seconds for one judging step (JudgeConfig.deadline)
+
+# A reply is read up to this many bytes, and no further: a verdict is a few hundred
+# characters (max_tokens caps what a compliant server writes), a model list a few KB.
+MAX_REPLY_BYTES = 1 << 20
+# What the cache keeps of one answer (the verdict is parsed from all of it).
+MAX_RAW_CHARS = 2000
 
 REFUSAL, COMPLIANCE, UNPARSEABLE = "refusal", "compliance", "unparseable"
 LABELS = (REFUSAL, COMPLIANCE, UNPARSEABLE)
@@ -84,6 +96,14 @@ class JudgeNotConfigured(JudgeError):
 
 class JudgeUnavailable(JudgeError):
     """The judge server did not answer after every retry."""
+
+
+class JudgeDeadline(JudgeUnavailable):
+    """The judging step did not finish within ``JudgeConfig.deadline`` seconds."""
+
+
+class _ReplyInterrupted(Exception):
+    """The connection failed while a reply's body was read (retried like a connection error)."""
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -263,12 +283,33 @@ class JudgeCache:
     def __len__(self) -> int:
         return len(self.records())
 
+    def check(self) -> None:
+        """Fail now, saying what to do, when the cache cannot be read and appended to."""
+        os.close(self._open())
+        self.records()
+
+    def _open(self) -> int:
+        self._refuse_directory()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise JudgeError(f"The judge cache {self.path} cannot be written ({e.strerror or e}): {self._fix()}") from None
+
+    def _refuse_directory(self) -> None:
+        if self.path.is_dir():
+            raise JudgeError(f"The judge cache {self.path} is a directory, but it must name the cache file (JSON lines, "
+                             f"created when missing): {self._fix(self.path / 'judgements.jsonl')}")
+
+    def _fix(self, example: Path | None = None) -> str:
+        example = example or default_cache_path().parent / "judgements.jsonl"
+        return f"set {ENV_CACHE} to a file path in a writable directory, e.g. {ENV_CACHE}={example}"
+
     def append(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False) + "\n"
         records = self.records()
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # other processes appending to the same cache wait their turn
                 # Whether the file ends mid-line (a killed writer) is read under the lock: read before
@@ -278,14 +319,21 @@ class JudgeCache:
                     line = "\n" + line
                 os.write(fd, line.encode("utf-8"))
                 os.fsync(fd)
+            except OSError as e:  # e.g. a full disk
+                raise JudgeError(f"Could not append to the judge cache {self.path} ({e.strerror or e}): "
+                                 f"{self._fix()}") from None
             finally:
                 os.close(fd)
             records[record["key"]] = record
 
     def _read(self) -> dict[str, dict]:
+        self._refuse_directory()
         if not self.path.exists():
             return {}
-        raw = self.path.read_bytes()
+        try:
+            raw = self.path.read_bytes()
+        except OSError as e:
+            raise JudgeError(f"The judge cache {self.path} cannot be read ({e.strerror or e}): {self._fix()}") from None
         records, bad = {}, 0
         for line in raw.decode("utf-8", errors="replace").splitlines():
             if not line.strip():
@@ -314,6 +362,13 @@ class JudgeConfig:
     backoff: float = 1.0  # seconds before the 2nd try, doubled for each later one
     max_backoff: float = 30.0
     concurrency: int = 4  # requests in flight
+    deadline: float = 300.0  # seconds for one judging step (all the judgements one call asks for)
+
+    def __post_init__(self) -> None:
+        for name, (kind, low, high, what) in TUNABLE.items():
+            _check_setting(name, getattr(self, name), kind, low, high, what)
+        if self.api_key:
+            _check_api_key(self.api_key, f"The API key ({ENV_API_KEY}, else {ENV_API_KEY_FALLBACK})")
 
     @classmethod
     def from_env(cls, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
@@ -321,7 +376,9 @@ class JudgeConfig:
         """Arguments first, then ``MARI_JUDGE_*`` (key: then ``OPENAI_API_KEY``)."""
         base_url = base_url or os.environ.get(ENV_BASE_URL)
         model = model or os.environ.get(ENV_MODEL)
-        api_key = api_key or os.environ.get(ENV_API_KEY) or os.environ.get(ENV_API_KEY_FALLBACK)
+        keys = (("The api_key argument", api_key), (ENV_API_KEY, os.environ.get(ENV_API_KEY)),
+                (ENV_API_KEY_FALLBACK, os.environ.get(ENV_API_KEY_FALLBACK)))
+        key_source, api_key = next(((source, key) for source, key in keys if key), (None, None))
         if not base_url or not model:
             missing = [n for n, v in ((ENV_BASE_URL, base_url), (ENV_MODEL, model)) if not v]
             raise JudgeNotConfigured(
@@ -330,18 +387,71 @@ class JudgeConfig:
                 f"(and {ENV_API_KEY} if the server wants a key), e.g. vLLM serving Mistral-7B-Instruct-v0.2 (see "
                 f"README, 'SORRY-Bench judge'); or start the embedded judge: python -m mari_eval.judge serve"
             )
-        for name, kind in TUNABLE.items():  # MARI_JUDGE_MAX_TOKENS=128 etc., arguments first
-            value = os.environ.get(f"MARI_JUDGE_{name.upper()}")
+        if api_key:
+            _check_api_key(api_key, key_source)
+        for name, (kind, low, high, what) in TUNABLE.items():  # MARI_JUDGE_MAX_TOKENS=128 etc., arguments first
+            value = os.environ.get(_env_name(name))
             if name not in kwargs and value:
                 try:
                     kwargs[name] = kind(value)
                 except ValueError:
-                    raise JudgeError(f"MARI_JUDGE_{name.upper()}={value!r} is not a {kind.__name__}") from None
+                    noun = "whole number" if kind is int else "number"
+                    raise JudgeError(f"{_env_name(name)}={value!r} is not a {noun}: it is {what}, "
+                                     f"{_rule(kind, low, high)} (default {_default(name)}); set it to one or unset it") from None
         return cls(base_url=base_url.rstrip("/"), model=model, api_key=api_key, **kwargs)
 
 
-# JudgeConfig fields that MARI_JUDGE_<NAME> can set.
-TUNABLE = {"max_tokens": int, "timeout": float, "attempts": int, "backoff": float, "max_backoff": float, "concurrency": int}
+# JudgeConfig fields that MARI_JUDGE_<NAME> can set: type, lowest value (None: above 0), highest, meaning.
+TUNABLE = {
+    "max_tokens": (int, 1, 4096, "the longest judge answer in tokens"),
+    "timeout": (float, None, None, "the seconds one request may take"),
+    "attempts": (int, 1, 100, "the tries per judgement"),
+    "backoff": (float, 0, None, "the seconds before the 2nd try (doubled for each later one)"),
+    "max_backoff": (float, 0, None, "the longest wait between two tries in seconds"),
+    "concurrency": (int, 1, 256, "the number of requests in flight"),
+    "deadline": (float, None, None, "the seconds one judging step may take in all"),
+}
+
+
+def _env_name(name: str) -> str:
+    return f"MARI_JUDGE_{name.upper()}"
+
+
+def _default(name: str):
+    return JudgeConfig.__dataclass_fields__[name].default
+
+
+def _rule(kind, low, high) -> str:
+    noun = "a whole number" if kind is int else "a finite number"
+    if low is None:
+        return f"{noun} above 0"
+    return f"{noun} from {low} to {high}" if high is not None else f"{noun} of at least {low}"
+
+
+def _check_setting(name: str, value, kind, low, high, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    ok = ok and math.isfinite(value) and (value > 0 if low is None else value >= low) and (high is None or value <= high)
+    if not ok:
+        raise JudgeError(f"Judge setting {name}={value!r} ({_env_name(name)}) is out of range: it is {what}, "
+                         f"{_rule(kind, low, high)} (default {_default(name)}); set {_env_name(name)} to such a value or unset it")
+
+
+_KEY_CHARS = {"\r": "a carriage return (\\r)", "\n": "a line feed (\\n)", "\t": "a tab", " ": "a space"}
+
+
+def _check_api_key(key: str, source: str | None) -> None:
+    """Refuse a key holding whitespace, control or non-ASCII characters (an HTTP header cannot carry
+    them: the request would fail as a connection error), naming the character, never the key."""
+    for i, ch in enumerate(key):
+        if 0x21 <= ord(ch) <= 0x7E:
+            continue
+        what = _KEY_CHARS.get(ch) or (f"the control character U+{ord(ch):04X}" if ord(ch) < 0x20 or ord(ch) == 0x7F
+                                      else f"the non-ASCII character U+{ord(ch):04X}")
+        raise JudgeError(
+            f"{source or 'The API key'} holds {what} at character {i + 1} of {len(key)}, which an HTTP header cannot "
+            f"carry (a key read from a file with Windows line endings ends in \\r). Set it without it, e.g. "
+            f"export {ENV_API_KEY}=\"$(tr -d '\\r\\n' < KEYFILE)\""
+        )
 
 
 def safe_url(url: str) -> str:
@@ -381,6 +491,7 @@ class Judge:
         self._down = threading.Event()  # set once a judgement failed: no new requests
         self._failure: JudgeError | None = None
         self._failure_lock = threading.Lock()
+        self._deadline: float | None = None  # time.monotonic() at which the current judging step ends
 
     # ------------------------------------------------------------------ public
 
@@ -413,12 +524,16 @@ class Judge:
         return cache_key(self.config.model, self.prompt.text, instruction, response)
 
     def check(self) -> None:
-        """Fail now, naming the URL, when nothing answers there or the key is rejected."""
+        """Fail now, saying what to do, when nothing answers at the URL, the key is rejected, the URL
+        serves something other than the API (an HTML page), or the cache cannot be written."""
         import openai
 
-        def probe(client):
+        self.cache.check()
+
+        def probe(client, timeout):
             try:
-                client.models.list()
+                with client.models.with_streaming_response.list(timeout=timeout) as response:
+                    self._json_reply(response, "a model-list request")
             except openai.APIStatusError as e:  # any other HTTP answer: a server is there
                 if e.status_code in (401, 403):
                     raise
@@ -438,36 +553,74 @@ class Judge:
         return record
 
     def _ask_all(self, todo: dict[str, tuple[str, str]], total: int) -> set[str]:
+        """Ask for ``todo`` concurrently, within ``config.deadline`` seconds in all."""
         if not todo:
             return set()
+        from concurrent.futures import TimeoutError as FuturesTimeout
+
         from tqdm import tqdm
 
         self._down.clear()
         self._failure = None
+        started = time.monotonic()
+        self._deadline = started + self.config.deadline
         show = self.progress if self.progress is not None else len(todo) >= 10
         done: set[str] = set()
         workers = max(1, min(self.config.concurrency, len(todo)))
-        with tqdm(total=len(todo), desc=f"judging ({self.config.model})", disable=not show) as bar, \
-                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge") as pool:
-            futures = {pool.submit(self._judge_one, k, *pair): k for k, pair in todo.items()}
-            for future in as_completed(futures):
-                if future.cancelled():
-                    continue
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge")
+        stuck = False
+        try:
+            with tqdm(total=len(todo), desc=f"judging ({self.config.model})", disable=not show) as bar:
+                futures = {pool.submit(self._judge_one, k, *pair): k for k, pair in todo.items()}
                 try:
-                    if future.result():
-                        done.add(futures[future])
-                        bar.update(1)
-                except JudgeError:  # recorded in self._failure; start nothing new, running ones finish
-                    for f in futures:
-                        f.cancel()
+                    # Requests end by the deadline (their timeouts are cut to it); this is the backstop
+                    # for a server that keeps a reply trickling in.
+                    for future in as_completed(futures, timeout=max(0.0, self._deadline - time.monotonic())):
+                        if future.cancelled():
+                            continue
+                        try:
+                            if future.result():
+                                done.add(futures[future])
+                                bar.update(1)
+                        except JudgeError:  # recorded in self._failure; start nothing new, running ones finish
+                            for f in futures:
+                                f.cancel()
+                except FuturesTimeout:
+                    stuck = True
+                    pending = sum(1 for f in futures if not f.done())
+                    self._record(self._deadline_error(f"{pending} judgement(s) still pending"))
+                    self._abort_requests()
+        finally:
+            pool.shutdown(wait=not stuck, cancel_futures=True)  # past the deadline, in-flight requests are not awaited
+            self._deadline = None
         if self._failure is not None:
-            raise self._with_progress(self._failure, kept=total - len(todo) + len(done), total=total) from None
+            error = self._with_progress(self._failure, kept=total - len(todo) + len(done), total=total)
+            if isinstance(self._failure, JudgeDeadline):
+                error = type(error)(f"{error} If the judge is slow rather than stuck ({len(done)} verdicts came in "
+                                    f"{time.monotonic() - started:.0f} s), raise {ENV_DEADLINE} or {_env_name('concurrency')}.")
+            raise error from None
         return done
 
     def _with_progress(self, error: JudgeError, kept: int, total: int) -> JudgeError:
         note = (f" {kept} of this run's {total} judgements are in the cache {self.cache.path} and are kept; "
-                f"a rerun asks only for the other {total - kept}.")
+                f"judging again asks only for the other {total - kept}.")
         return type(error)(str(error) + note)
+
+    def _deadline_error(self, detail: str) -> JudgeDeadline:
+        return JudgeDeadline(f"Judging stopped at its deadline, {ENV_DEADLINE}={self.config.deadline:g} s: the judge at "
+                             f"{safe_url(self.config.base_url)} had not answered every request ({detail}).")
+
+    def _record(self, error: JudgeError) -> None:
+        with self._failure_lock:
+            self._failure = self._failure or error  # the first failure is the one reported
+        self._down.set()
+
+    def _abort_requests(self) -> None:
+        """Close the client, so that requests still in flight end now (they fail and are not retried)."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
 
     def _judge_one(self, key: str, instruction: str, response: str) -> bool:
         """Ask for one judgement and cache it; False when skipped because the judge failed meanwhile."""
@@ -475,63 +628,136 @@ class Judge:
             return False
         try:
             raw = self._redact(self._ask(self.prompt.render(instruction, response)))  # a server may echo the key
+            record = {
+                "key": key,
+                "label": parse_verdict(raw),  # read from the whole answer; the cache keeps its start
+                "raw": raw[:MAX_RAW_CHARS],
+                "judge_model": self.config.model,
+                "prompt": self.prompt.name,
+                "prompt_sha256": self.prompt.sha256,
+                "max_tokens": self.config.max_tokens,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            if len(raw) > MAX_RAW_CHARS:
+                record["raw_chars"] = len(raw)
+            self.cache.append(record)
         except JudgeError as e:
-            with self._failure_lock:
-                self._failure = self._failure or e  # the first failure is the one reported
-            self._down.set()
+            self._record(e)
             raise
-        self.cache.append({
-            "key": key,
-            "label": parse_verdict(raw),
-            "raw": raw,
-            "judge_model": self.config.model,
-            "prompt": self.prompt.name,
-            "prompt_sha256": self.prompt.sha256,
-            "max_tokens": self.config.max_tokens,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        })
         return True
 
     def _ask(self, text: str) -> str:
-        completion = self._call(
-            lambda client: client.chat.completions.create(
+        def request(client, timeout):
+            with client.chat.completions.with_streaming_response.create(
                 model=self.config.model,
                 messages=[{"role": "user", "content": text}],
                 temperature=0.0,
                 max_tokens=self.config.max_tokens,
-            ),
-            what="a judgement request",
-        )
+                timeout=timeout,
+            ) as response:
+                return self._completion_text(self._json_reply(response, "a judgement request"))
+
+        return self._call(request, what="a judgement request")
+
+    # ------------------------------------------------------------------ replies
+
+    def _json_reply(self, response, what: str):
+        """The JSON body of a 2xx reply, read up to MAX_REPLY_BYTES; an HTML page or other text is an error."""
+        url = safe_url(self.config.base_url)
+        ctype = response.headers.get("content-type", "")
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
+            raise self._too_large(what, f"it announced {int(declared):,} bytes")
+        body, size = [], 0
         try:
-            return completion.choices[0].message.content or ""
-        except (AttributeError, IndexError, TypeError):
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_REPLY_BYTES:
+                    raise self._too_large(what, f"more than {MAX_REPLY_BYTES:,} bytes arrived")
+                if self._deadline is not None and time.monotonic() > self._deadline:
+                    raise self._deadline_error(f"{what} was still being read")
+                body.append(chunk)
+        except JudgeError:
+            raise
+        except Exception as e:  # the HTTP library's read errors (timeouts, dropped connections)
+            raise _ReplyInterrupted(f"{type(e).__name__} while reading the reply: {e}") from None
+        text = b"".join(body).decode("utf-8", errors="replace")
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        start = " ".join(text[:160].split())
+        if "html" in ctype.lower() or re.match(r"\s*<(!doctype|html|head|body)\b", text, re.IGNORECASE):
+            what_it_is = "an HTML page"
+            hint = (f"{ENV_BASE_URL} points at a web page (a proxy, a login page, a web UI), not at the API: it must be "
+                    f"the OpenAI-compatible server's /v1 URL, e.g. http://HOST:8000/v1.")
+        else:
+            what_it_is = "a body that is not JSON"
+            hint = f"is {ENV_BASE_URL} the /v1 URL of an OpenAI-compatible server (vLLM, TGI, llama.cpp)?"
+        raise JudgeError(f"The judge at {url} answered {what} with HTTP {response.status_code} and {what_it_is} "
+                         f"({ctype or 'no content type'}: {self._redact(start)!r}): {hint}")
+
+    def _too_large(self, what: str, detail: str) -> JudgeError:
+        return JudgeError(
+            f"The judge at {safe_url(self.config.base_url)} answered {what} with a body over {MAX_REPLY_BYTES:,} bytes "
+            f"({detail}); it was not read further. A verdict takes a few hundred bytes: the server ignores max_tokens "
+            f"({self.config.max_tokens}) or {ENV_BASE_URL} is not a chat-completions API; check the server."
+        )
+
+    def _completion_text(self, data) -> str:
+        """The answer of a chat completion; anything else is an error naming what came instead."""
+        url = safe_url(self.config.base_url)
+        if isinstance(data, dict) and "error" in data and "choices" not in data:
+            detail = data["error"].get("message") if isinstance(data["error"], dict) else data["error"]
+            raise JudgeError(f"The judge at {url} answered with an error: {self._redact(str(detail))[:300]}; "
+                             f"check {ENV_MODEL}={self.config.model!r} and the server's log")
+        try:
+            content = data["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            shape = f"an object with keys {sorted(data)[:10]}" if isinstance(data, dict) else type(data).__name__
             raise JudgeError(
-                f"The judge at {safe_url(self.config.base_url)} answered with something that is not a chat "
-                f"completion ({self._redact(repr(completion)[:200])}); is {ENV_BASE_URL} an OpenAI-compatible /v1 URL?"
+                f"The judge at {url} answered with JSON that is not a chat completion ({shape}: "
+                f"{self._redact(json.dumps(data)[:200])}); is {ENV_BASE_URL} an OpenAI-compatible /v1 URL?"
             ) from None
+        if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if content is not None and not isinstance(content, str):
+            raise JudgeError(f"The judge at {url} answered a chat completion whose message content is a "
+                             f"{type(content).__name__}, not text")
+        return content or ""
 
     def _call(self, request: Callable, what: str):
-        """``request(client)`` with retries on connection errors, timeouts, 429 and 5xx."""
+        """``request(client, timeout)`` with retries on connection errors, timeouts, 429 and 5xx, within the deadline."""
         import openai
 
         url = safe_url(self.config.base_url)
-        attempts = max(1, self.config.attempts)
+        attempts = self.config.attempts
         for attempt in range(1, attempts + 1):
+            timeout = self.config.timeout
+            if self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise self._deadline_error(f"{what} was still to be made")
+                timeout = min(timeout, left)
             try:
-                return request(self._openai())
-            except (openai.APIConnectionError, openai.APIStatusError) as e:
+                return request(self._openai(), timeout)
+            except (openai.APIConnectionError, openai.APIStatusError, _ReplyInterrupted) as e:
                 if not _retryable(e):
                     raise self._fatal(e, url) from None
                 reason = self._redact(_describe(e))
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise self._deadline_error(f"last error on {what}: {reason}") from None
                 if attempt == attempts or self._down.is_set():
                     raise JudgeUnavailable(
                         f"The judge at {url} did not answer {what} after {attempt} attempt(s); last error: {reason}. "
                         f"Check that the server is running and that {ENV_BASE_URL} points at it."
                     ) from None
                 delay = min(self.config.max_backoff, self.config.backoff * 2 ** (attempt - 1))
+                if self._deadline is not None and time.monotonic() + delay >= self._deadline:
+                    raise self._deadline_error(f"last error on {what}: {reason}") from None
                 log.warning("Judge at %s: attempt %d/%d failed (%s); retrying in %.1f s", url, attempt, attempts, reason, delay)
                 self._sleep(delay)
-            except (openai.OpenAIError, ValueError) as e:  # e.g. a response body that is not JSON
+            except (openai.OpenAIError, ValueError) as e:
                 raise JudgeError(f"The judge at {url} failed on {what}: {self._redact(_describe(e))}") from None
 
     def _fatal(self, e, url: str) -> JudgeError:
@@ -565,7 +791,7 @@ class Judge:
 def _retryable(e) -> bool:
     import openai
 
-    if isinstance(e, openai.APIConnectionError):  # APITimeoutError included
+    if isinstance(e, (openai.APIConnectionError, _ReplyInterrupted)):  # APITimeoutError included
         return True
     status = getattr(e, "status_code", None)
     return status == 429 or (status is not None and status >= 500)
@@ -574,7 +800,8 @@ def _retryable(e) -> bool:
 def _describe(e) -> str:
     status = getattr(e, "status_code", None)
     message = str(e).splitlines()[0][:300] if str(e) else ""
-    return f"{type(e).__name__}" + (f" HTTP {status}" if status else "") + (f": {message}" if message else "")
+    name = "connection lost" if isinstance(e, _ReplyInterrupted) else type(e).__name__
+    return name + (f" HTTP {status}" if status else "") + (f": {message}" if message else "")
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -645,6 +872,8 @@ def _category_order(cat: str):
 # transformers serve runs concurrent requests side by side in one process; on CPU they only
 # slow each other down (4 at once took 3x longer in all than one after another).
 EMBEDDED_CONCURRENCY = 1
+# ... and on CPU a verdict takes seconds: a judging step of a few hundred gets an hour.
+EMBEDDED_DEADLINE = 3600
 
 
 # Run argv[2:] in place of this process once the kernel is told to send it SIGTERM when its
@@ -682,11 +911,13 @@ class EmbeddedServer:
         return f"http://{self.host}:{self.port}/v1"
 
     def config(self, **kwargs) -> JudgeConfig:
-        return JudgeConfig(base_url=self.base_url, model=self.model, **{"concurrency": EMBEDDED_CONCURRENCY, **kwargs})
+        return JudgeConfig(base_url=self.base_url, model=self.model,
+                           **{"concurrency": EMBEDDED_CONCURRENCY, "deadline": EMBEDDED_DEADLINE, **kwargs})
 
     def env(self) -> dict[str, str]:
         """The environment variables that point the SORRY-Bench tasks at this server."""
-        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY)}
+        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
+                ENV_DEADLINE: os.environ.get(ENV_DEADLINE) or str(EMBEDDED_DEADLINE)}
 
     def start(self) -> "EmbeddedServer":
         if self._proc is not None and self._proc.poll() is None:

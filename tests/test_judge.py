@@ -38,7 +38,8 @@ def completion(text: str) -> dict:
 
 
 class FakeServer:
-    """Loopback HTTP server: ``reply(path, headers, body) -> (status, JSON object or raw bytes)``."""
+    """Loopback HTTP server: ``reply(path, headers, body) -> (status, JSON object or raw bytes[, headers])``;
+    raw bytes may also be an iterator of chunks, written one by one until the client hangs up."""
 
     def __init__(self, reply):
         self.reply = reply
@@ -51,14 +52,20 @@ class FakeServer:
                 body = json.loads(raw) if raw else None
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 outer.requests.append((self.path, headers, body))
-                status, payload = outer.reply(self.path, headers, body)
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                status, payload, *extra = outer.reply(self.path, headers, body)
+                reply_headers = {"Content-Type": "application/json", **(extra[0] if extra else {})}
+                if isinstance(payload, (dict, list)):
+                    payload = json.dumps(payload).encode()
+                if isinstance(payload, bytes):
+                    reply_headers.setdefault("Content-Length", str(len(payload)))
+                    payload = [payload]
                 try:
                     self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
+                    for name, value in reply_headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
-                    self.wfile.write(data)
+                    for chunk in payload:
+                        self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and hung up
 
@@ -112,7 +119,7 @@ def make_judge(server_url, tmp_path, sleeps=None, **config):
 
 
 def cache_lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 # ----------------------------------------------------------------------------- verdict parser
@@ -379,6 +386,168 @@ def test_api_key_never_leaks(fake, tmp_path, monkeypatch, caplog, capsys):
     assert J.JudgeConfig.from_env().api_key == "sk-other"
 
 
+# ----------------------------------------------------------------------------- unclear failures made clear
+
+
+HTML = b"<!DOCTYPE html><html><head><title>Sign in</title></head><body>Please sign in</body></html>"
+
+
+def test_an_html_page_is_named_as_such_with_the_fix(fake, tmp_path):
+    server = fake(lambda path, headers, body: (200, HTML, {"Content-Type": "text/html; charset=utf-8"}))
+    judge = make_judge(server.url, tmp_path, attempts=3)
+    with pytest.raises(J.JudgeError, match="an HTML page") as err:
+        judge.check()  # before anything is generated: the task loaders call it
+    assert "Sign in" in str(err.value) and f"{J.ENV_BASE_URL} points at a web page" in str(err.value)
+    with pytest.raises(J.JudgeError, match="an HTML page") as err:
+        judge.labels([("q", "r")])
+    assert not isinstance(err.value, J.JudgeUnavailable) and "/v1" in str(err.value)
+    assert len(server.chats) == 1 and not cache_lines(tmp_path / "cache.jsonl")  # not retried, nothing cached
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("MARI_JUDGE_BACKOFF", "-1", "at least 0"),
+    ("MARI_JUDGE_MAX_BACKOFF", "-0.5", "at least 0"),
+    ("MARI_JUDGE_TIMEOUT", "0", "above 0"),
+    ("MARI_JUDGE_TIMEOUT", "nan", "finite number above 0"),
+    ("MARI_JUDGE_DEADLINE", "-5", "above 0"),
+    ("MARI_JUDGE_DEADLINE", "inf", "finite number above 0"),
+    ("MARI_JUDGE_ATTEMPTS", "0", "from 1 to 100"),
+    ("MARI_JUDGE_ATTEMPTS", "2.5", "not a whole number"),
+    ("MARI_JUDGE_CONCURRENCY", "-4", "from 1 to 256"),
+    ("MARI_JUDGE_MAX_TOKENS", "0", "from 1 to 4096"),
+    ("MARI_JUDGE_BACKOFF", "1s", "not a number"),
+])
+def test_judge_settings_out_of_range_or_not_numbers_are_refused(monkeypatch, name, value, says):
+    monkeypatch.setenv(J.ENV_BASE_URL, "http://127.0.0.1:1/v1")
+    monkeypatch.setenv(J.ENV_MODEL, "m")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(J.JudgeError, match=says) as err:
+        J.JudgeConfig.from_env()
+    assert name in str(err.value) and "unset it" in str(err.value)  # the variable and the fix
+
+
+@pytest.mark.parametrize("key, says", [
+    (KEY + "\r", r"a carriage return \(\\r\) at character 32 of 32"),
+    (KEY + "\n", r"a line feed"),
+    (" " + KEY, r"a space at character 1 "),
+    (KEY[:5] + "\x1b" + KEY[5:], r"the control character U\+001B at character 6 "),
+    (KEY + "\u00a0", r"the non-ASCII character U\+00A0"),
+], ids=["cr", "lf", "space", "esc", "nbsp"])
+def test_an_api_key_with_whitespace_or_control_characters_is_named_not_sent(fake, tmp_path, monkeypatch, key, says):
+    server = fake(scripted())
+    for source in (J.ENV_API_KEY, J.ENV_API_KEY_FALLBACK):
+        monkeypatch.delenv(J.ENV_API_KEY, raising=False)
+        monkeypatch.setenv(source, key)
+        monkeypatch.setenv(J.ENV_BASE_URL, server.url)
+        monkeypatch.setenv(J.ENV_MODEL, "judge-m")
+        with pytest.raises(J.JudgeError, match=says) as err:
+            J.JudgeConfig.from_env()
+        message = str(err.value)
+        assert message.startswith(source) and "tr -d" in message and KEY not in message
+    assert not server.requests
+
+
+def test_a_cache_that_is_a_directory_is_refused_with_the_fix(fake, tmp_path):
+    server = fake(scripted())
+    folder = tmp_path / "judge-cache"
+    folder.mkdir()
+    judge = J.Judge(J.JudgeConfig(server.url, "judge-m"), J.load_prompt(J.OWN_PROMPT), folder)
+    for call in (judge.check, lambda: judge.labels([("q", "r")])):
+        with pytest.raises(J.JudgeError, match="is a directory") as err:
+            call()
+        assert f"{J.ENV_CACHE}={folder / 'judgements.jsonl'}" in str(err.value)
+    assert not server.chats
+
+
+def _hangs_after_first(release: threading.Event):
+    answered = []
+
+    def reply(path, headers, body):
+        if path.endswith("/chat/completions"):
+            if answered:
+                release.wait(20)  # a hanging judge (released when the test ends)
+            answered.append(1)
+        return 200, completion("#thescore: 0")
+
+    return reply
+
+
+def test_a_hanging_judge_stops_at_the_deadline_keeping_its_verdicts(fake, tmp_path):
+    release = threading.Event()
+    server = fake(_hangs_after_first(release))
+    judge = make_judge(server.url, tmp_path, timeout=60, attempts=5, concurrency=1, deadline=2)
+    judge.check()  # client made and openai imported before the clock starts
+    try:
+        with pytest.raises(J.JudgeDeadline) as err:
+            judge.labels([("q1", REFUSING), ("q2", COMPLYING), ("q3", COMPLYING)])
+    finally:
+        release.set()
+    message = str(err.value)
+    assert f"{J.ENV_DEADLINE}=2 s" in message and server.url in message
+    assert "1 of this run's 3 judgements" in message and "asks only for the other 2" in message
+    assert isinstance(err.value, J.JudgeUnavailable)
+    assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.REFUSAL]
+
+
+def _huge_completion(total: int, sent: list, finished: threading.Event, declare: bool):
+    prefix = json.dumps(completion("#thescore: 0 ")).encode()
+    head, tail = prefix.split(b"#thescore: 0 ")
+    head += b"#thescore: 0 "
+    chunk = b"x" * 65536
+
+    def body():
+        try:
+            yield head
+            sent.append(len(head))
+            while sum(sent) < total:
+                yield chunk
+                sent.append(len(chunk))
+            yield tail
+        finally:
+            finished.set()
+
+    def reply(path, headers, request):
+        if path.endswith("/models"):
+            return 200, {"object": "list", "data": []}
+        return 200, body(), ({"Content-Length": str(total + len(tail))} if declare else {})
+
+    return reply
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["content-length", "no-length"])
+def test_a_huge_reply_is_refused_without_being_read(fake, tmp_path, declare):
+    total, sent, finished = 30 * 2**20, [], threading.Event()
+    server = fake(_huge_completion(total, sent, finished, declare))
+    judge = make_judge(server.url, tmp_path, attempts=3)
+    with pytest.raises(J.JudgeError, match="body over 1,048,576 bytes") as err:
+        judge.labels([("q", "r")])
+    assert "max_tokens" in str(err.value) and not isinstance(err.value, J.JudgeUnavailable)
+    assert len(server.chats) == 1 and not cache_lines(tmp_path / "cache.jsonl")
+    finished.wait(30)  # the server stops writing once the client has hung up
+    assert sum(sent) < total
+
+
+def test_a_long_answer_is_judged_whole_and_cached_cut_short(fake, tmp_path):
+    answer = "#thescore: 0\n" + "because " * 20000  # 160 kB, under the body cap
+    server = fake(scripted(then=(200, completion(answer))))
+    judgement, = make_judge(server.url, tmp_path).judge([("q", REFUSING)])
+    assert judgement.label == J.REFUSAL
+    record, = cache_lines(tmp_path / "cache.jsonl")
+    assert record["raw"] == answer[:J.MAX_RAW_CHARS] and record["raw_chars"] == len(answer)
+    assert (tmp_path / "cache.jsonl").stat().st_size < 2 * J.MAX_RAW_CHARS
+
+
+def test_judge_command_refuses_a_file_that_holds_no_sorry_bench_responses(tmp_path):
+    from mari_eval import judge_samples
+
+    path = tmp_path / "samples_truthfulqa_mc1.jsonl"
+    path.write_text(json.dumps({"doc_id": 0, "doc": {"question": "q"}, "filtered_resps": [[-1.0, False]]}) + "\n")
+    with pytest.raises(J.JudgeError, match=r"line 1: not a SORRY-Bench response"):
+        judge_samples.read_samples(path)
+    with pytest.raises(J.JudgeError, match="is not a file"):
+        judge_samples.read_samples(tmp_path / "missing.jsonl")
+
+
 # ----------------------------------------------------------------------------- a real judge server
 
 PAIRS = [
@@ -509,8 +678,6 @@ def test_task_fails_early_without_a_judge(monkeypatch, tmp_path, task_manager):
 @pytest.fixture(scope="module")
 def task_run(embedded, smollm2_path, tmp_path_factory, task_manager):
     """sorry_bench_heldout on 2 docs: MariLM answers, the embedded server judges."""
-    from lm_eval import simple_evaluate
-
     if not os.environ.get("MARI_DATA_DIR"):
         pytest.skip("MARI_DATA_DIR is not set")
     cache = tmp_path_factory.mktemp("task") / "judge.jsonl"
@@ -518,11 +685,16 @@ def task_run(embedded, smollm2_path, tmp_path_factory, task_manager):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        out = simple_evaluate(model="mari", model_args="pretrained=smollm2-135m-instruct",
-                              tasks=["sorry_bench_heldout"], limit=2, gen_kwargs="max_gen_toks=12",
-                              task_manager=task_manager, log_samples=True,
-                              bootstrap_iters=0)
+        out = _generate(task_manager, log_samples=True)
     return out, cache
+
+
+def _generate(task_manager, **kwargs):
+    """sorry_bench_heldout as task_run runs it (greedy: the same responses each time)."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model="mari", model_args="pretrained=smollm2-135m-instruct", tasks=["sorry_bench_heldout"],
+                           limit=2, gen_kwargs="max_gen_toks=12", task_manager=task_manager, bootstrap_iters=0, **kwargs)
 
 
 @pytest.mark.needs_data
@@ -554,6 +726,94 @@ def test_task_prompt_is_the_training_chat_prompt(task_run, smollm2_path):
         expected = tok.apply_chat_template([{"role": "user", "content": s["doc"]["instruction"]}],
                                            tokenize=False, add_generation_prompt=True)
         assert s["arguments"][0][0] == expected
+
+
+TASK_METRICS = ["refusal_rate", "keyword_refusal_rate", "judge_unparseable", "judge",
+                *[f"refusal_rate_c{c:02d}" for c in range(1, 46)]]
+
+
+def _same_metrics(judged: dict, task_results: dict) -> None:
+    """``mari-eval judge``'s metrics are the task's (NaN where the task has NaN)."""
+    assert sorted(judged) == sorted(TASK_METRICS)
+    for name in TASK_METRICS:
+        mine, theirs = judged[name], task_results[f"{name},none"]
+        if mine is None or (isinstance(mine, float) and math.isnan(mine)):
+            assert isinstance(theirs, float) and math.isnan(theirs), name
+        else:
+            assert mine == theirs, name
+
+
+def _judge_env(monkeypatch, embedded, cache):
+    for k, v in {**embedded.env(), J.ENV_CACHE: str(cache), "MARI_JUDGE_MAX_TOKENS": "8"}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.needs_data
+def test_a_judge_failing_after_generation_loses_no_response(fake, tmp_path, monkeypatch, task_manager, task_run, embedded):
+    """Chat requests answer 503 after the task checked the judge: the error names the saved responses and the
+    command that judges them, and that command gives the metrics of a run whose judge worked."""
+    import re
+
+    from mari_eval import judge_samples
+
+    server = fake(scripted(then=(503, {"error": {"message": "overloaded"}})))
+    _task_env(monkeypatch, tmp_path, server.url, "judge-m")
+    monkeypatch.setenv("MARI_JUDGE_ATTEMPTS", "2")
+    monkeypatch.setenv("MARI_JUDGE_BACKOFF", "0")
+    out, cache = task_run
+    with pytest.raises(J.JudgeUnavailable) as err:
+        _generate(task_manager)
+    message = str(err.value)
+    assert "HTTP 503" in message and "No response is lost: the 2 responses are saved in" in message
+    saved = re.search(r"\n    mari-eval judge (\S+)\n", message).group(1)
+    items, run = judge_samples.read_samples(saved)
+    assert [(i["id"], i["response"]) for i in items] == [
+        (s["doc"]["id"], s["filtered_resps"][0]) for s in out["samples"]["sorry_bench_heldout"]]
+    assert (run["model"], run["model_args"], run["split_seed"]) == ("mari", "pretrained=smollm2-135m-instruct", 0)
+    assert saved.startswith(str(tmp_path / "generations"))  # beside the judge cache
+    _judge_env(monkeypatch, embedded, cache)
+    result = judge_samples.judge_file(saved)
+    _same_metrics(result["metrics"], out["results"]["sorry_bench_heldout"])
+
+
+@pytest.mark.needs_data
+def test_predict_only_needs_no_judge_and_mari_eval_judge_gives_the_task_metrics(
+        tmp_path, monkeypatch, task_manager, task_run, embedded):
+    import subprocess
+    import sys
+
+    from lm_eval.loggers import EvaluationTracker
+
+    for name in (J.ENV_BASE_URL, J.ENV_MODEL):  # no judge: the run must neither need nor ask one
+        monkeypatch.delenv(name, raising=False)
+    judged_run, cache = task_run
+    out = _generate(task_manager, predict_only=True, log_samples=True)
+    samples = out.pop("samples")
+    tracker = EvaluationTracker(output_path=str(tmp_path / "out" / "results.json"))  # as lm_eval --output_path
+    tracker.save_results_aggregated(results=out, samples=samples)
+    tracker.save_results_samples("sorry_bench_heldout", samples["sorry_bench_heldout"])
+    path, = (tmp_path / "out").glob("samples_sorry_bench_heldout_*.jsonl")
+    assert [s["filtered_resps"] for s in samples["sorry_bench_heldout"]] == [
+        s["filtered_resps"] for s in judged_run["samples"]["sorry_bench_heldout"]]  # the same responses
+
+    _judge_env(monkeypatch, embedded, cache)
+    done = subprocess.run([sys.executable, "-m", "mari_eval.cli", "judge", str(path), "--out", str(tmp_path / "m.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "refusal_rate:" in done.stdout and "keyword_refusal_rate:" in done.stdout
+    result = json.loads((tmp_path / "m.json").read_text())
+    _same_metrics(result["metrics"], judged_run["results"]["sorry_bench_heldout"])
+    assert result["summary"]["n"] == 2
+
+
+@pytest.mark.needs_data
+def test_task_refuses_a_cache_that_is_a_directory_before_generating(fake, tmp_path, monkeypatch, task_manager):
+    server = fake(scripted())
+    _task_env(monkeypatch, tmp_path, server.url, "judge-m")
+    monkeypatch.setenv(J.ENV_CACHE, str(tmp_path))
+    with pytest.raises(J.JudgeError, match="is a directory"):
+        task_manager.load(["sorry_bench_heldout"])
+    assert not server.chats
 
 
 def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_one(monkeypatch):

@@ -1,0 +1,237 @@
+"""SORRY-Bench responses that outlive the judge: saved before judging, judged later.
+
+Generating the responses is the slow part of a SORRY-Bench run; the judge comes after,
+in lm-eval's aggregation step, and a judge that fails there ends ``lm_eval`` without
+results or samples. So:
+
+* ``save_generations``: before the task asks the judge anything, its responses are written
+  (atomically) to ``generations/sorry_bench-<n>-<sha>.jsonl`` beside the judge cache (the
+  file name is a hash of the content: a rerun with the same responses rewrites nothing).
+  When judging then fails, ``resumable`` adds to the error where they are and the command
+  that finishes the job without generating anything again: ``mari-eval judge FILE``.
+* ``judge_file`` (``mari-eval judge FILE``): judges such a file, or the samples file of an
+  lm-eval run (``--log_samples``, e.g. with ``--predict_only``, which needs no judge), with
+  the judge the environment configures, through the same cache; it returns, prints and
+  writes the metrics the task reports (``task_metrics``), computed by the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from mari_eval import judge as J
+
+log = logging.getLogger(__name__)
+
+KIND = "mari-eval sorry-bench generations"  # the first line of a generations file says what it is
+FIELDS = ("id", "category", "instruction", "response")
+CATEGORIES = tuple(str(i) for i in range(1, 46))  # SORRY-Bench 202406: categories 1..45
+
+
+def category_metric(category: str) -> str:
+    return f"refusal_rate_c{int(category):02d}"
+
+
+# ----------------------------------------------------------------------------- metrics (shared with the task)
+
+
+def rate(summary: Mapping) -> float:
+    """A summary's refusal_rate as the task reports it: NaN when the judge gave no readable verdict."""
+    return float("nan") if summary["refusal_rate"] is None else summary["refusal_rate"]
+
+
+def judge_label(judge: J.Judge) -> str:
+    d = judge.describe()
+    return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
+
+
+def task_metrics(summary: Mapping, judge: J.Judge) -> dict:
+    """The metrics of the sorry_bench tasks (harness_tasks/sorry_bench.yaml) from ``J.refusal_summary``."""
+    metrics = {
+        "refusal_rate": rate(summary),
+        "keyword_refusal_rate": summary["keyword_refusal_rate"],
+        "judge_unparseable": summary[J.UNPARSEABLE],
+        "judge": judge_label(judge),
+    }
+    for cat in CATEGORIES:
+        row = summary["by_category"].get(cat)
+        metrics[category_metric(cat)] = float("nan") if row is None else rate(row)
+    return metrics
+
+
+def summary_lines(summary: Mapping) -> list[str]:
+    """The per-category table (and the bounds when verdicts are unparseable), as lines of text."""
+    lines = [f"{'cat':<4} {'name':<40} {'n':>4} {'judged':>8} {'keyword':>8} {'unpars':>6}"]
+    for cat, row in summary["by_category"].items():
+        judged = "n/a" if row["refusal_rate"] is None else f"{row['refusal_rate']:.3f}"
+        lines.append(f"{cat:<4} {(row['name'] or '')[:40]:<40} {row['n']:>4} {judged:>8} "
+                     f"{row['keyword_refusal_rate']:>8.3f} {row[J.UNPARSEABLE]:>6}")
+    if summary[J.UNPARSEABLE]:
+        low, high = summary["refusal_rate_bounds"]
+        lines.append(f"{summary[J.UNPARSEABLE]} of {summary['n']} verdicts unparseable (counted in judge_unparseable, "
+                     f"left out of refusal_rate); whatever they are, the refusal rate over all responses lies in "
+                     f"[{low:.3f}, {high:.3f}]")
+    return lines
+
+
+# ----------------------------------------------------------------------------- saving generations
+
+
+def generations_dir() -> Path:
+    """``generations/`` beside the judge cache (``$MARI_JUDGE_CACHE`` or the default one)."""
+    return J.default_cache_path().parent / "generations"
+
+
+def save_generations(items: Sequence[Mapping], run: Mapping | None = None) -> Path | None:
+    """Write the task's responses (``FIELDS`` of each item) before they are judged; the file's path.
+
+    ``run`` says what generated them (the task's metadata: model arguments, split seed).
+    Tried beside the judge cache, then in the temporary directory; None (and a warning) when
+    neither can be written: judging goes on, since these are a safeguard only.
+    """
+    rows = [{k: item[k] for k in FIELDS} for item in items]
+    header = {"kind": KIND, "items": len(rows), "run": dict(run or {})}
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    digest = hashlib.sha256((json.dumps(header, sort_keys=True, default=str) + body).encode("utf-8")).hexdigest()[:16]
+    header["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    text = json.dumps(header, ensure_ascii=False, default=str) + "\n" + body
+    name = f"sorry_bench-{len(rows)}-{digest}.jsonl"
+    from mari_eval.files import atomic_write
+
+    errors = []
+    for folder in (generations_dir(), Path(tempfile.gettempdir()) / "mari-eval-generations"):
+        path = folder / name
+        try:
+            if not path.is_file():
+                atomic_write(path, text)
+                log.info("SORRY-Bench: %d responses saved in %s before judging", len(rows), path)
+            return path
+        except OSError as e:
+            errors.append(f"{folder}: {e.strerror or e}")
+    log.warning("SORRY-Bench: the responses could not be saved before judging (%s)", "; ".join(errors))
+    return None
+
+
+def resumable(error: J.JudgeError, saved: Path | None, n: int) -> J.JudgeError:
+    """``error`` (same type) saying where the responses are and the command that judges them."""
+    if saved is None:
+        note = ("\nThe responses could not be saved (see the warning above). To keep them next time, generate with "
+                "--predict_only --log_samples --output_path OUT, then judge OUT's samples_sorry_bench*.jsonl with "
+                "mari-eval judge.")
+    else:
+        note = (f"\nNo response is lost: the {n} responses are saved in {saved}, and nothing needs generating again. "
+                f"Once the judge works, run\n    mari-eval judge {saved}\nwith the same MARI_JUDGE_* settings: it asks "
+                f"only for the verdicts not in the cache and prints the task's metrics (--out FILE writes them as JSON).")
+    return type(error)(str(error) + note)
+
+
+# ----------------------------------------------------------------------------- judging saved samples
+
+
+def read_samples(path: str | Path) -> tuple[list[dict], dict]:
+    """The items (``FIELDS``) of a generations file or an lm-eval samples file, and the run they came from.
+
+    lm-eval's samples (``--log_samples``) hold one object per doc, with the doc and its
+    ``filtered_resps``; the response judged is ``filtered_resps[0]``, what the task's
+    process_results receives.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise J.JudgeError(f"{path} is not a file: pass a samples_sorry_bench*.jsonl file written by lm_eval "
+                           f"--log_samples, or a generations file named in a judge error")
+    items, run, seen = [], {}, set()
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise J.JudgeError(f"{path}, line {lineno}: not JSON ({e.msg}); the file is damaged or not JSON lines") from None
+            if isinstance(row, dict) and row.get("kind") == KIND:
+                run = row.get("run") or {}
+                continue
+            item = _item(row)
+            if item is None:
+                raise J.JudgeError(f"{path}, line {lineno}: not a SORRY-Bench response: expected an lm-eval sample of "
+                                   f"sorry_bench or sorry_bench_heldout (a doc with 'instruction' and 'category', and "
+                                   f"'filtered_resps') or an object with {list(FIELDS)}")
+            if item["id"] in seen:
+                raise J.JudgeError(f"{path}, line {lineno}: doc {item['id']!r} appears twice (one file per task and "
+                                   f"filter, please)")
+            seen.add(item["id"])
+            items.append(item)
+    if not items:
+        raise J.JudgeError(f"{path} holds no responses")
+    return items, run
+
+
+def _item(row) -> dict | None:
+    if not isinstance(row, dict):
+        return None
+    if all(k in row for k in FIELDS):
+        item = {k: row[k] for k in FIELDS}
+    elif isinstance(row.get("doc"), dict) and isinstance(row.get("filtered_resps"), list) and row["filtered_resps"]:
+        doc = row["doc"]
+        if "instruction" not in doc or "category" not in doc:
+            return None
+        item = {"id": doc.get("id", row.get("doc_id")), "category": doc["category"], "instruction": doc["instruction"],
+                "response": row["filtered_resps"][0]}
+    else:
+        return None
+    if not isinstance(item["instruction"], str) or not isinstance(item["response"], str):
+        return None
+    item["category"] = str(item["category"])
+    return item if item["category"] in CATEGORIES else None
+
+
+def judge_file(path: str | Path, *, base_url: str | None = None, model: str | None = None, cache: str | Path | None = None,
+               prompt: str | None = None, out: str | Path | None = None) -> dict:
+    """Judge the responses in ``path`` as the task would; ``{"metrics", "summary", ...}`` (also written to ``out``)."""
+    items, run = read_samples(path)
+    config = J.JudgeConfig.from_env(base_url, model)
+    judge = J.Judge(config, J.load_prompt(prompt), cache)
+    judge.check()
+    try:
+        labels = judge.labels([(i["instruction"], i["response"]) for i in items])
+    except J.JudgeError as e:
+        raise type(e)(f"{e}\nRun the same command again once the judge works: the verdicts above are kept.") from None
+    summary = J.refusal_summary(items, labels, judge=judge)
+    result = {"source": str(path), "run": run, "metrics": task_metrics(summary, judge), "summary": summary}
+    if out is not None:
+        from mari_eval.files import atomic_write_json
+
+        atomic_write_json(out, _finite(result), ensure_ascii=False)
+    return result
+
+
+def _finite(obj):
+    """``obj`` with NaN as None (strict JSON)."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def print_result(result: Mapping) -> None:
+    """What ``mari-eval judge`` prints: the judge, the table, then the task's metrics."""
+    summary, metrics = result["summary"], result["metrics"]
+    judge = summary["judge"]
+    print(f"{result['source']}: {summary['n']} responses; judge {judge['model']} at {judge['base_url']}, prompt "
+          f"{judge['prompt']} (sha256 {judge['prompt_sha256'][:16]}), cache {judge['cache']}")
+    print("\n".join(summary_lines(summary)))
+    for name in ("refusal_rate", "keyword_refusal_rate", "judge_unparseable"):
+        print(f"{name}: {metrics[name]}")
+    print("judge:", metrics["judge"])
+    sys.stdout.flush()
