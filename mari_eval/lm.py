@@ -298,18 +298,24 @@ class MariLM(HFLM):
         # turn of the chat template, as training renders it. A context lm-eval already
         # changed (--apply_chat_template, a system instruction, few-shot) no longer equals
         # the turn and is left alone, so the template is never applied twice.
+        asked = {}  # the arguments lm-eval's --use_cache looks a request up by, where they are rendered here
         for request in requests:
             turn = request.doc.get(CHAT_TURN_FIELD) if isinstance(request.doc, dict) else None
             if isinstance(turn, str) and request.args[0] == turn:
+                asked[id(request)] = request.args
                 request.arguments = (self.chat_turn_prompt(turn), *request.args[1:])
         # lm-eval sends every task's generation requests in one call and reorders them, so a
         # generation record can name its task only when the call holds one task's requests.
         tasks = {request.task_name for request in requests}
         self._generation_task = tasks.pop() if len(tasks) == 1 else None
         try:
-            return self._once_per_request(requests, lambda unique: super(MariLM, self).generate_until(unique, disable_tqdm))
+            answers = self._once_per_request(requests, lambda unique: super(MariLM, self).generate_until(unique, disable_tqdm))
         finally:
             self._generation_task = None
+        for request, answer in zip(requests, answers):  # HFLM cached it under the rendered prompt
+            if id(request) in asked:
+                self.cache_hook.add_partial("generate_until", asked[id(request)], answer)
+        return answers
 
     def chat_turn_prompt(self, user: str) -> str:
         """The prompt of a task whose doc carries CHAT_TURN_FIELD (SORRY-Bench), as generated

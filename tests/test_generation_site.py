@@ -65,3 +65,22 @@ def test_sorry_prompt_ids_and_p_star_are_the_same_in_training_and_generation(kin
         assert lm.tokenizer.decode(generated).endswith(INSTRUCTION + "\n")
     else:
         assert lm.tokenizer.decode(generated).endswith(lm.chat_turn_prompt(INSTRUCTION).split(INSTRUCTION)[-1])
+
+
+def test_a_chat_rendered_generation_is_cached_under_the_request_lm_eval_looks_up(monkeypatch):
+    # lm-eval's --use_cache looks a request up by its original arguments; MariLM renders the chat
+    # prompt, and HFLM caches under the rendered one: without the original, a rerun never hits.
+    lm = _lm(_tokenizer("smollm2-135m-instruct"))
+    cached = []
+
+    class Hook:
+        def add_partial(self, attr, req, res):
+            cached.append((attr, req, res))
+
+    monkeypatch.setattr(lm, "cache_hook", Hook())
+    monkeypatch.setattr(HFLM, "_model_generate", lambda self, context, max_length, stop, **kw: torch.cat(
+        [context, torch.full_like(context[:, :1], self.tokenizer.eos_token_id)], dim=1))
+    original = (INSTRUCTION, {"until": ["\n\n"], "max_gen_toks": 4})
+    request = Instance("generate_until", {mari_lm.CHAT_TURN_FIELD: INSTRUCTION}, original, 0, metadata=("sorry_bench", 0, 1))
+    (answer,) = lm.generate_until([request])
+    assert ("generate_until", original, answer) in cached
