@@ -819,6 +819,8 @@ def test_task_refuses_a_cache_that_is_a_directory_before_generating(fake, tmp_pa
 def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_one(monkeypatch):
     import contextlib
 
+    from mari_eval import judge_server
+
     started = []
 
     @contextlib.contextmanager
@@ -826,7 +828,7 @@ def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_on
         started.append(model)
         yield type("Server", (), {"env": lambda self: {J.ENV_BASE_URL: "http://127.0.0.1:1/v1", J.ENV_MODEL: "embedded"}})()
 
-    monkeypatch.setattr(J, "serve_embedded", fake_embedded)
+    monkeypatch.setattr(judge_server, "serve_embedded", fake_embedded)  # what judge_environment calls
     monkeypatch.setenv(J.ENV_BASE_URL, "http://judge.example:8000/v1")
     monkeypatch.setenv(J.ENV_MODEL, "mistral-judge")
     with J.judge_environment() as env:

@@ -1,0 +1,155 @@
+"""The judge's settings: where it is (``MARI_JUDGE_*``), how hard it tries, and its errors.
+
+``JudgeConfig`` holds the endpoint (base URL, served model name, API key) and the knobs
+of ``TUNABLE`` (tokens, timeout, retries, backoff, concurrency, deadline). ``from_env``
+reads arguments first, then ``MARI_JUDGE_*`` (the key: ``MARI_JUDGE_API_KEY``, else
+``OPENAI_API_KEY``). Settings out of range, numbers that are not numbers and an API key
+with whitespace or control characters are refused with an error naming the variable and
+the fix; the key itself is never written to logs, errors or results (``repr`` hides it,
+``safe_url`` strips credentials from a URL).
+
+Every failure of the judge is a ``JudgeError`` whose message names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import urllib.parse
+from dataclasses import dataclass, field
+
+ENV_BASE_URL = "MARI_JUDGE_BASE_URL"
+ENV_MODEL = "MARI_JUDGE_MODEL"
+ENV_API_KEY = "MARI_JUDGE_API_KEY"
+ENV_API_KEY_FALLBACK = "OPENAI_API_KEY"
+ENV_CACHE = "MARI_JUDGE_CACHE"  # path of the cache file
+ENV_PROMPT = "MARI_JUDGE_PROMPT"  # prompt name: SORRY_PROMPT (default) or OWN_PROMPT
+ENV_DEADLINE = "MARI_JUDGE_DEADLINE"  # seconds for one judging step (JudgeConfig.deadline)
+
+
+class JudgeError(RuntimeError):
+    """The judge could not be used: the message names the problem and the fix."""
+
+
+class JudgeNotConfigured(JudgeError):
+    """No judge endpoint or model is configured."""
+
+
+class JudgeUnavailable(JudgeError):
+    """The judge server did not answer after every retry."""
+
+
+class JudgeDeadline(JudgeUnavailable):
+    """The judging step did not finish within ``JudgeConfig.deadline`` seconds."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    max_tokens: int = 64  # judge answer length; "#thescore: 1" needs about 6 tokens
+    timeout: float = 120.0  # seconds per request
+    attempts: int = 5  # tries per judgement on retryable errors
+    backoff: float = 1.0  # seconds before the 2nd try, doubled for each later one
+    max_backoff: float = 30.0
+    concurrency: int = 4  # requests in flight
+    deadline: float = 300.0  # seconds for one judging step (all the judgements one call asks for)
+
+    def __post_init__(self) -> None:
+        for name, (kind, low, high, what) in TUNABLE.items():
+            _check_setting(name, getattr(self, name), kind, low, high, what)
+        if self.api_key:
+            _check_api_key(self.api_key, f"The API key ({ENV_API_KEY}, else {ENV_API_KEY_FALLBACK})")
+
+    @classmethod
+    def from_env(cls, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+                 **kwargs) -> "JudgeConfig":
+        """Arguments first, then ``MARI_JUDGE_*`` (key: then ``OPENAI_API_KEY``)."""
+        base_url = base_url or os.environ.get(ENV_BASE_URL)
+        model = model or os.environ.get(ENV_MODEL)
+        keys = (("The api_key argument", api_key), (ENV_API_KEY, os.environ.get(ENV_API_KEY)),
+                (ENV_API_KEY_FALLBACK, os.environ.get(ENV_API_KEY_FALLBACK)))
+        key_source, api_key = next(((source, key) for source, key in keys if key), (None, None))
+        if not base_url or not model:
+            missing = [n for n, v in ((ENV_BASE_URL, base_url), (ENV_MODEL, model)) if not v]
+            raise JudgeNotConfigured(
+                f"SORRY-Bench refusal rates need an LLM judge, and {' and '.join(missing)} is not set. Point it at "
+                f"any OpenAI-compatible server: {ENV_BASE_URL}=http://HOST:PORT/v1 {ENV_MODEL}=<served model name> "
+                f"(and {ENV_API_KEY} if the server wants a key), e.g. vLLM serving Mistral-7B-Instruct-v0.2 (see "
+                f"README, 'SORRY-Bench judge'); or start the embedded judge: python -m mari_eval.judge serve"
+            )
+        if api_key:
+            _check_api_key(api_key, key_source)
+        for name, (kind, low, high, what) in TUNABLE.items():  # MARI_JUDGE_MAX_TOKENS=128 etc., arguments first
+            value = os.environ.get(_env_name(name))
+            if name not in kwargs and value:
+                try:
+                    kwargs[name] = kind(value)
+                except ValueError:
+                    noun = "whole number" if kind is int else "number"
+                    raise JudgeError(f"{_env_name(name)}={value!r} is not a {noun}: it is {what}, "
+                                     f"{_rule(kind, low, high)} (default {_default(name)}); set it to one or unset it") from None
+        return cls(base_url=base_url.rstrip("/"), model=model, api_key=api_key, **kwargs)
+
+
+# JudgeConfig fields that MARI_JUDGE_<NAME> can set: type, lowest value (None: above 0), highest, meaning.
+TUNABLE = {
+    "max_tokens": (int, 1, 4096, "the longest judge answer in tokens"),
+    "timeout": (float, None, None, "the seconds one request may take"),
+    "attempts": (int, 1, 100, "the tries per judgement"),
+    "backoff": (float, 0, None, "the seconds before the 2nd try (doubled for each later one)"),
+    "max_backoff": (float, 0, None, "the longest wait between two tries in seconds"),
+    "concurrency": (int, 1, 256, "the number of requests in flight"),
+    "deadline": (float, None, None, "the seconds one judging step may take in all"),
+}
+
+
+def _env_name(name: str) -> str:
+    return f"MARI_JUDGE_{name.upper()}"
+
+
+def _default(name: str):
+    return JudgeConfig.__dataclass_fields__[name].default
+
+
+def _rule(kind, low, high) -> str:
+    noun = "a whole number" if kind is int else "a finite number"
+    if low is None:
+        return f"{noun} above 0"
+    return f"{noun} from {low} to {high}" if high is not None else f"{noun} of at least {low}"
+
+
+def _check_setting(name: str, value, kind, low, high, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    ok = ok and math.isfinite(value) and (value > 0 if low is None else value >= low) and (high is None or value <= high)
+    if not ok:
+        raise JudgeError(f"Judge setting {name}={value!r} ({_env_name(name)}) is out of range: it is {what}, "
+                         f"{_rule(kind, low, high)} (default {_default(name)}); set {_env_name(name)} to such a value or unset it")
+
+
+_KEY_CHARS = {"\r": "a carriage return (\\r)", "\n": "a line feed (\\n)", "\t": "a tab", " ": "a space"}
+
+
+def _check_api_key(key: str, source: str | None) -> None:
+    """Refuse a key holding whitespace, control or non-ASCII characters (an HTTP header cannot carry
+    them: the request would fail as a connection error), naming the character, never the key."""
+    for i, ch in enumerate(key):
+        if 0x21 <= ord(ch) <= 0x7E:
+            continue
+        what = _KEY_CHARS.get(ch) or (f"the control character U+{ord(ch):04X}" if ord(ch) < 0x20 or ord(ch) == 0x7F
+                                      else f"the non-ASCII character U+{ord(ch):04X}")
+        raise JudgeError(
+            f"{source or 'The API key'} holds {what} at character {i + 1} of {len(key)}, which an HTTP header cannot "
+            f"carry (a key read from a file with Windows line endings ends in \\r). Set it without it, e.g. "
+            f"export {ENV_API_KEY}=\"$(tr -d '\\r\\n' < KEYFILE)\""
+        )
+
+
+def safe_url(url: str) -> str:
+    """``url`` without user info, query or fragment (where credentials could hide)."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))

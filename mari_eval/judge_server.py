@@ -1,0 +1,220 @@
+"""The embedded judge: ``transformers serve`` with a local instruct model on loopback.
+
+It is the default judge when none is configured: ``judge_environment`` yields the
+configured ``MARI_JUDGE_*`` judge, else starts this one (what the repro scripts use);
+``python -m mari_eval.judge serve`` runs it until interrupted and prints the exports
+that point the SORRY-Bench tasks at it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from mari_eval.judge_config import (
+    ENV_API_KEY,
+    ENV_API_KEY_FALLBACK,
+    ENV_BASE_URL,
+    ENV_DEADLINE,
+    ENV_MODEL,
+    JudgeConfig,
+    JudgeError,
+)
+
+log = logging.getLogger(__name__)
+
+
+# transformers serve runs concurrent requests side by side in one process; on CPU they only
+# slow each other down (4 at once took 3x longer in all than one after another).
+EMBEDDED_CONCURRENCY = 1
+# ... and on CPU a verdict takes seconds: a judging step of a few hundred gets an hour.
+EMBEDDED_DEADLINE = 3600
+
+
+# Run argv[2:] in place of this process once the kernel is told to send it SIGTERM when its
+# parent dies (prctl PR_SET_PDEATHSIG = 1); atexit handlers do not run on kill -9.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit('parent already gone'); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+class EmbeddedServer:
+    """``transformers serve`` on loopback with a local model (the embedded default judge).
+
+    ``start()`` waits until ``/v1/models`` answers; ``base_url`` and ``model`` are what a
+    ``JudgeConfig`` needs (``config()``). ``stop()`` ends it; ``start()`` again restarts it
+    on the same port.
+    """
+
+    def __init__(self, model: str | None = None, *, port: int | None = None, device: str = "auto",
+                 startup_timeout: float = 300.0) -> None:
+        from mari_eval.models import DEFAULT_MODEL, resolve_model
+
+        self.alias = model or DEFAULT_MODEL
+        self.model = resolve_model(self.alias)  # the pinned model: requests must name it exactly
+        self.host = "127.0.0.1"
+        self.port = port or _free_port()
+        self.device = device
+        self.startup_timeout = startup_timeout
+        self._dir = Path(tempfile.mkdtemp(prefix="mari-judge-serve-"))
+        self._proc: subprocess.Popen | None = None
+        self._atexit = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def config(self, **kwargs) -> JudgeConfig:
+        return JudgeConfig(base_url=self.base_url, model=self.model,
+                           **{"concurrency": EMBEDDED_CONCURRENCY, "deadline": EMBEDDED_DEADLINE, **kwargs})
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that point the SORRY-Bench tasks at this server."""
+        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
+                ENV_DEADLINE: os.environ.get(ENV_DEADLINE) or str(EMBEDDED_DEADLINE)}
+
+    def start(self) -> "EmbeddedServer":
+        if self._proc is not None and self._proc.poll() is None:
+            return self
+        command = [_transformers_cli(), "serve", self.model, "--host", self.host, "--port", str(self.port),
+                   "--device", self.device, "--log-level", "warning"]
+        if sys.platform.startswith("linux"):  # a server whose parent is killed (kill -9) stops too
+            command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+        with open(self._dir / "stdout.log", "ab") as out, open(self._dir / "stderr.log", "ab") as err:
+            self._proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=self._child_env())
+        if not self._atexit:  # a server left running when Python exits is stopped
+            atexit.register(self.stop)
+            self._atexit = True
+        self._wait_ready()
+        log.info("Embedded judge %s serving at %s", self.alias, self.base_url)
+        return self
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedServer":
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _child_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (ENV_API_KEY, ENV_API_KEY_FALLBACK)}
+        hub = self._dir / "hub"  # an empty Hub cache: /v1/models scans it (and fails if it is missing)
+        hub.mkdir(exist_ok=True)
+        env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), TOKENIZERS_PARALLELISM="false")
+        return env
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise JudgeError(f"transformers serve exited with code {self._proc.returncode} before answering at "
+                                 f"{self.base_url}; its stderr ends with:\n{self._stderr_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise JudgeError(f"transformers serve did not answer at {self.base_url}/models within {self.startup_timeout:.0f} s; "
+                         f"its stderr ends with:\n{self._stderr_tail()}")
+
+    def _stderr_tail(self, chars: int = 3000) -> str:
+        path = self._dir / "stderr.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
+
+
+@contextlib.contextmanager
+def serve_embedded(model: str | None = None, **kwargs) -> Iterator[EmbeddedServer]:
+    """Start the embedded judge server; yields it (``.base_url``, ``.model``); stops it on exit."""
+    with EmbeddedServer(model, **kwargs) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def judge_environment(model: str | None = None) -> Iterator[dict[str, str]]:
+    """The ``MARI_JUDGE_*`` variables a judged run needs: the configured judge when
+    ``MARI_JUDGE_BASE_URL`` and ``MARI_JUDGE_MODEL`` are set, else the embedded judge,
+    started here and stopped on exit (what the repro scripts use)."""
+    if os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL):
+        yield {ENV_BASE_URL: os.environ[ENV_BASE_URL], ENV_MODEL: os.environ[ENV_MODEL]}
+        return
+    log.info("No judge configured (%s, %s): starting the embedded one", ENV_BASE_URL, ENV_MODEL)
+    with serve_embedded(model) as server:
+        yield server.env()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _transformers_cli() -> str:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise JudgeError(f"transformers serve needs {', '.join(missing)}: pip install 'mari-eval[serve]' "
+                         f"(or pip install 'transformers[serving]')")
+    beside = Path(sys.executable).with_name("transformers")
+    found = str(beside) if beside.exists() else shutil.which("transformers")
+    if not found:
+        raise JudgeError("The 'transformers' command was not found beside this Python or on PATH; reinstall transformers")
+    return found
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m mari_eval.judge serve``: run the embedded judge until interrupted."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mari_eval.judge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the embedded judge model on loopback")
+    serve.add_argument("--model", default=None, help="embedded alias or local model directory")
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind, so that the server is stopped
+    with serve_embedded(args.model, port=args.port, device=args.device) as server:
+        print("export " + " ".join(f"{k}={v}" for k, v in server.env().items()), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while server._proc is not None and server._proc.poll() is None:
+                time.sleep(1)
