@@ -28,7 +28,7 @@ import torch
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import runner, site
-from mari_eval.methods import Intervention, register_method
+from mari_eval.methods import Float, Int, Intervention, List, Str, TensorSpec, check_hyperparameters, register_method
 from mari_eval.train import COMPLIANCE_TARGET as COMPLIANCE
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,19 @@ def steering_vector(session, pairs, layer: int) -> torch.Tensor:
 class CAA(Intervention):
     """Tensors: ``vector`` [d]; config: site.layer, hyperparameters.multiplier."""
 
+    hyperparameter_fields = {
+        "multiplier": Float(),
+        "layers_tried": List(Int(0), optional=True), "multipliers_tried": List(Float(), optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+        "negative_for_generation": Str(optional=True),
+    }
+    # What `mari-eval train --set` may give CAA's fit: the grid it chooses from.
+    fit_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True)}
+
+    @classmethod
+    def tensor_spec(cls, config, names):
+        return {"hidden_size": config["base_model"]["hidden_size"]}, {"vector": TensorSpec(("hidden_size",))}
+
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         hp = self.config["hyperparameters"]
         return hidden + hp["multiplier"] * self.tensors_like(hidden)["vector"]
@@ -87,6 +100,7 @@ class CAA(Intervention):
         unknown = set(hyperparameters) - {"layers", "multipliers"}
         if unknown:
             raise ValueError(f"CAA takes the hyperparameters 'layers' and 'multipliers' (lists); got {sorted(unknown)}")
+        check_hyperparameters(cls, hyperparameters, "CAA's grid", cls.fit_fields)
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
         fit_examples, val_examples = validation_split(data.train, seed)
         L = session.num_layers

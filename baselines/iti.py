@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import runner, site
-from mari_eval.methods import BundleError, Intervention, register_method
+from mari_eval.methods import (BundleError, Float, Int, Intervention, List, Str, TensorSpec, check_hyperparameters,
+                               register_method)
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,23 @@ class ITI(Intervention):
     probe = "linear"  # NL-ITI: "mlp"
     tokens = 1  # continuation tokens averaged; NL-ITI: 4
 
+    hyperparameter_fields = {
+        "alpha": Float(),
+        "num_heads": Int(1, optional=True), "probe": Str(optional=True, choices=("linear", "mlp")),
+        "tokens": Int(1, optional=True), "head_fractions_tried": List(Float(0, 1, lo_open=True), optional=True),
+        "alphas_tried": List(Float(), optional=True), "probe_steps": Int(1, optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+    }
+    fit_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True)}
+
+    @classmethod
+    def tensor_spec(cls, config, names):
+        sizes = {"hidden_size": config["base_model"]["hidden_size"]}
+        if "num_heads" in config["hyperparameters"]:
+            sizes["num_heads"] = config["hyperparameters"]["num_heads"]
+        return sizes, {"heads": TensorSpec(("num_heads", 2), "int"), "directions": TensorSpec(("num_heads", "head_dim")),
+                       "sigma": TensorSpec(("num_heads",))}
+
     def shifts(self, model) -> dict[int, torch.Tensor]:
         alpha = float(self.config["hyperparameters"]["alpha"])
         vectors = alpha * self.tensors["sigma"][:, None] * self.tensors["directions"]
@@ -177,6 +195,10 @@ class ITI(Intervention):
         super().check_compatible(model, model_name, allow_other_model)
         n_heads, head_dim = site.attention_heads(model)
         heads = self.tensors["heads"]
+        layers = int(self.config["base_model"]["num_layers"])
+        if len(heads) and (int(heads.min()) < 0 or int(heads[:, 0].max()) >= layers):
+            raise BundleError(f"This {self.method} bundle moves heads {heads.tolist()} (layer, head): a layer outside "
+                              f"0..{layers - 1} or a negative index. The bundle is damaged; retrain it.")
         if self.tensors["directions"].shape[-1] != head_dim or int(heads[:, 1].max()) >= n_heads:
             raise BundleError(
                 f"This {self.method} bundle moves heads of dimension {self.tensors['directions'].shape[-1]} "
@@ -188,6 +210,7 @@ class ITI(Intervention):
         unknown = set(hyperparameters) - {"head_fractions", "alphas"}
         if unknown:
             raise ValueError(f"{cls.method} takes the hyperparameters 'head_fractions' and 'alphas' (lists); got {sorted(unknown)}")
+        check_hyperparameters(cls, hyperparameters, f"{cls.method}'s grid", cls.fit_fields)
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)

@@ -36,7 +36,7 @@ import torch
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import runner, site
-from mari_eval.methods import BundleError, Intervention, register_method
+from mari_eval.methods import Float, Int, Intervention, Str, TensorSpec, check_hyperparameters, register_method
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,21 @@ def first_and_last(length: int, first: int, last: int) -> list[int]:
 class ReFT(Intervention):
     """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last."""
 
+    hyperparameter_fields = {
+        "first": Int(0), "last": Int(0),
+        "rank": Int(1, optional=True), "lr": Float(0, lo_open=True, optional=True), "epochs": Int(1, optional=True),
+        "batch": Int(1, optional=True), "epoch_kept": Int(1, optional=True), "init": Str(optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+    }
+
+    @classmethod
+    def tensor_spec(cls, config, names):
+        sizes = {"hidden_size": config["base_model"]["hidden_size"]}
+        if "rank" in config["hyperparameters"]:
+            sizes["rank"] = config["hyperparameters"]["rank"]
+        return sizes, {"R": TensorSpec(("rank", "hidden_size")), "W": TensorSpec(("rank", "hidden_size")),
+                       "b": TensorSpec(("rank",))}
+
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         t = self.tensors_like(hidden)
         return loreft(hidden, t["R"], t["W"], t["b"])
@@ -71,19 +86,13 @@ class ReFT(Intervention):
         hp = self.config["hyperparameters"]
         return first_and_last(length, int(hp["first"]), int(hp["last"]))
 
-    def check_compatible(self, model, model_name, allow_other_model=False):
-        super().check_compatible(model, model_name, allow_other_model)
-        rank, dim = self.tensors["R"].shape
-        if self.tensors["W"].shape != (rank, dim) or self.tensors["b"].shape != (rank,):
-            raise BundleError(f"ReFT bundle: W {tuple(self.tensors['W'].shape)} and b {tuple(self.tensors['b'].shape)} "
-                              f"disagree with R {(rank, dim)}; the bundle is damaged, retrain it")
-
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
         unknown = set(hyperparameters) - set(DEFAULTS)
         if unknown:
             raise ValueError(f"ReFT takes the hyperparameters {sorted(DEFAULTS)}; got {sorted(unknown)}")
         hp = {**DEFAULTS, **hyperparameters}
+        check_hyperparameters(cls, hp, "ReFT hyperparameters")  # before training: the bundle would be refused
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
         free = torch.randn(hp["rank"], d, generator=gen).to(session.site_device)  # float32, as trained parameters stay

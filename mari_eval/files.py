@@ -4,16 +4,27 @@ Everything this project stores for later (bundles, training checkpoints, repro r
 evaluation caches) is written here: into a uniquely named temporary file in the same
 directory, flushed to disk, then renamed over the target. A rename within one file system
 is atomic, so a reader sees the old file or the new one, never half of either; when two
-processes write the same path, the last rename wins and the file is whole.
+processes write the same path, the last rename wins and the file is whole. A directory
+whose files belong together (a bundle) is written the same way as a whole
+(``replace_directory``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
+import secrets
+import shutil
+import socket
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
@@ -34,3 +45,167 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
 
 def atomic_write_json(path: str | Path, obj: Any, **dumps_kwargs: Any) -> Path:
     return atomic_write(path, json.dumps(obj, **{"indent": 2, **dumps_kwargs}) + "\n")
+
+
+# ----------------------------------------------------------------------------- whole directories
+#
+# A bundle is two files that only make sense together (weights.safetensors and the
+# bundle.json that says which layer and shapes they are for). Writing them one by one in
+# place, a failure between the two leaves new weights beside an old bundle.json, which
+# loads and runs at the wrong site. ``replace_directory`` writes the whole directory into a
+# temporary sibling and then puts it in place of the old one: on Linux by one atomic
+# exchange of the two names (renameat2 RENAME_EXCHANGE); elsewhere by renaming the old one
+# aside and the new one in, a window of two renames that ``recover_directory`` closes after
+# a crash by putting the old one back. The temporary siblings are hidden (".NAME.saving-*",
+# ".NAME.old-*") and carry their writer's host and pid, so that only a writer that is gone
+# has its leftovers removed.
+
+_SAVING, _OLD = ".saving-", ".old-"
+_OWNER = re.compile(r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]{1,10})-[A-Za-z0-9_]+")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "unknown_host"
+
+
+def _owner_gone(suffix: str) -> bool:
+    """Whether a leftover whose name ends in ``suffix`` ("HOST-PID-RANDOM") was written by a
+    process of this host that no longer exists. Another host's, a live one's, or an unreadable
+    name: False (left alone)."""
+    match = _OWNER.fullmatch(suffix)
+    if match is None or match["host"] != _host():
+        return False
+    pid = int(match["pid"])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError, ValueError):  # another user's live process, or no such pid number
+        return False
+    return False
+
+
+def recover_directory(target: str | Path) -> None:
+    """Clean up after a writer of ``target`` that died inside ``replace_directory``: its
+    unfinished copy is removed and, if it died between its two renames (``target`` missing),
+    the previous directory it had moved aside is renamed back."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    for path in sorted(target.parent.iterdir()):
+        name = path.name
+        kind = next((k for k in (_SAVING, _OLD) if name.startswith(f".{target.name}{k}")), None)
+        if kind is None or not _owner_gone(name[len(target.name) + 1 + len(kind):]):
+            continue
+        if kind == _OLD and not os.path.lexists(target):
+            try:
+                os.rename(path, target)
+                log.warning("%s: an interrupted save had moved it aside to %s; put back", target, name)
+                continue
+            except OSError:
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_directory(target: str | Path, fill: Callable[[Path], None],
+                      replaceable: Callable[[str], bool] | None = None) -> Path:
+    """Write the directory ``target`` whole: ``fill(tmp)`` writes its files into a temporary
+    sibling, which then takes ``target``'s place (the old directory is deleted). A failure or a
+    crash at any point leaves the old directory or the new one at ``target``, never a mix.
+
+    An existing ``target`` is replaced only when ``replaceable(name)`` holds for every file in
+    it (default: any), so that a directory holding other things is never deleted with it."""
+    target = Path(target)
+    if target.is_symlink():
+        target = target.resolve()  # replace what the link points to, keep the link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(target)
+    check_replaceable(target, replaceable)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{_SAVING}{_host()}-{os.getpid()}-", dir=target.parent))
+    try:
+        fill(tmp)
+        _fsync_directory(tmp)
+        _put_in_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_directory(target.parent)
+    return target
+
+
+def check_replaceable(target: str | Path, replaceable: Callable[[str], bool] | None = None) -> None:
+    """Refuse (``FileExistsError``) a ``target`` that ``replace_directory`` would not replace: a file,
+    or a directory holding a file for which ``replaceable(name)`` is false. Nothing there is fine."""
+    target = Path(target)
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory; remove it or write elsewhere")
+    if replaceable is not None:
+        others = sorted(p.name for p in target.iterdir() if not replaceable(p.name))
+        if others:
+            raise FileExistsError(
+                f"{target} already holds files that would be deleted with it ({', '.join(others[:5])}"
+                f"{', ...' if len(others) > 5 else ''}); move them away or write to another directory")
+
+
+def _put_in_place(tmp: Path, target: Path) -> None:
+    for _ in range(10):  # another writer of the same target may move it meanwhile: the last one wins
+        try:
+            os.rename(tmp, target)  # no target (or an empty one): one atomic rename
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        if _exchange(tmp, target):  # tmp now holds the old directory
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = target.with_name(f".{target.name}{_OLD}{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(target, old)
+        except FileNotFoundError:
+            continue
+        try:
+            os.rename(tmp, target)
+        except BaseException as e:  # another writer's is there now, or an interruption: the old one goes back
+            try:
+                os.rename(old, target)
+            except OSError:
+                shutil.rmtree(old, ignore_errors=True)
+            if not isinstance(e, OSError):
+                raise
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    raise OSError(f"could not put {tmp} in place of {target}: other writers keep replacing it")
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux renameat2); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _fsync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from mari_eval import runner
-from mari_eval.methods import BundleError, Intervention, register_method
+from mari_eval.methods import Float, Int, Intervention, List, Obj, Str, TensorSpec, check_hyperparameters, register_method
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +194,41 @@ class MARI(Intervention):
     probe_U/V [d, r_p], probe_b [r_p], pca_basis [d, k], ctrl_energy [N], ctrl_applicable [N],
     ctrl_applicable_single [N]."""
 
+    # bundle.json (methods.check_bundle): what inference reads is required; training's record when present.
+    hyperparameter_fields = {
+        "K": Int(1), "rank": Int(1), "probe_rank": Int(1), "pca_rank": Int(1),
+        "rho": Float(0, 1, lo_open=True), "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
+        "lr": Float(0, lo_open=True, optional=True), "epochs": Int(0, optional=True), "batch_size": Int(1, optional=True),
+        "T_bal": Float(0, lo_open=True, optional=True), "init_scale": Float(0, optional=True),
+        **{name: Float(0, optional=True) for name in ("lambda_bal", "lambda_inter", "lambda_out", "lambda_off")},
+    }
+    config_fields = {
+        "gate": Obj({"tau_E": Float(finite=False, optional=True),  # -inf: no non-applicable example, always intervene
+                     "rho": Float(0, 1, lo_open=True, optional=True), "n_ctrl": Int(0, optional=True),
+                     "n_applicable": Int(0, optional=True), "quantile": Str(optional=True),
+                     "ctrl_sources": List(Str(), optional=True)}, optional=True),
+    }
+
+    @classmethod
+    def tensor_spec(cls, config, names):
+        hp = config["hyperparameters"]
+        sizes = {"K": hp["K"], "rank": hp["rank"], "probe_rank": hp["probe_rank"], "pca_rank": hp["pca_rank"],
+                 "hidden_size": config["base_model"]["hidden_size"]}
+        lowrank = lambda n: {"U": (n, "hidden_size", "rank"), "V": (n, "hidden_size", "rank"), "b": (n, "rank")}
+        specs = {f"expert_{k}": TensorSpec(shape) for k, shape in lowrank("K").items()}
+        # The one-adapter ablation (`mari-eval train --single`): all three tensors or none.
+        specs.update({f"single_{k}": TensorSpec(shape, optional=not any(n.startswith("single_") for n in names))
+                      for k, shape in lowrank(1).items()})
+        specs.update(probe_U=TensorSpec(("hidden_size", "probe_rank")), probe_V=TensorSpec(("hidden_size", "probe_rank")),
+                     probe_b=TensorSpec(("probe_rank",)), pca_basis=TensorSpec(("hidden_size", "pca_rank")),
+                     ctrl_energy=TensorSpec(("n_ctrl",)), ctrl_applicable=TensorSpec(("n_ctrl",), "int"),
+                     ctrl_applicable_single=TensorSpec(("n_ctrl",), "int"))
+        return sizes, specs
+
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
-        super().__init__(config, tensors)
+        super().__init__(config, tensors)  # checks config and tensors (methods.check_bundle)
         hp = config["hyperparameters"]
         self.K = int(hp["K"])
-        self.check_shapes()
         self.configure()
 
     # ------------------------------------------------------------------ runtime options
@@ -331,30 +361,6 @@ class MARI(Intervention):
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
         return fit_mari(cls, session, data, config, hyperparameters, seed)
-
-    # ------------------------------------------------------------------ consistency
-
-    def check_shapes(self) -> None:
-        hp, base = self.config["hyperparameters"], self.config["base_model"]
-        d, r, rp = int(base["hidden_size"]), int(hp["rank"]), int(hp["probe_rank"])
-        expected = {
-            "expert_U": (self.K, d, r), "expert_V": (self.K, d, r), "expert_b": (self.K, r),
-            "probe_U": (d, rp), "probe_V": (d, rp), "probe_b": (rp,),
-            "pca_basis": (d, int(hp["pca_rank"])),
-        }
-        if "single_U" in self.tensors:
-            expected.update(single_U=(1, d, r), single_V=(1, d, r), single_b=(1, r))
-        for name, shape in expected.items():
-            got = tuple(self.tensors[name].shape) if name in self.tensors else None
-            if got != shape:
-                raise BundleError(
-                    f"MARI bundle tensor {name} has shape {got}, expected {shape} from bundle.json "
-                    f"(K={self.K}, rank={r}, probe_rank={rp}, hidden_size={d}); the bundle is inconsistent, retrain it"
-                )
-        for name in ("ctrl_energy", "ctrl_applicable", "ctrl_applicable_single"):
-            if name not in self.tensors:
-                raise BundleError(f"MARI bundle lacks tensor {name}; retrain it with `mari-eval train`")
-
 
 def apply_variants(tensors: dict[str, torch.Tensor], hp: dict[str, Any], hidden: torch.Tensor,
                    variant_ids: torch.Tensor) -> torch.Tensor:
@@ -528,6 +534,12 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
         if has_single:
             applicable_single.append(bool(losses[run.row(K)] < losses[run.row(runner.BASE)]))
         agrees.append(routed == int(losses[expert_rows].argmin()))  # Appendix C.2: entropy vs lowest-loss expert
+    bad = [ex.id for ex, e in zip(examples, energies) if not math.isfinite(e)]
+    if bad:  # tau_E would be NaN (every gate comparison False) or infinite: refuse, naming the examples
+        raise FloatingPointError(
+            f"gate calibration: the propagation energy E(x) is not finite for {len(bad)} of {len(energies)} D_ctrl "
+            f"examples ({', '.join(bad[:8])}{', ...' if len(bad) > 8 else ''}); the probe's or the model's states "
+            "overflowed there. Retrain with a lower --lr (or in float32, --dtype float32), or inspect these examples")
     out = {
         "ctrl_energy": torch.tensor(energies),
         "ctrl_applicable": torch.tensor(applicable, dtype=torch.uint8),
@@ -543,6 +555,7 @@ def fit_mari(cls, session, data, config, hyperparameters, seed):
     if unknown:
         raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     hp = {**DEFAULTS, **{k: v for k, v in hyperparameters.items() if v is not None and k != "single"}}
+    check_hyperparameters(cls, hp, "MARI hyperparameters")  # before training: the bundle would be refused
     if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records
         raise ValueError(f"D_pca has {len(data.pca_prompts)} prompts, fewer than pca_rank={hp['pca_rank']}: "
                          f"raise --max-pca to at least {hp['pca_rank']} or lower it with --set pca_rank=N")

@@ -291,8 +291,9 @@ class Store:
         config = _with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
-        if (final / "bundle.json").is_file() and (not self.force or final.name in self.computed):
-            return self._used_bundle(final)
+        cached = _cached_bundle_config(final)
+        if cached is not None and (not self.force or final.name in self.computed):
+            return self._used_bundle(final, cached)
         # Trained into a directory of this process's own, then renamed: a killed run leaves no
         # half bundle under the final name, and two runs training the same bundle never share
         # one. The per-epoch checkpoints are keyed by the configuration, so a killed run's
@@ -304,7 +305,7 @@ class Store:
               max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
               placement=self.placement, max_memory=self.max_memory)
         write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})
-        if self.force or not (final / "bundle.json").is_file():  # a stale or damaged bundle is replaced
+        if self.force or _cached_bundle_config(final, warn=False) is None:  # a stale or damaged bundle is replaced
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.replace(tmp, final)
@@ -313,10 +314,11 @@ class Store:
                 raise
             shutil.rmtree(tmp)  # another run finished the same bundle first; the same configuration gives the same bundle
         self.computed.append(final.name)
-        return self._used_bundle(final)
+        return self._used_bundle(final, _cached_bundle_config(final) or {})
 
-    def _used_bundle(self, final: Path) -> Path:
-        self.step_seconds[final.name] = json.loads((final / "bundle.json").read_text()).get("train_seconds", 0.0)
+    def _used_bundle(self, final: Path, config: dict) -> Path:
+        seconds = config.get("train_seconds")
+        self.step_seconds[final.name] = float(seconds) if isinstance(seconds, (int, float)) else 0.0
         return final
 
     def evaluations(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
@@ -336,18 +338,68 @@ class Store:
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
-        missing = [t for t in tasks if not paths[t].is_file() or (self.force and paths[t].name not in self.computed)]
+        stored = {t: _cached_evaluation(paths[t]) for t in tasks}
+        missing = [t for t in tasks if stored[t] is None or (self.force and paths[t].name not in self.computed)]
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
                      f", {model_args}" if model_args else "", describe(self.placement))
             for task, result in _evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
                                           self.placement).items():
-                write_json(paths[task], {"config": configs[task], "placement_used": asdict(self.placement), **result})
+                stored[task] = {"config": configs[task], "placement_used": asdict(self.placement), **result}
+                write_json(paths[task], stored[task])
                 self.computed.append(paths[task].name)
-        results = {t: json.loads(paths[t].read_text()) for t in tasks}
+        results = {t: json.loads(json.dumps(stored[t])) for t in tasks}  # as read back from the file
         for task, result in results.items():  # tasks evaluated together share their run's seconds
             self.step_seconds[paths[task].name] = result["seconds"] / len(result.get("tasks_run_together") or [task])
         return results
+
+
+def _cached_bundle_config(final: Path, warn: bool = True) -> dict | None:
+    """bundle.json of a stored bundle, or None when there is none or it cannot be read (then the
+    bundle is trained again and replaces it; a warning names the file)."""
+    path = final / "bundle.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        config, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "not a JSON object"
+    if isinstance(config, dict):
+        return config
+    if warn:
+        log.warning("%s is damaged (%s): the bundle is trained again and replaces it", path, why)
+    return None
+
+
+# What every stored evaluation holds (``_evaluate``'s record), by type.
+_EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float)}
+
+
+def _cached_evaluation(path: Path) -> dict | None:
+    """A stored evaluation, or None when there is none or it is damaged: not JSON, or missing
+    one of ``_EVALUATION_FIELDS``. A damaged one is evaluated again and replaced, with a warning
+    naming the file: it is a cache of a computation this run can redo, and nothing in it can
+    be trusted once part of it is wrong (files are written whole, so damage comes from outside:
+    a full disk, a copy, a hand edit)."""
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = f"{type(e).__name__}: {e}"
+    else:
+        if not isinstance(result, dict):
+            why = "not a JSON object"
+        else:
+            wrong = [k for k, kind in _EVALUATION_FIELDS.items()
+                     if not isinstance(result.get(k), kind) or isinstance(result.get(k), bool)]
+            if not wrong:
+                return result
+            why = f"missing or malformed: {', '.join(wrong)}"
+    log.warning("%s is damaged (%s): evaluating again, the new result replaces it", path, why)
+    return None
 
 
 def describe(placement) -> str:
@@ -370,13 +422,17 @@ def partial_dir(final: Path) -> Path:
     return final.with_name(f"{final.name}.partial-{_host()}-{os.getpid()}")
 
 
+_PARTIAL_OWNER = re.compile(r"(?:(?P<host>[A-Za-z0-9._]+)-)?(?P<pid>[0-9]{1,10})")
+
+
 def _partial_owner(path: Path) -> tuple[str | None, int] | None:
     """(host, pid) of a partial directory; host None for the names of earlier versions
-    (``<final>.partial-<pid>``, written before runs/ was shared by hosts); None if unreadable."""
-    host, _, pid = path.name.rsplit(".partial-", 1)[-1].rpartition("-")
-    if not pid.isdigit():
+    (``<final>.partial-<pid>``, written before runs/ was shared by hosts); None for a name of
+    neither form (``NAME.partial-old``; a pid that is not ASCII digits or is 0)."""
+    match = _PARTIAL_OWNER.fullmatch(path.name.rsplit(".partial-", 1)[-1])
+    if match is None or int(match["pid"]) == 0:
         return None
-    return host or None, int(pid)
+    return match["host"], int(match["pid"])
 
 
 def _remove_abandoned(partials) -> None:
@@ -387,8 +443,8 @@ def _remove_abandoned(partials) -> None:
     host is never touched, whatever its pid: that process may be training it right now."""
     for path in partials:
         owner = _partial_owner(path)
-        if owner is None:
-            log.warning("%s: not a partial bundle of ours (no host-pid suffix); left alone", path)
+        if owner is None or not path.is_dir() or path.is_symlink():
+            log.warning("%s: not a partial bundle of ours (a directory NAME.partial-HOST-PID); left alone", path)
             continue
         host, pid = owner
         if host is not None and host != _host():
@@ -401,6 +457,9 @@ def _remove_abandoned(partials) -> None:
             alive = False
         except PermissionError:  # another user's live process
             alive = True
+        except OverflowError:  # no pid of this system (a name not written by partial_dir)
+            log.warning("%s: pid %d is beyond this system's; not a partial bundle of ours, left alone", path, pid)
+            continue
         if not alive:
             log.info("%s: abandoned by process %d, which is gone; removed", path.name, pid)
             shutil.rmtree(path, ignore_errors=True)
