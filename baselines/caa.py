@@ -96,11 +96,16 @@ class CAA(Intervention):
         return site.edit_from_site(model, self.layer, self.edit, positions)
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
-        unknown = set(hyperparameters) - {"layers", "multipliers"}
+    def training_hyperparameters(cls, given, max_pca=None):
+        unknown = set(given) - {"layers", "multipliers"}
         if unknown:
             raise ValueError(f"CAA takes the hyperparameters 'layers' and 'multipliers' (lists); got {sorted(unknown)}")
-        check_hyperparameters(cls, hyperparameters, "CAA's grid", cls.fit_fields)
+        check_hyperparameters(cls, given, "CAA's grid", cls.fit_fields)
+        return dict(given)
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        hyperparameters = cls.training_hyperparameters(hyperparameters)
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
         fit_examples, val_examples = validation_split(data.train, seed)
         L = session.num_layers

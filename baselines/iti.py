@@ -206,11 +206,16 @@ class ITI(Intervention):
             )
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
-        unknown = set(hyperparameters) - {"head_fractions", "alphas"}
+    def training_hyperparameters(cls, given, max_pca=None):
+        unknown = set(given) - {"head_fractions", "alphas"}
         if unknown:
             raise ValueError(f"{cls.method} takes the hyperparameters 'head_fractions' and 'alphas' (lists); got {sorted(unknown)}")
-        check_hyperparameters(cls, hyperparameters, f"{cls.method}'s grid", cls.fit_fields)
+        check_hyperparameters(cls, given, f"{cls.method}'s grid", cls.fit_fields)
+        return dict(given)
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        hyperparameters = cls.training_hyperparameters(hyperparameters)
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)

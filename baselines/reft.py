@@ -87,12 +87,17 @@ class ReFT(Intervention):
         return first_and_last(length, int(hp["first"]), int(hp["last"]))
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
-        unknown = set(hyperparameters) - set(DEFAULTS)
+    def training_hyperparameters(cls, given, max_pca=None):
+        unknown = set(given) - set(DEFAULTS)
         if unknown:
             raise ValueError(f"ReFT takes the hyperparameters {sorted(DEFAULTS)}; got {sorted(unknown)}")
-        hp = {**DEFAULTS, **hyperparameters}
-        check_hyperparameters(cls, hp, "ReFT hyperparameters")  # before training: the bundle would be refused
+        hp = {**DEFAULTS, **given}
+        check_hyperparameters(cls, hp, "ReFT hyperparameters")  # the bundle would be refused
+        return hp
+
+    @classmethod
+    def fit(cls, session, data, config, hyperparameters, seed):
+        hp = cls.training_hyperparameters(hyperparameters)
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
         free = torch.randn(hp["rank"], d, generator=gen).to(session.site_device)  # float32, as trained parameters stay

@@ -359,6 +359,10 @@ class MARI(Intervention):
         return {"applicable": stats(e[a]), "non_applicable": stats(e[~a])}
 
     @classmethod
+    def training_hyperparameters(cls, given, max_pca=None):
+        return training_hyperparameters(cls, given, max_pca)
+
+    @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
         return fit_mari(cls, session, data, config, hyperparameters, seed)
 
@@ -549,13 +553,25 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
     return out
 
 
-def fit_mari(cls, session, data, config, hyperparameters, seed):
-    """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
-    unknown = set(hyperparameters) - set(DEFAULTS) - {"single"}
+def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
+    """DEFAULTS completed by ``given`` (``single``: also train the one-adapter ablation), checked
+    as the bundle will be; a D_pca subset smaller than the PCA rank is refused too."""
+    unknown = set(given) - set(DEFAULTS) - {"single"}
     if unknown:
         raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    hp = {**DEFAULTS, **{k: v for k, v in hyperparameters.items() if v is not None and k != "single"}}
-    check_hyperparameters(cls, hp, "MARI hyperparameters")  # before training: the bundle would be refused
+    if type(given.get("single", False)) is not bool:
+        raise ValueError(f"MARI hyperparameter single={given['single']!r}: use true or false (--single)")
+    hp = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None and k != "single"}}
+    check_hyperparameters(cls, hp, "MARI hyperparameters")  # the bundle would be refused
+    if max_pca is not None and max_pca < hp["pca_rank"]:
+        raise ValueError(f"--max-pca {max_pca} is below the PCA rank pca_rank={hp['pca_rank']}: the gate's subspace "
+                         f"needs at least that many D_pca prompts; raise --max-pca or lower it with --set pca_rank=N")
+    return hp
+
+
+def fit_mari(cls, session, data, config, hyperparameters, seed):
+    """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
+    hp = cls.training_hyperparameters(hyperparameters)
     if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records
         raise ValueError(f"D_pca has {len(data.pca_prompts)} prompts, fewer than pca_rank={hp['pca_rank']}: "
                          f"raise --max-pca to at least {hp['pca_rank']} or lower it with --set pca_rank=N")

@@ -402,6 +402,16 @@ class Intervention(ABC):
     # -- training ----------------------------------------------------------------
 
     @classmethod
+    def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
+        """``given`` (``mari-eval train`` flags and ``--set``) checked and completed: unknown names,
+        types and ranges are refused here, before any model or data is loaded (``train.check_arguments``)
+        and again at the start of ``fit``. ``max_pca``: the D_pca subset size, for methods that fit a
+        subspace on it."""
+        if given:
+            raise ValueError(f"{cls.method} takes no hyperparameters; got {sorted(given)}")
+        return {}
+
+    @classmethod
     def fit(cls, session, data, config: dict[str, Any], hyperparameters: dict[str, Any], seed: int) -> "Intervention":
         """Train on ``data`` (a ``train.AttributeData``) through ``session`` (a ``train.Session``).
 

@@ -368,6 +368,17 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
     }
 
 
+def check_arguments(cls, hyperparameters: dict[str, Any], **limits: int | None) -> None:
+    """Refuse inconsistent training arguments before the model is loaded: the subset sizes
+    (``--max-train``, ``--max-ctrl``, ``--max-pca``) are positive integers, and the method
+    checks its hyperparameters (``Intervention.training_hyperparameters``: names, types,
+    ranges, and for MARI a D_pca subset no smaller than the PCA rank)."""
+    for name, value in limits.items():
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: give a positive number of examples, or leave it out")
+    cls.training_hyperparameters(hyperparameters, max_pca=limits.get("max_pca"))
+
+
 def checkpoint_dir(out: str | Path) -> Path:
     """Where ``train`` keeps the per-epoch checkpoints of the bundle it writes to ``out``."""
     out = Path(out)
@@ -389,6 +400,8 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     from mari_eval import methods
 
     cls = methods.method_class(method)
+    check_arguments(cls, hyperparameters or {}, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
+    methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training
     torch.manual_seed(seed)
     t0 = time.time()
     session = Session(model, layer=layer, placement=placement, max_memory=max_memory)

@@ -2,6 +2,8 @@
 without a bundle, values of the wrong type, a diagnostics file it could not write at the end, and
 non-finite numbers while scoring or generating."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -155,3 +157,28 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     with pytest.raises(data.DataError, match=f"fingerprint {fingerprint}; the current data .* give fingerprint {changed}"
                                              r".*truthfulqa/mc.jsonl.gz \(sha256 recorded"):
         lm.loglikelihood(_heldout_requests(0, changed))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-pca", "4"], r"--max-pca 4 is below the PCA rank pca_rank=16"),
+    (["--rho", "1.5"], r"hyperparameters.rho is 1.5 .*expected a finite number in \(0, 1\]"),
+    (["--rho", "0"], r"hyperparameters.rho is 0"),
+    (["--K", "0"], r"hyperparameters.K is 0"),
+    (["--max-train", "0"], r"--max-train 0: give a positive number"),
+    (["--max-ctrl", "-3"], r"--max-ctrl -3: give a positive number"),
+    (["--set", "K=abc"], r'hyperparameters.K is "abc" \(a string\)'),
+    (["--set", "unknown=1"], r"unknown MARI hyperparameters \['unknown'\]"),
+    (["--method", "reft", "--set", "rank=0"], r"ReFT hyperparameters: hyperparameters.rank is 0"),
+    (["--method", "caa", "--set", "layers=[1.5]"], r"CAA's grid"),
+])
+def test_train_refuses_inconsistent_arguments_before_loading_anything(args, message, tmp_path, monkeypatch, capsys):
+    from mari_eval import cli, train
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(train, "Session", no_model)
+    code = cli.main(["train", "--attribute", "truthfulqa", "--out", str(tmp_path / "b"), *args])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
