@@ -131,6 +131,7 @@ class MariLM(HFLM):
         # Keep which question each request belongs to: a method that chooses among
         # variants (MARI's entropy routing) sees all options of a question together.
         self._check_heldout_splits(requests)
+        _check_request_text(requests)
 
         def score(unique):
             self._request_meta = [(r.task_name, r.doc_id, r.doc) for r in unique]
@@ -194,13 +195,18 @@ class MariLM(HFLM):
         """
         meta = self._request_meta if self._request_meta and len(self._request_meta) == len(requests) else None
         groups: dict[tuple, list[int]] = {}
-        for i, (_, context_enc, cont_enc) in enumerate(requests):
+        for i, (key, context_enc, cont_enc) in enumerate(requests):
+            text = key[0] if key else None  # (context, continuation); None for rolling windows
+            where = f"task {meta[i][0]}, document {meta[i][1]}" if meta else "a request"
             if not context_enc or not cont_enc:
-                raise ValueError("A log-likelihood request has an empty context or continuation")
+                raise ValueError(
+                    f"{where}: the {'context' if not context_enc else 'continuation'} has no tokens (context "
+                    f"{text!r}; lm-eval moves a context's trailing whitespace into the continuation, so a "
+                    "whitespace-only prompt leaves none): give the document a prompt and a non-empty answer")
             if len(cont_enc) > self.max_length:
-                raise ValueError(f"A continuation of {len(cont_enc)} tokens exceeds max_length={self.max_length}")
-            key = (meta[i][0], meta[i][1]) if meta else (None, None)
-            groups.setdefault((*key, tuple(context_enc)), []).append(i)
+                raise ValueError(f"{where}: a continuation of {len(cont_enc)} tokens exceeds max_length={self.max_length}")
+            question = (meta[i][0], meta[i][1]) if meta else (None, None)
+            groups.setdefault((*question, tuple(context_enc)), []).append(i)
         variants, apply, capture, site_only = self._variants()
         iv = self.intervention
         screen = None if iv is None else iv.screen
@@ -294,6 +300,7 @@ class MariLM(HFLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         self._check_heldout_splits(requests)
+        _check_request_text(requests)
         # Tasks whose docs carry CHAT_TURN_FIELD (SORRY-Bench) want their prompt as one user
         # turn of the chat template, as training renders it. A context lm-eval already
         # changed (--apply_chat_template, a system instruction, few-shot) no longer equals
@@ -468,6 +475,22 @@ def _cpu_ranks_under_a_launcher() -> None:
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def _check_request_text(requests) -> None:
+    """Refuse, naming the task and document, text no tokenizer can read (a lone UTF-16 surrogate,
+    e.g. from a "\\ud800" escape), before lm-eval tokenises a whole task and fails on it unnamed."""
+    for request in requests:
+        for arg in request.args:
+            if not isinstance(arg, str):
+                continue
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"task {request.task_name}, document {request.doc_id}: the text holds a lone surrogate "
+                    f"{arg[e.start:e.end]!r} at character {e.start} ({arg[max(0, e.start - 30):e.start]!r} before it), "
+                    "which is not text; fix that document (a broken \\u escape in the data)") from None
 
 
 def _prompt_order(task, doc_id, prompt: tuple[int, ...]) -> tuple:

@@ -182,3 +182,15 @@ def test_train_refuses_inconsistent_arguments_before_loading_anything(args, mess
     assert code == 1
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_unreadable_request_text_names_the_task_and_document(tiny_lm):
+    lm = _lm(tiny_lm)
+    surrogate = [Instance("loglikelihood", {}, ("Q: what is \ud800?\nA:", " x"), 0, metadata=("tqa", 7, 1))]
+    with pytest.raises(ValueError, match=r"task tqa, document 7: the text holds a lone surrogate '\\ud800' at character 11"):
+        lm.loglikelihood(surrogate)
+    with pytest.raises(ValueError, match=r"task gen, document 3: the text holds a lone surrogate"):
+        lm.generate_until([Instance("generate_until", {}, ("\udfff", {"until": ["\n"]}), 0, metadata=("gen", 3, 1))])
+    blank = [Instance("loglikelihood", {}, ("   ", " yes"), 0, metadata=("tqa", 4, 1))]
+    with pytest.raises(ValueError, match=r"task tqa, document 4: the context has no tokens .*whitespace-only prompt"):
+        lm.loglikelihood(blank)
