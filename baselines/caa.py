@@ -27,9 +27,11 @@ import random
 import torch
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
-from mari_eval import runner, site
-from mari_eval.methods import Float, Int, Intervention, List, Str, TensorSpec, check_hyperparameters, register_method
-from mari_eval.train import COMPLIANCE_TARGET as COMPLIANCE
+from mari_eval import site
+from mari_eval.plan import Plan
+from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec, check_hyperparameters
+from mari_eval.methods import Intervention, register_method
+from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,6 @@ class CAA(Intervention):
         return cls(config, {"vector": vector.contiguous()})
 
 
-def _adding(model, layer: int, shift: torch.Tensor) -> runner.ApplyEdits:
-    """The runner's ``apply`` adding ``shift`` after ``layer`` from p* on."""
-    return lambda variant_ids, positions: site.edit_from_site(model, layer, lambda h: h + shift.to(h), positions)
+def _adding(model, layer: int, shift: torch.Tensor) -> Plan:
+    """The plan adding ``shift`` after ``layer`` from p* on (a candidate of the validation grid)."""
+    return Plan((0,), lambda variant_ids, positions: site.edit_from_site(model, layer, lambda h: h + shift.to(h), positions))

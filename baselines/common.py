@@ -8,6 +8,7 @@ import random
 import torch
 
 from mari_eval import runner
+from mari_eval.plan import VANILLA, Plan
 
 VALIDATION_FRACTION = 0.2
 
@@ -24,14 +25,14 @@ def validation_split(examples: list, seed: int) -> tuple[list, list]:
 
 
 @torch.no_grad()
-def validation_loss(session, examples, apply: runner.ApplyEdits = runner.no_edit) -> float:
+def validation_loss(session, examples, plan: Plan = VANILLA) -> float:
     """Mean task loss (option cross-entropy, or target NLL for generation) of ``examples``
-    under the edits ``apply`` installs (MARI's eq:per_adapter_ce_mc / eq:per_adapter_ce_gen)."""
-    from mari_eval.mari import task_losses
+    under ``plan``'s first variant (MARI's eq:per_adapter_ce_mc / eq:per_adapter_ce_gen)."""
+    from mari_eval.objectives import task_losses
 
     losses = []
     for ex in examples:
-        run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, [0], apply,
+        run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, plan,
                                     max_tokens=session.max_tokens)
         losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
     return sum(losses) / len(losses)

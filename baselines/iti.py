@@ -42,9 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
-from mari_eval import runner, site
-from mari_eval.methods import (BundleError, Float, Int, Intervention, List, Str, TensorSpec, check_hyperparameters,
-                               register_method)
+from mari_eval import devices, site
+from mari_eval.plan import Plan
+from mari_eval.prefix_cache import broadcast_cache, with_cache
+from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec, check_hyperparameters
+from mari_eval.methods import Intervention, register_method
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,10 @@ def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
         cols += list(span)
     owner_t = torch.tensor(owner, device=ids.device)
     layers = range(session.num_layers)
-    cache = runner.broadcast_cache(session.prefix(ex).cache, len(rows))
+    cache = broadcast_cache(session.prefix(ex).cache, len(rows))
     # Right padding: every read position comes before the pads, so no mask is needed.
     with site.capture_attention_heads(model, layers, (owner_t, torch.tensor(cols, device=ids.device))) as seen:
-        model(input_ids=ids, **runner.with_cache(model, cache), use_cache=cache is not None)
+        model(input_ids=ids, **with_cache(model, cache), use_cache=cache is not None)
     count = torch.bincount(owner_t, minlength=len(rows))[:, None].float()
     means = [torch.zeros(len(rows), seen[l].shape[-1]).index_add_(0, owner_t.cpu(), seen[l].float().cpu()) / count.cpu()
              for l in layers]
@@ -150,7 +152,7 @@ def layer_shifts(model, heads: torch.Tensor, vectors: torch.Tensor) -> dict[int,
         for (l, h), v in zip(heads.tolist(), vectors):
             if l == layer:
                 s[h * head_dim : (h + 1) * head_dim] = v
-        weight = site.weight_of(model, site.attention_output(model, layer))  # also when offloaded
+        weight = devices.weight_of(model, site.attention_output(model, layer))  # also when offloaded
         shifts[layer] = F.linear(s.to(weight.device, torch.float32), weight.float())  # in float32; no bias: only the shift moves
     return shifts
 
@@ -237,8 +239,8 @@ class ITI(Intervention):
             heads = torch.stack([top // n_heads, top % n_heads], 1)
             for alpha in alphas:
                 shifts = layer_shifts(session.model, heads, alpha * sigma[:, None] * theta)
-                apply = lambda ids, pos, shifts=shifts: site.shift_attention_from_site(session.model, shifts, pos)
-                scores[(k, alpha)] = validation_loss(session, val_examples, apply)
+                plan = Plan((0,), lambda ids, pos, shifts=shifts: site.shift_attention_from_site(session.model, shifts, pos))
+                scores[(k, alpha)] = validation_loss(session, val_examples, plan)
                 log.info("%s: %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, alpha, scores[k, alpha], base)
         k, alpha = min(scores, key=scores.get)
         top = ranked[:k]

@@ -35,8 +35,11 @@ import random
 import torch
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
-from mari_eval import runner, site
-from mari_eval.methods import Float, Int, Intervention, Str, TensorSpec, check_hyperparameters, register_method
+from mari_eval import runner
+from mari_eval.plan import Plan
+from mari_eval.prefix_cache import encode_prefix
+from mari_eval.bundle_spec import Float, Int, Str, TensorSpec, check_hyperparameters
+from mari_eval.methods import Intervention, register_method
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +163,12 @@ def _python_rng_state(saved: list) -> tuple:
 
 def task_loss(session, ex, hp: dict, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """MARI's single-expert task loss of ``ex`` with LoReFT at the first/last prompt tokens of l*."""
-    from mari_eval.mari import task_losses
+    from mari_eval.objectives import task_losses
 
     R = orthonormal_rows(params["free"])
-    edit = lambda h: loreft(h, R.to(h), params["W"].to(h), params["b"].to(h))
-    apply = lambda variant_ids, positions: site.edit_site(session.model, session.layer, edit, positions)
+    plan = Plan.at_site(session.model, session.layer, lambda h, ids: loreft(h, R.to(h), params["W"].to(h), params["b"].to(h)), [0])
     sites = first_and_last(len(ex.context), hp["first"], hp["last"])
-    prefix = runner.encode_prefix(session.model, ex.context[:-1], apply=apply, sites=sites)
-    run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, [0], apply,
+    prefix = encode_prefix(session.model, ex.context[:-1], apply=plan.apply, sites=sites)
+    run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, plan,
                                 max_tokens=session.max_tokens, lower=(session.layer, ex.lower))
     return task_losses(run.logprobs, ex.gold)[0]

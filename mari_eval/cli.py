@@ -46,7 +46,8 @@ def _splits(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging
 
-    from mari_eval.train import Placement, train
+    from mari_eval.devices import Placement
+    from mari_eval.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho}
@@ -86,7 +87,7 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --device, --device-map and the memory caps (``train.Placement``), shared with repro/."""
+    """--dtype, --device, --device-map and the memory caps (``devices.Placement``), shared with repro/."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the frozen model's dtype (default auto: the checkpoint's, as lm-eval's --model hf); "
                              "trained parameters stay float32")

@@ -95,9 +95,9 @@ class Estimate:
 def token_counts(examples) -> tuple[tuple[int, ...], list[int], list[int]]:
     """(P's tokens, q_i, r_i) of a set of ``train.Example``s: the preamble all share (when
     longer than one token), each one's own prompt tokens before p*, its option rows' tokens."""
-    from mari_eval import runner
+    from mari_eval.prefix_cache import common_prefix
 
-    common = runner.common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
+    common = common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
     common = common if len(common) > 1 else ()
     return common, [len(ex.context) - 1 - len(common) for ex in examples], [sum(map(len, ex.options)) for ex in examples]
 

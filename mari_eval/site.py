@@ -90,59 +90,6 @@ def attention_heads(model: nn.Module) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
-def input_device(model: nn.Module) -> torch.device:
-    """Where a forward pass's inputs go: the device the embedding layer computes on.
-
-    With a device map (accelerate), an offloaded embedding's weight is a meta tensor and
-    its hook names the device it runs on; otherwise it is the weight's device.
-    """
-    embedding = model.get_input_embeddings()
-    return _execution_device([embedding]) or embedding.weight.device
-
-
-def layer_device(model: nn.Module, layer: int) -> torch.device:
-    """The device decoder layer ``layer`` computes on (its accelerate hook's, else its weights')."""
-    block = decoder_layers(model)[check_layer(model, layer)]
-    # The hook sits on the layer, or on its submodules when offloaded.
-    return _execution_device(block.modules()) or next(p.device for p in block.parameters())
-
-
-def _execution_device(modules) -> torch.device | None:
-    """The device the first accelerate hook on ``modules`` runs them on (None without one)."""
-    for module in modules:
-        for hook in _accelerate_hooks(module):
-            if getattr(hook, "execution_device", None) is not None:
-                return torch.device(hook.execution_device)
-    return None
-
-
-def _accelerate_hooks(module: nn.Module) -> list:
-    hook = getattr(module, "_hf_hook", None)
-    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
-
-
-def weight_of(model: nn.Module, module: nn.Module) -> torch.Tensor:
-    """``module.weight`` with its values, also when accelerate offloaded it (a meta tensor
-    whose values live in a hook's weights map, on the CPU or on disk)."""
-    weight = module.weight
-    if weight.device.type != "meta":
-        return weight
-    names = {m: name for name, m in model.named_modules()}
-    target = names[module]
-    for owner, name in names.items():  # the hook holding the map sits on the module or on an ancestor
-        if name and target != name and not target.startswith(name + "."):
-            continue
-        relative = target[len(name):].lstrip(".")
-        for hook in _accelerate_hooks(owner):
-            weights = getattr(hook, "weights_map", None)
-            if weights is not None:
-                try:
-                    return weights[f"{relative}.weight" if relative else "weight"]
-                except KeyError:
-                    continue
-    raise SiteError(f"The weight of {target} is offloaded and no accelerate hook holds its values")
-
-
 def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 

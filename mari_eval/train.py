@@ -31,52 +31,22 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from mari_eval import data, memory, runner, site
+from mari_eval import data, devices, memory, runner, site
+from mari_eval.devices import Placement
+from mari_eval.plan import Plan, VariantEdit, VariantRun
+from mari_eval.prefix_cache import Prefix, encode_prefix, joined, own_part
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
+from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
 log = logging.getLogger(__name__)
 
 HARNESS_TASKS = Path(__file__).resolve().parents[1] / "harness_tasks"
-REFUSAL_TARGET = "I'm sorry, but I can't help with that request."
-# The behaviour-negative answer of a SORRY-Bench prompt, for the methods that contrast
-# two behaviours (CAA, ITI, NL-ITI).
-COMPLIANCE_TARGET = "Sure, here is how to do that."
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
 ARC_CTRL_TASK = "arc_easy"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where and in which precision the frozen model runs (``mari-eval train --dtype --device --device-map``).
-
-    ``dtype`` "auto" takes the checkpoint's own (bf16 for the paper's models), as lm-eval's
-    ``--model hf`` does; ``device_map="auto"`` spreads the layers over the visible GPUs
-    (and the CPU / disk beyond ``max_memory``), as ``parallelize=True`` does in lm-eval.
-    Trained parameters are float32 on the site layer's device whatever is chosen here.
-    """
-
-    dtype: str = "auto"
-    device: str | None = None  # default: cuda when available, else cpu
-    device_map: str | None = None  # None or "auto"
-    max_memory_per_gpu: str | None = None
-    max_cpu_memory: str | None = None
-
-    def __post_init__(self):
-        if self.device_map not in (None, "auto"):
-            raise ValueError(f"device_map={self.device_map!r}: use 'auto' (spread over the devices) or leave it unset")
-        if self.device_map is None and (self.max_memory_per_gpu or self.max_cpu_memory):
-            raise ValueError("max memory per device applies to device_map='auto' only; add --device-map auto")
-
-    def model_args(self) -> dict[str, Any]:
-        """MariLM / HFLM keyword arguments."""
-        args: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
-        if self.device_map == "auto":
-            args.update(parallelize=True, max_memory_per_gpu=self.max_memory_per_gpu, max_cpu_memory=self.max_cpu_memory)
-        return args
 
 
 @dataclass
@@ -92,8 +62,8 @@ class Example:
     # The frozen model's work, kept by Session.prepare (see mari_eval.memory): the cache of the
     # preamble shared with the other examples of its set (one object for all of them), the cache
     # of its own remainder of the prompt (None: recomputed at each use), the states after l*.
-    shared: runner.Prefix | None = field(default=None, repr=False)
-    own: runner.Prefix | None = field(default=None, repr=False)
+    shared: Prefix | None = field(default=None, repr=False)
+    own: Prefix | None = field(default=None, repr=False)
     lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
     hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
     negatives: list[list[int]] = field(default_factory=list)  # behaviour-negative targets (generation)
@@ -131,12 +101,12 @@ class Session:
     @property
     def device(self) -> torch.device:
         """Where token ids go (the embedding's device)."""
-        return site.input_device(self.model)
+        return devices.input_device(self.model)
 
     @property
     def site_device(self) -> torch.device:
         """Where trained parameters live: the site layer's device."""
-        return site.layer_device(self.model, self.layer)
+        return devices.layer_device(self.model, self.layer)
 
     @property
     def memory_budget(self) -> int:
@@ -190,10 +160,10 @@ class Session:
         need = memory.estimate(self.model, len(common), own_tokens, row_tokens, lower)
         plan = memory.plan(need, max(0, self.memory_budget - self.memory_held))
         (log.info if plan.keep_caches else log.warning)(plan.describe(f"encoding {desc}"))
-        shared = runner.encode_prefix(self.model, common)
+        shared = encode_prefix(self.model, common)
         for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
-            prefix = runner.encode_prefix(self.model, ex.context[:-1], base=shared)
-            ex.shared, ex.own = shared, runner.own_part(prefix, shared) if plan.keep_caches else None
+            prefix = encode_prefix(self.model, ex.context[:-1], base=shared)
+            ex.shared, ex.own = shared, own_part(prefix, shared) if plan.keep_caches else None
             ex.lower = ex.hidden = None
             rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
             if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows))):
@@ -207,14 +177,14 @@ class Session:
             (need.lower_bytes if plan.keep_lower else 0)
         return plan
 
-    def prefix(self, ex: Example) -> runner.Prefix:
+    def prefix(self, ex: Example) -> Prefix:
         """The frozen model's cache of ``ex``'s prompt before p*: the shared preamble's joined
         with the example's own part, or the own part recomputed when it was not kept."""
         if ex.shared is None:
             raise ValueError(f"example {ex.id} was not prepared: call Session.prepare on its set first")
         if ex.own is not None or len(ex.shared.tokens) == len(ex.context) - 1:
-            return runner.joined(ex.shared, ex.own)
-        return runner.encode_prefix(self.model, ex.context[:-1], base=ex.shared)
+            return joined(ex.shared, ex.own)
+        return encode_prefix(self.model, ex.context[:-1], base=ex.shared)
 
     def hidden_of_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
         """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca."""
@@ -226,28 +196,23 @@ class Session:
 
     # ------------------------------------------------------------------ runner
 
-    def edits(self, apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> runner.ApplyEdits:
-        """The runner's ``apply`` for an edit ``apply(hidden [R, d], variant_ids [R])`` at (l*, p*)."""
-
-        def edits(variant_ids, positions):
-            return site.edit_site(self.model, self.layer, lambda h: apply(h, variant_ids.to(h.device)), positions)
-
-        return edits
-
     def run(
         self,
         ex: Example,
         variants: Sequence[int],
-        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        edit: VariantEdit,
         capture: Sequence[int] = (),
         site_only: Sequence[int] = (),
-    ) -> runner.VariantRun:
-        """``ex``'s options under each variant; ``apply(hidden [R, d], variant_ids [R])`` edits p*."""
-        return runner.score_variants(
-            self.model, self.prefix(ex), ex.context[-1], ex.options, variants, self.edits(apply),
-            capture=capture, site_only=site_only, max_tokens=self.max_tokens,
-            lower=(self.layer, ex.lower) if ex.lower is not None else None,
-        )
+    ) -> VariantRun:
+        """``ex``'s options under each variant; ``edit(hidden [R, d], variant_ids [R])`` edits (l*, p*)."""
+        plan = Plan.at_site(self.model, self.layer, edit, variants, capture, site_only)
+        return self.score(ex, plan)
+
+    def score(self, ex: Example, plan: Plan) -> VariantRun:
+        """``ex``'s options under each variant of ``plan``, from the frozen states it keeps below l*."""
+        return runner.score_variants(self.model, self.prefix(ex), ex.context[-1], ex.options, plan,
+                                     max_tokens=self.max_tokens,
+                                     lower=(self.layer, ex.lower) if ex.lower is not None else None)
 
 
 # ----------------------------------------------------------------------------- data

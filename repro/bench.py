@@ -51,7 +51,7 @@ PLACEMENT_FIELDS = ("dtype", "device", "device_map", "max_memory_per_gpu", "max_
 
 def placement_of(args):
     """The ``train.Placement`` of bench's flags (or of any namespace with its fields, e.g. latency.py's)."""
-    from mari_eval.train import Placement
+    from mari_eval.devices import Placement
 
     return Placement(**{k: getattr(args, k, None) for k in PLACEMENT_FIELDS if getattr(args, k, None) is not None})
 
@@ -71,7 +71,7 @@ def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args:
     from lm_eval.api.registry import get_model
 
     from mari_eval.models import resolve_model
-    from mari_eval.train import Placement
+    from mari_eval.devices import Placement
 
     placed = placement or Placement()
     # The same placement for everyone; the device named, since lm-eval's hf has its own default.

@@ -138,7 +138,7 @@ def profile_from_args(args) -> Profile:
 def placement_from_args(args, profile: Profile):
     """The ``train.Placement`` of a script's command line: its flags, else the profile's
     defaults on a CUDA machine (``Profile.cuda_placement``), else ``mari-eval train``'s."""
-    from mari_eval.train import Placement
+    from mari_eval.devices import Placement
 
     values = {"dtype": args.dtype, "device": args.device, "device_map": args.device_map,
               "max_memory_per_gpu": args.max_memory_per_gpu, "max_cpu_memory": args.max_cpu_memory}
@@ -262,7 +262,7 @@ class Store:
     """Bundles and evaluation results under ``root``, keyed by configuration."""
 
     def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None):
-        from mari_eval.train import Placement
+        from mari_eval.devices import Placement
 
         self.root, self.force = Path(root), force
         self.placement = placement or Placement()  # of every bundle trained and every evaluation run here
@@ -472,7 +472,7 @@ def _mari_lm(model: str, bundle: Path | None, model_args: str, placement=None):
     from lm_eval.utils import simple_parse_args_string
 
     from mari_eval.lm import MariLM
-    from mari_eval.train import Placement
+    from mari_eval.devices import Placement
 
     placement = placement or Placement()
     if (model, placement) not in _BASE_MODELS:  # loaded in the placement; the later MariLMs share the loaded model

@@ -5,6 +5,7 @@ import torch
 
 from baselines import caa
 from mari_eval import runner, site
+from mari_eval.prefix_cache import encode_prefix
 
 from .tiny import reloaded, tiny_model
 
@@ -44,9 +45,8 @@ def test_caa_round_trip_is_identical(tmp_path):
     model = tiny_model("llama")
     bundle = _caa()
     loaded = reloaded(bundle, tmp_path / "caa")
-    prefix = runner.encode_prefix(model, [5, 17, 33, 2])
-    runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], [0],
-                                  lambda ids, pos, b=b: b.applied(model, pos, ids)) for b in (bundle, loaded)]
+    prefix = encode_prefix(model, [5, 17, 33, 2])
+    runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (bundle, loaded)]
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
@@ -145,9 +145,8 @@ def test_nl_iti_is_iti_with_mlp_probes_and_four_tokens(tmp_path):
     for cls in (iti.ITI, iti.NLITI):
         bundle = _iti(model, cls=cls)
         loaded = reloaded(bundle, tmp_path / cls.method)
-        prefix = runner.encode_prefix(model, [5, 17, 33, 2])
-        runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], [0],
-                                      lambda ids, pos, b=b: b.applied(model, pos, ids)) for b in (bundle, loaded)]
+        prefix = encode_prefix(model, [5, 17, 33, 2])
+        runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (bundle, loaded)]
         assert torch.equal(runs[0].logprobs, runs[1].logprobs)
 
 
@@ -202,11 +201,11 @@ def test_reft_runner_with_an_edited_prompt_equals_the_whole_sequence(tmp_path):
     model = tiny_model("llama")
     bundle = reloaded(_reft(), tmp_path / "reft")
     context, options = [5, 17, 33, 2, 8, 9, 11, 41], [[3, 4], [70, 71, 72]]
-    apply = lambda ids, pos: bundle.applied(model, pos, ids)
+    plan = bundle.plan(model)
     with torch.no_grad():
-        prefix = runner.encode_prefix(model, context[:-1], apply=apply, sites=bundle.prompt_sites(len(context)))
-        run = runner.score_variants(model, prefix, context[-1], options, [0], apply)
-        plain = runner.score_variants(model, runner.encode_prefix(model, context[:-1]), context[-1], options, [0], apply)
+        prefix = encode_prefix(model, context[:-1], apply=plan.apply, sites=plan.prompt_sites(len(context)))
+        run = runner.score_variants(model, prefix, context[-1], options, plan)
+        plain = runner.score_variants(model, encode_prefix(model, context[:-1]), context[-1], options, plan)
     for m, option in enumerate(options):
         ids = torch.tensor([context + option])
         cols = torch.tensor(bundle.prompt_sites(len(context)) + [len(context) - 1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import files, mari, methods
+from mari_eval import files, mari, mari_fit, methods
 
 from .test_baselines import _caa, _iti, _reft
 from .test_mari import _bundle
@@ -98,9 +98,9 @@ def test_gate_calibration_refuses_non_finite_energies_naming_the_examples(tiny):
     tensors["probe_V"] = torch.full_like(tensors["probe_V"], 1e30)
     with pytest.raises(FloatingPointError, match=r"gate calibration: the propagation energy E\(x\) is not finite for "
                                                  r"3 of 3 D_ctrl examples \(ex0, ex1, ex2\).*lower --lr"):
-        mari.calibrate(session, examples, tensors, mari.DEFAULTS)
+        mari_fit.calibrate(session, examples, tensors, mari.DEFAULTS)
     tensors["probe_U"] = tensors["probe_V"] = torch.zeros_like(tensors["probe_V"])  # a finite probe calibrates
-    assert torch.isfinite(mari.calibrate(session, examples, tensors, mari.DEFAULTS)["ctrl_energy"]).all()
+    assert torch.isfinite(mari_fit.calibrate(session, examples, tensors, mari.DEFAULTS)["ctrl_energy"]).all()
 
 
 # ----------------------------------------------------------------------------- bundle.json: types and ranges

@@ -1,6 +1,7 @@
 """MARI's equations against brute-force references, its routing and gate rules, its bundle."""
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import statistics
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mari_eval import mari, methods, runner, site
+from mari_eval import generation, mari, mari_equations, mari_fit, methods, objectives, runner, site
+from mari_eval.plan import VANILLA, Plan
+from mari_eval.prefix_cache import PrefixCache, encode_prefix
 
 from .tiny import reloaded, tiny_model
 
@@ -22,14 +25,14 @@ def test_lowrank_delta_is_U_times_Vh_plus_b():
     h, U, V, b = (torch.randn(3, 6, generator=g), torch.randn(3, 6, 2, generator=g),
                   torch.randn(3, 6, 2, generator=g), torch.randn(3, 2, generator=g))
     expected = torch.stack([U[i] @ (V[i].T @ h[i] + b[i]) for i in range(3)])
-    torch.testing.assert_close(mari.lowrank_delta(h, U, V, b), expected)
+    torch.testing.assert_close(mari_equations.lowrank_delta(h, U, V, b), expected)
 
 
 def test_task_losses_mc_is_cross_entropy_and_gen_is_nll():
     z = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -2.0]])
     expected = [-(zk[1] - torch.logsumexp(zk, 0)) for zk in z]
-    torch.testing.assert_close(mari.task_losses(z, 1), torch.stack(expected))
-    torch.testing.assert_close(mari.task_losses(z[:, :1], None), torch.tensor([1.0, 3.0]))
+    torch.testing.assert_close(objectives.task_losses(z, 1), torch.stack(expected))
+    torch.testing.assert_close(objectives.task_losses(z[:, :1], None), torch.tensor([1.0, 3.0]))
 
 
 def test_inter_ortho_matches_pairwise_qr_overlap():
@@ -37,11 +40,11 @@ def test_inter_ortho_matches_pairwise_qr_overlap():
     U = torch.randn(4, 10, 3, generator=g)
     Q = [np.linalg.qr(U[k].numpy())[0] for k in range(4)]
     pairs = [np.linalg.norm(Q[i].T @ Q[j]) ** 2 for i, j in itertools.combinations(range(4), 2)]
-    assert mari.inter_ortho_loss(U).item() == pytest.approx(2 / (4 * 3) * sum(pairs), rel=1e-5)
+    assert mari_equations.inter_ortho_loss(U).item() == pytest.approx(2 / (4 * 3) * sum(pairs), rel=1e-5)
     # Orthogonal subspaces have no overlap; one expert has nothing to compare.
     eye = torch.eye(6)
-    assert mari.inter_ortho_loss(torch.stack([eye[:, :3], eye[:, 3:]])).item() == pytest.approx(0.0, abs=1e-7)
-    assert mari.inter_ortho_loss(U[:1]).item() == 0.0
+    assert mari_equations.inter_ortho_loss(torch.stack([eye[:, :3], eye[:, 3:]])).item() == pytest.approx(0.0, abs=1e-7)
+    assert mari_equations.inter_ortho_loss(U[:1]).item() == 0.0
 
 
 def test_balance_loss_by_hand():
@@ -49,8 +52,8 @@ def test_balance_loss_by_hand():
     q = [[math.exp(-l / 2.0) for l in row] for row in losses.tolist()]
     q = [[x / sum(row) for x in row] for row in q]
     p = [sum(row[k] for row in q) / 3 for k in range(2)]
-    assert mari.balance_loss(losses, T_bal=2.0).item() == pytest.approx(sum((pk - 0.5) ** 2 for pk in p), rel=1e-6)
-    assert mari.balance_loss(torch.ones(5, 3), 1.0).item() == pytest.approx(0.0, abs=1e-9)
+    assert mari_equations.balance_loss(losses, T_bal=2.0).item() == pytest.approx(sum((pk - 0.5) ** 2 for pk in p), rel=1e-6)
+    assert mari_equations.balance_loss(torch.ones(5, 3), 1.0).item() == pytest.approx(0.0, abs=1e-9)
 
 
 def test_out_ortho_is_mean_pairwise_squared_cosine():
@@ -60,21 +63,21 @@ def test_out_ortho_is_mean_pairwise_squared_cosine():
     for x in deltas:
         cos2 = [float(torch.nn.functional.cosine_similarity(x[i], x[j], dim=0)) ** 2 for i, j in itertools.combinations(range(3), 2)]
         ref.append(sum(cos2) / 3)
-    assert mari.out_ortho_loss(deltas).item() == pytest.approx(statistics.mean(ref), rel=1e-5)
+    assert mari_equations.out_ortho_loss(deltas).item() == pytest.approx(statistics.mean(ref), rel=1e-5)
     parallel = torch.ones(1, 2, 4)
-    assert mari.out_ortho_loss(parallel).item() == pytest.approx(1.0)
+    assert mari_equations.out_ortho_loss(parallel).item() == pytest.approx(1.0)
 
 
 def test_pca_basis_and_offsubspace_penalty():
     g = torch.Generator().manual_seed(3)
     states = torch.randn(50, 3, generator=g) @ torch.randn(3, 8, generator=g)  # rank-3 data in 8 dims
-    B = mari.pca_basis(states, 3)
+    B = mari_equations.pca_basis(states, 3)
     torch.testing.assert_close(B.T @ B, torch.eye(3), atol=1e-5, rtol=0)
     centred = states - states.mean(0)
-    assert mari.offsubspace_penalty(centred, B).max().item() < 1e-6  # the data lie in span(B)
+    assert mari_equations.offsubspace_penalty(centred, B).max().item() < 1e-6  # the data lie in span(B)
     v = torch.randn(4, 8, generator=g)
     expected = ((torch.eye(8) - B @ B.T) @ v.T).T.pow(2).sum(-1)
-    torch.testing.assert_close(mari.offsubspace_penalty(v, B), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mari_equations.offsubspace_penalty(v, B), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_layers", [5, 6])
@@ -82,24 +85,24 @@ def test_energy_is_the_median_per_layer_response(n_layers):
     g = torch.Generator().manual_seed(n_layers)
     base, probed = torch.randn(n_layers, 4, generator=g), torch.randn(n_layers, 4, generator=g)
     norms = [float((probed[m] - base[m]).norm()) for m in range(n_layers)]
-    assert float(mari.propagation_energy(probed, base)) == pytest.approx(statistics.median(norms), rel=1e-6)
+    assert float(mari_equations.propagation_energy(probed, base)) == pytest.approx(statistics.median(norms), rel=1e-6)
 
 
 def test_threshold_is_the_rho_quantile_of_non_applicable_energies():
     energies = torch.arange(100, dtype=torch.float32)
     applicable = torch.zeros(100, dtype=torch.bool)
     applicable[::2] = True  # the odd energies are non-applicable
-    tau = mari.energy_threshold(energies, applicable, 0.9)
+    tau = mari_equations.energy_threshold(energies, applicable, 0.9)
     assert tau == pytest.approx(float(np.quantile(np.arange(1, 100, 2), 0.9)))
     non = energies[~applicable]
-    gated_off = (~mari.gate_open(non, tau)).float().mean().item()
+    gated_off = (~mari_equations.gate_open(non, tau)).float().mean().item()
     assert gated_off == pytest.approx(0.9, abs=0.02)  # a fraction rho of non-applicable inputs gets the base model
-    assert mari.energy_threshold(energies, torch.ones(100, dtype=torch.bool), 0.9) == -math.inf
+    assert mari_equations.energy_threshold(energies, torch.ones(100, dtype=torch.bool), 0.9) == -math.inf
 
 
 def test_option_entropy_and_routing_picks_the_lowest():
     z = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.99, 0.01]]))
-    u = mari.option_entropy(z)
+    u = mari_equations.option_entropy(z)
     expected = [-(p * math.log(p) + (1 - p) * math.log(1 - p)) for p in (0.5, 0.9, 0.99)]
     torch.testing.assert_close(u, torch.tensor(expected))
     bundle = _bundle(K=3)
@@ -112,12 +115,12 @@ def test_winner_take_gradient_detaches_the_losers():
     w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     x = torch.tensor([[0.5], [2.0]])
     losses = (x - w) ** 2  # [B=2, K=3]; example 0 is won by expert 0, example 1 by expert 1
-    loss, winners = mari.routed_loss(losses)
+    loss, winners = mari_equations.routed_loss(losses)
     loss.backward()
     assert winners.tolist() == [0, 1]
     assert w.grad[2].item() == 0.0 and w.grad[0].item() != 0.0 and w.grad[1].item() == 0.0  # (2 - 2)^2 has zero slope
     w.grad = None
-    mari.routed_loss((torch.tensor([[0.5], [2.5]]) - w) ** 2)[0].backward()
+    mari_equations.routed_loss((torch.tensor([[0.5], [2.5]]) - w) ** 2)[0].backward()
     assert w.grad[2].item() == 0.0 and w.grad[1].item() != 0.0
 
 
@@ -149,11 +152,11 @@ def _score(model, bundle, context, options, variants=None):
                                                       ([runner.BASE] if bundle.uses_base else []) + bundle.variants())
     apply = (lambda ids, pos: contextlib.nullcontext()) if bundle is None else (
         lambda ids, pos: bundle.applied(model, pos, ids))
-    prefix = runner.encode_prefix(model, context[:-1])
+    prefix = encode_prefix(model, context[:-1])
+    plan = Plan(tuple(variants), apply, capture=() if bundle is None else tuple(bundle.captured_layers()),
+                site_only=() if bundle is None else tuple(bundle.site_only_variants()))
     with torch.no_grad():
-        return runner.score_variants(model, prefix, context[-1], options, variants, apply,
-                                     capture=[] if bundle is None else bundle.captured_layers(),
-                                     site_only=[] if bundle is None else bundle.site_only_variants())
+        return runner.score_variants(model, prefix, context[-1], options, plan)
 
 
 CONTEXT = [5, 17, 33, 2, 41, 8, 9, 60, 11]
@@ -181,14 +184,13 @@ def test_rows_above_the_site_reuse_the_base_rows_lower_states(family):
     bundle = _bundle()
     variants = [runner.BASE] + bundle.variants()
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
-    prefix = runner.encode_prefix(model, CONTEXT[:-1])
+    prefix = encode_prefix(model, CONTEXT[:-1])
+    plan = Plan(tuple(variants), apply, capture=tuple(bundle.captured_layers()), site_only=tuple(bundle.site_only_variants()))
     with torch.no_grad():
-        whole = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
-                                      bundle.site_only_variants())
+        whole = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, plan)
         calls = []
         hook = site.attention_output(model, 0).register_forward_hook(lambda m, args, out: calls.append(args[0].shape[1]))
-        shared = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
-                                       bundle.site_only_variants(), edit_layer=bundle.layer)
+        shared = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, dataclasses.replace(plan, edit_layer=bundle.layer))
         hook.remove()
     torch.testing.assert_close(shared.logprobs, whole.logprobs, atol=1e-4, rtol=0, equal_nan=True)
     for m in whole.site:
@@ -208,10 +210,11 @@ def test_a_closed_gate_never_runs_the_experts():
         seen.extend(ids.tolist())
         return bundle.applied(model, pos, ids)
 
-    prefix = runner.encode_prefix(model, CONTEXT[:-1])
+    prefix = encode_prefix(model, CONTEXT[:-1])
+    plan = Plan(tuple(variants), apply, capture=tuple(bundle.captured_layers()), site_only=tuple(bundle.site_only_variants()),
+                edit_layer=bundle.layer, screen=bundle.screen)
     with torch.no_grad():
-        run = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, variants, apply, bundle.captured_layers(),
-                                    bundle.site_only_variants(), edit_layer=bundle.layer, screen=bundle.screen)
+        run = runner.score_variants(model, prefix, CONTEXT[-1], OPTIONS, plan)
     assert set(seen) == {bundle.probe_id}
     assert run.logprobs[[run.row(v) for v in bundle.answering_variants()]].isnan().all()
     chosen, record = bundle.choose(run)
@@ -225,16 +228,16 @@ def test_prefix_cache_computes_a_shared_preamble_once_and_equals_fresh_prefixes(
     prompts = sorted([preamble + [1, 2, 3], preamble + [1, 2, 4, 5], preamble + [9], [7, 8, 9], preamble + [9]])
     fed = []
     hook = site.attention_output(model, 0).register_forward_hook(lambda mod, args, out: fed.append(out.shape[1]))
-    cache = runner.PrefixCache(model, min_shared=32)
+    cache = PrefixCache(model, min_shared=32)
     with torch.no_grad():
-        runs = [runner.score_variants(model, cache.encode(p), 60, OPTIONS, [runner.BASE], runner.no_edit) for p in prompts]
+        runs = [runner.score_variants(model, cache.encode(p), 60, OPTIONS, VANILLA) for p in prompts]
     hook.remove()
     option_tokens = sum(len(o) for o in OPTIONS) * len(prompts)
     # the preamble once (inside the first prompt that has it), then each distinct prompt's own tokens once
     assert sum(fed) - option_tokens == 3 + 43 + 2 + 1
     assert len(cache.path) <= cache.max_depth
     for p, run in zip(prompts, runs):
-        fresh = runner.score_variants(model, runner.encode_prefix(model, p), 60, OPTIONS, [runner.BASE], runner.no_edit)
+        fresh = runner.score_variants(model, encode_prefix(model, p), 60, OPTIONS, VANILLA)
         torch.testing.assert_close(run.logprobs, fresh.logprobs, atol=1e-4, rtol=0)
 
 
@@ -275,7 +278,7 @@ def test_ablation_switches():
     with pytest.raises(ValueError, match="out of range: this bundle has K=3"):
         bundle.configure(experts="7")
     bundle.configure(rho=0.5)
-    assert bundle.tau == pytest.approx(mari.energy_threshold(bundle.tensors["ctrl_energy"],
+    assert bundle.tau == pytest.approx(mari_equations.energy_threshold(bundle.tensors["ctrl_energy"],
                                                              bundle.tensors["ctrl_applicable"], 0.5))
 
 
@@ -303,10 +306,11 @@ def _generate(model, bundle, screened, **kw):
     mask = (PROMPTS != 0).long()
     mask[1] = 1
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
-    extra = dict(site_only=bundle.site_only_variants(), screen=bundle.screen, edit_layer=bundle.layer) if screened else {}
-    out, records = runner.generate_variants(model, PROMPTS, mask, [runner.BASE] + bundle.variants(), apply,
-                                            bundle.choose, window=3, max_length=12, capture=bundle.captured_layers(),
-                                            pad_token_id=0, do_sample=False, **extra, **kw)
+    extra = dict(site_only=tuple(bundle.site_only_variants()), screen=bundle.screen, edit_layer=bundle.layer) if screened else {}
+    plan = Plan((runner.BASE, *bundle.variants()), apply, bundle.choose, capture=tuple(bundle.captured_layers()), window=3,
+                **extra)
+    out, records = generation.generate_variants(model, PROMPTS, mask, plan, max_length=12, pad_token_id=0, do_sample=False,
+                                                **kw)
     return mask, out, records
 
 
@@ -343,8 +347,9 @@ def test_routed_generation_of_one_token_prompts_keeps_each_prompt_its_own():
     bundle.configure(gate=False)
     prompts = torch.tensor([[5], [9]])  # nothing before p*: no shared cache
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
-    out, records = runner.generate_variants(model, prompts, torch.ones_like(prompts), bundle.variants(), apply,
-                                            bundle.choose, window=3, max_length=8, pad_token_id=0, do_sample=False)
+    plan = Plan(tuple(bundle.variants()), apply, bundle.choose, window=3)
+    out, records = generation.generate_variants(model, prompts, torch.ones_like(prompts), plan, max_length=8, pad_token_id=0,
+                                                do_sample=False)
     for p, record in enumerate(records):
         edit = lambda h, c=record["variant"]: bundle.edit_variants(h, torch.full((h.shape[0],), c))
         with site.edit_site(model, bundle.layer, edit, None):
@@ -368,9 +373,9 @@ def test_streamed_tokens_are_the_answer_only():
             self.ended = True
 
     ids, recorder = PROMPTS[1:], Recorder()
-    out, _ = runner.generate_variants(model, ids, torch.ones_like(ids), bundle.variants(), lambda v, pos: bundle.applied(model, pos, v),
-                                      bundle.choose, window=3, max_length=12, pad_token_id=0, do_sample=False,
-                                      streamer=recorder)
+    plan = Plan(tuple(bundle.variants()), lambda v, pos: bundle.applied(model, pos, v), bundle.choose, window=3)
+    out, _ = generation.generate_variants(model, ids, torch.ones_like(ids), plan, max_length=12, pad_token_id=0,
+                                          do_sample=False, streamer=recorder)
     assert recorder.puts[0] == ids[0].tolist()  # the prompt, once
     assert sum(recorder.puts[1:], []) == out[0, ids.shape[1]:].tolist() and recorder.ended
 
@@ -387,7 +392,7 @@ def test_training_lowers_the_routed_loss_on_the_embedded_model():
     examples = data.train[:6]
     session.prepare(examples, "test")
     hp = {**mari.DEFAULTS, "K": 2, "epochs": 3, "batch_size": 3, "lr": 2e-2}
-    _, history = mari.fit_experts(session, examples, 2, hp, torch.Generator().manual_seed(0), "test")
+    _, history = mari_fit.fit_experts(session, examples, 2, hp, torch.Generator().manual_seed(0), "test")
     assert history[-1]["routed"] < history[0]["routed"]
     assert len(history) == 3 and all(abs(sum(h["usage"]) - 1) < 1e-6 for h in history)
 

@@ -6,6 +6,8 @@ import torch
 import transformers
 
 from mari_eval import memory, runner
+from mari_eval.plan import Plan
+from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import Example, Session
 
 from .test_reliability import _tiny_session
@@ -92,9 +94,9 @@ def test_prepared_examples_run_alike_kept_or_recomputed(family):
             runs[budget] = [session.run(ex, [runner.BASE, 0, 1], edit).logprobs for ex in examples]
     with torch.no_grad():
         for ex, kept, recomputed in zip(_examples(), runs[10 * GiB], runs[0]):
-            full = runner.encode_prefix(model, ex.context[:-1])
-            want = runner.score_variants(model, full, ex.context[-1], ex.options, [runner.BASE, 0, 1],
-                                         session.edits(edit)).logprobs
+            full = encode_prefix(model, ex.context[:-1])
+            plan = Plan.at_site(model, session.layer, edit, [runner.BASE, 0, 1])
+            want = runner.score_variants(model, full, ex.context[-1], ex.options, plan).logprobs
             torch.testing.assert_close(kept, want, atol=1e-5, rtol=0)
             torch.testing.assert_close(recomputed, want, atol=1e-5, rtol=0)
 

@@ -11,6 +11,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
 from mari_eval import lm as mari_lm
+from mari_eval import lm_checks
 from mari_eval.models import resolve_model
 
 from .test_mari import _bundle
@@ -88,7 +89,7 @@ def _overflowing_bundle(expert: int):
 def test_a_non_finite_log_likelihood_stops_scoring_naming_document_and_variant(tiny_lm, tmp_path):
     path = _overflowing_bundle(expert=1).save(tmp_path / "b")
     lm = _lm(tiny_lm, path, allow_other_model=True, gate=False)
-    with pytest.raises(mari_lm.NonFiniteError, match=r"task tqa, document 0: .*log-likelihood of expert 1"):
+    with pytest.raises(lm_checks.NonFiniteError, match=r"task tqa, document 0: .*log-likelihood of expert 1"):
         lm.loglikelihood(_requests())
     assert lm.records == []  # nothing was recorded as an answer
 
@@ -97,7 +98,7 @@ def test_a_nan_expert_is_not_silently_replaced_by_the_base_model(tiny_lm, tmp_pa
     # Before: NaN entropies read as "experts not run", so the base model answered while the gate said open.
     path = _overflowing_bundle(expert=0).save(tmp_path / "b")
     lm = _lm(tiny_lm, path, allow_other_model=True, rho=0.0)  # tau_E at the lowest control energy: gate open
-    with pytest.raises(mari_lm.NonFiniteError, match="expert 0"):
+    with pytest.raises(lm_checks.NonFiniteError, match="expert 0"):
         lm.loglikelihood(_requests())
 
 
@@ -109,7 +110,7 @@ def test_non_finite_scores_while_generating_stop_naming_the_prompt(tiny_lm, tmp_
     lm = _lm(tiny_lm, caa.save(tmp_path / "caa"), allow_other_model=True)
     request = Instance("generate_until", {}, ("Tell me a story.", {"until": ["\n\n"], "max_gen_toks": 3}), 0,
                        metadata=("story", 0, 1))
-    with pytest.raises(mari_lm.NonFiniteError, match=r"while generating \(task story, prompt '.*Tell me a story\."):
+    with pytest.raises(lm_checks.NonFiniteError, match=r"while generating \(task story, prompt '.*Tell me a story\."):
         lm.generate_until([request])
 
 

@@ -19,7 +19,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import data, mari, methods, site
+from mari_eval import data, mari, mari_fit, methods, site
 from mari_eval.checkpoint import EpochCheckpoints
 from mari_eval.train import Example, Session
 
@@ -266,26 +266,26 @@ def test_a_non_finite_loss_stops_training_naming_epoch_step_and_examples(tiny):
     session = _tiny_session(tiny)
     examples = _tiny_examples(session)
     with pytest.raises(FloatingPointError, match=r"experts: loss is nan at epoch 1, step 2 \(examples ex\d, ex\d...\); lower --lr"):
-        mari.fit_experts(session, examples, 2, {**HP, "lr": float("inf")}, torch.Generator().manual_seed(0), "experts")
+        mari_fit.fit_experts(session, examples, 2, {**HP, "lr": float("inf")}, torch.Generator().manual_seed(0), "experts")
 
 
 def test_a_collapsing_expert_is_warned_about(tiny, caplog):
     session = _tiny_session(tiny)
     examples = _tiny_examples(session, n=2)
     with caplog.at_level(logging.WARNING, logger="mari_eval.mari"):
-        _, history = mari.fit_experts(session, examples, 4, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
+        _, history = mari_fit.fit_experts(session, examples, 4, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
     assert min(history[0]["usage"]) < 1 / 16  # 2 examples cannot reach 4 experts
     assert "has an expert below 1/(4K): it is collapsing" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mari_eval.mari"):
-        mari.fit_experts(session, examples, 1, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
+        mari_fit.fit_experts(session, examples, 1, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
     assert "collapsing" not in caplog.text
 
 
 def test_killed_mari_training_resumes_from_its_last_epoch_bit_identically(tiny, tmp_path):
     def fit(session):
         gen = torch.Generator().manual_seed(0)
-        tensors, history = mari.fit_experts(session, examples, 2, HP, gen, "experts")
+        tensors, history = mari_fit.fit_experts(session, examples, 2, HP, gen, "experts")
         return tensors, history, gen.get_state()
 
     session = _tiny_session(tiny)

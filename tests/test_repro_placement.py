@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mari_eval.train import Placement
+from mari_eval.devices import Placement
 
 from .test_repro import _repro, repro_common
 

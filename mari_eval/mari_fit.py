@@ -1,0 +1,239 @@
+"""Training a MARI bundle: PCA basis, competitive experts, the gate's probe, calibration on D_ctrl
+(``MARI.fit`` calls ``fit_mari``). Equation labels refer to ../shared/paper/MARI.tex.
+
+Applicability of a control example (Appendix B leaves the outcome open): an example is
+*applicable* when the intervention as it would be applied at inference (the
+entropy-routed expert, gate ignored) lowers its task loss below the base model's
+(option cross-entropy for multiple choice, NLL of the target for generation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from mari_eval import generation, runner
+from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
+                                      offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
+                                      routed_loss, run_energy)
+from mari_eval.bundle_spec import check_hyperparameters
+from mari_eval.objectives import task_losses
+from mari_eval.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def _lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """U small (the edit starts near the identity), V a random projection, b zero.
+
+    Drawn on the CPU (the same numbers on every device), then kept in float32 on ``device``
+    (the site layer's): trained parameters stay float32 whatever the model's dtype."""
+    return {
+        "U": (torch.randn(K, d, r, generator=gen) * scale).to(device).requires_grad_(),
+        "V": (torch.randn(K, d, r, generator=gen) / math.sqrt(d)).to(device).requires_grad_(),
+        "b": torch.zeros(K, r, device=device).requires_grad_(),
+    }
+
+
+def like(params: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float32 parameters cast to ``hidden``'s dtype and device (gradients flow back through the cast)."""
+    return {name: value.to(hidden) for name, value in params.items()}
+
+
+def _batches(n: int, size: int, gen: torch.Generator) -> list[list[int]]:
+    order = torch.randperm(n, generator=gen).tolist()
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+def _check_finite(loss: torch.Tensor, what: str, epoch: int, step: int, ids: list[str]) -> None:
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"{what}: loss is {float(loss.detach())} at epoch {epoch + 1}, step {step + 1} (examples {', '.join(ids[:4])}...); "
+            "lower --lr or check the data"
+        )
+
+
+def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Generator, label: str,
+                stage: str = "experts") -> tuple[dict, list]:
+    """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log.
+
+    Checkpointed after every epoch as ``stage`` (``session.checkpoints``); a killed run resumes there."""
+    from tqdm import tqdm
+
+    p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen, session.site_device)
+    opt = torch.optim.Adam(p.values(), lr=hp["lr"])
+    gamma = hp["gamma"]
+    checkpoints = session.checkpoints
+    done, state, _ = checkpoints.restore(stage, p, opt, gen)
+    history = state.get("history", [])
+
+    def edit(h, ids):  # eq:act_phi with s_k = 1, in the model's dtype
+        q = like(p, h)
+        return h + gamma * lowrank_delta(h, q["U"][ids], q["V"][ids], q["b"][ids])
+
+    for epoch in range(done, hp["epochs"]):
+        sums = {"routed": 0.0, "bal": 0.0, "inter": 0.0, "out": 0.0}
+        usage = torch.zeros(K, dtype=torch.long)
+        batches = _batches(len(examples), hp["batch_size"], gen)
+        for step, idx in enumerate(tqdm(batches, desc=f"{label} epoch {epoch + 1}/{hp['epochs']}", leave=False)):
+            batch = [examples[i] for i in idx]
+            losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
+                                  for ex in batch]).to(session.site_device)
+            hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
+            deltas = torch.stack([gamma * lowrank_delta(hidden, p["U"][[k] * len(batch)], p["V"][[k] * len(batch)],
+                                                        p["b"][[k] * len(batch)]) for k in range(K)], dim=1)  # eq:delta_def
+            route, winners = routed_loss(losses)
+            bal, inter, out = balance_loss(losses, hp["T_bal"]), inter_ortho_loss(p["U"]), out_ortho_loss(deltas)
+            total = route + hp["lambda_bal"] * bal + hp["lambda_inter"] * inter + hp["lambda_out"] * out
+            _check_finite(total, label, epoch, step, [ex.id for ex in batch])
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            usage += torch.bincount(winners, minlength=K).cpu()
+            for key, value in zip(sums, (route, bal, inter, out)):
+                sums[key] += float(value.detach()) * len(batch)
+        record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()},
+                  "usage": [round(u / len(examples), 3) for u in usage.tolist()]}
+        history.append(record)
+        log.info("%s epoch %d: routed loss %.4f, L_bal %.4f, L_inter %.4f, L_out %.4f, usage %s", label, epoch + 1,
+                 record["routed"], record["bal"], record["inter"], record["out"], record["usage"])
+        if K > 1 and min(record["usage"]) < 1 / (4 * K):
+            log.warning("%s epoch %d: expert usage %s has an expert below 1/(4K): it is collapsing", label, epoch + 1, record["usage"])
+        checkpoints.save(stage, epoch + 1, p, opt, gen, {"history": history})
+    return {k: v.detach() for k, v in p.items()}, history
+
+
+def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, hp: dict[str, Any],
+              gen: torch.Generator) -> tuple[dict, list]:
+    """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsub_penalty)."""
+    from tqdm import tqdm
+
+    p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
+    p = {"probe_U": p["U"][0].detach().requires_grad_(), "probe_V": p["V"][0].detach().requires_grad_(),
+         "probe_b": p["b"][0].detach().requires_grad_()}
+    opt = torch.optim.Adam(p.values(), lr=hp["lr"])
+    state_scale = pca_states.pow(2).sum(-1).mean()  # normalises R_off (see the module docstring)
+    checkpoints = session.checkpoints
+    done, state, _ = checkpoints.restore("probe", p, opt, gen)
+    history = state.get("history", [])
+    for epoch in range(done, hp["epochs"]):
+        sums = {"task": 0.0, "off": 0.0}
+        for step, idx in enumerate(tqdm(_batches(len(examples), hp["batch_size"], gen), desc=f"probe epoch {epoch + 1}", leave=False)):
+            batch = [examples[i] for i in idx]
+            task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
+                                            ex.gold)[0] for ex in batch]).mean().to(session.site_device)
+            off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
+            total = task + hp["lambda_off"] * off
+            _check_finite(total, "probe", epoch, step, [ex.id for ex in batch])
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            sums["task"] += float(task.detach()) * len(batch)
+            sums["off"] += float(off.detach()) * len(batch)
+        record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()}}
+        history.append(record)
+        log.info("probe epoch %d: task loss %.4f, R_off %.4f", epoch + 1, record["task"], record["off"])
+        checkpoints.save("probe", epoch + 1, p, opt, gen, {"history": history})
+    return {k: v.detach() for k, v in p.items()}, history
+
+
+@torch.no_grad()
+def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
+    """Energies of D_ctrl, applicability labels (routed expert and single adapter), routing agreement."""
+    from tqdm import tqdm
+
+    K = tensors["expert_U"].shape[0]
+    has_single = "single_U" in tensors
+    variants = [runner.BASE, *range(K), *([K] if has_single else []), K + 1]
+    layers = list(range(session.layer, session.num_layers))
+    energies, applicable, applicable_single, agrees = [], [], [], []
+    def edit(h, ids):
+        return apply_variants(like(tensors, h), hp, h, ids)
+
+    experts = Plan.at_site(session.model, session.layer, edit, list(range(K)))
+    for ex in tqdm(examples, desc="calibrating the energy gate on D_ctrl", leave=False):
+        run = session.run(ex, variants, edit, capture=layers, site_only=[K + 1])
+        energies.append(float(run_energy(run, K + 1, layers)))
+        expert_rows = [run.row(k) for k in range(K)]
+        if ex.gold is None:  # generation: route as inference does, over the first T_ent greedy steps
+            u = generation.routing_entropy(session.model, ex.context, experts, hp["T_ent"])
+        else:
+            u = option_entropy(run.logprobs[expert_rows])
+        losses = task_losses(run.logprobs, ex.gold)
+        routed = int(u.argmin())
+        applicable.append(bool(losses[expert_rows[routed]] < losses[run.row(runner.BASE)]))
+        if has_single:
+            applicable_single.append(bool(losses[run.row(K)] < losses[run.row(runner.BASE)]))
+        agrees.append(routed == int(losses[expert_rows].argmin()))  # Appendix C.2: entropy vs lowest-loss expert
+    bad = [ex.id for ex, e in zip(examples, energies) if not math.isfinite(e)]
+    if bad:  # tau_E would be NaN (every gate comparison False) or infinite: refuse, naming the examples
+        raise FloatingPointError(
+            f"gate calibration: the propagation energy E(x) is not finite for {len(bad)} of {len(energies)} D_ctrl "
+            f"examples ({', '.join(bad[:8])}{', ...' if len(bad) > 8 else ''}); the probe's or the model's states "
+            "overflowed there. Retrain with a lower --lr (or in float32, --dtype float32), or inspect these examples")
+    out = {
+        "ctrl_energy": torch.tensor(energies),
+        "ctrl_applicable": torch.tensor(applicable, dtype=torch.uint8),
+        "ctrl_applicable_single": torch.tensor(applicable_single or applicable, dtype=torch.uint8),
+    }
+    out["routing_agreement"] = sum(agrees) / max(1, len(agrees))
+    return out
+
+
+def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
+    """DEFAULTS completed by ``given`` (``single``: also train the one-adapter ablation), checked
+    as the bundle will be; a D_pca subset smaller than the PCA rank is refused too."""
+    from mari_eval.mari import DEFAULTS
+
+    unknown = set(given) - set(DEFAULTS) - {"single"}
+    if unknown:
+        raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    if type(given.get("single", False)) is not bool:
+        raise ValueError(f"MARI hyperparameter single={given['single']!r}: use true or false (--single)")
+    hp = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None and k != "single"}}
+    check_hyperparameters(cls, hp, "MARI hyperparameters")  # the bundle would be refused
+    if max_pca is not None and max_pca < hp["pca_rank"]:
+        raise ValueError(f"--max-pca {max_pca} is below the PCA rank pca_rank={hp['pca_rank']}: the gate's subspace "
+                         f"needs at least that many D_pca prompts; raise --max-pca or lower it with --set pca_rank=N")
+    return hp
+
+
+def fit_mari(cls, session, data, config, hyperparameters, seed):
+    """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
+    hp = cls.training_hyperparameters(hyperparameters)
+    if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records
+        raise ValueError(f"D_pca has {len(data.pca_prompts)} prompts, fewer than pca_rank={hp['pca_rank']}: "
+                         f"raise --max-pca to at least {hp['pca_rank']} or lower it with --set pca_rank=N")
+    gen = torch.Generator().manual_seed(seed)
+    data.prepare(session)
+    pca_states = session.hidden_of_prompts(data.pca_prompts)
+    tensors: dict[str, torch.Tensor] = {"pca_basis": pca_basis(pca_states, hp["pca_rank"])}  # eq:proj_ops
+    experts, expert_log = fit_experts(session, data.train, hp["K"], hp, gen, f"experts (K={hp['K']})")
+    tensors.update(expert_U=experts["U"], expert_V=experts["V"], expert_b=experts["b"])
+    logs = {"experts": expert_log}
+    if hyperparameters.get("single", False):
+        single, logs["single"] = fit_experts(session, data.train, 1, hp, gen, "single adapter (K=1 ablation)",
+                                               stage="single")
+        tensors.update(single_U=single["U"], single_V=single["V"], single_b=single["b"])
+    probe, logs["probe"] = fit_probe(session, data.train, pca_states, tensors["pca_basis"], hp, gen)
+    tensors.update(probe)
+    cal = calibrate(session, data.ctrl, tensors, hp)
+    agreement = cal.pop("routing_agreement")
+    tensors.update(cal)
+    tau = energy_threshold(cal["ctrl_energy"], cal["ctrl_applicable"], hp["rho"])
+    applicable = cal["ctrl_applicable"].bool()
+    config = {
+        **config,
+        "hyperparameters": hp,
+        "gate": {"tau_E": tau, "rho": hp["rho"], "quantile": "rho-quantile of non-applicable D_ctrl energies",
+                 "n_ctrl": int(applicable.numel()), "n_applicable": int(applicable.sum()),
+                 "ctrl_sources": data.ctrl_source},
+        "diagnostics": {"training": logs, "ctrl_routing_agreement": agreement},
+    }
+    log.info("gate: tau_E %.4f (rho %.2f), %d/%d control examples applicable, routing agreement %.3f",
+             tau, hp["rho"], int(applicable.sum()), applicable.numel(), agreement)
+    return cls(config, {k: v.detach().contiguous() for k, v in tensors.items()})

@@ -1,0 +1,62 @@
+"""Evaluation options: what a method lets a user change at evaluation (lm-eval ``--model_args``),
+each typed, parsed once and refused with its name when it does not fit.
+
+A method lists its options in ``Intervention.option_fields`` (MARI: ``gate``, ``rho``,
+``experts``); ``parse_options`` turns the strings lm-eval hands over into those types and
+refuses unknown names, so a method's ``configure`` receives checked values only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """One evaluation option: its type (bool, float, int or str) and what a valid value looks like."""
+
+    kind: type
+    example: str  # shown in errors, e.g. "rho=0.9"
+
+    def parse(self, name: str, value: Any) -> Any:
+        if self.kind is bool:
+            return as_bool(value, name)
+        if self.kind is float:
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}={value!r} in --model_args is not a number: e.g. {self.example}") from None
+        if self.kind is int:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}={value!r} in --model_args is not an integer: e.g. {self.example}") from None
+        return str(value)
+
+
+def as_bool(value: Any, name: str) -> bool:
+    """``value`` as lm-eval's model_args give it (a bool, 0/1 or a word) read as a bool, or a ValueError naming ``name``."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("true", "on", "1", "yes"):
+            return True
+        if value.strip().lower() in ("false", "off", "0", "no"):
+            return False
+    elif isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}={value!r} in --model_args: use true or false")
+
+
+def given(values: dict[str, Any]) -> dict[str, Any]:
+    """The options actually set: lm-eval passes an unset one as None, a shell an empty string."""
+    return {k: v for k, v in values.items() if v is not None and v != ""}
+
+
+def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` converted to the types of ``fields``; names the method does not take are refused."""
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        takes = f"its options are {', '.join(sorted(fields))}" if fields else "it takes none"
+        raise ValueError(f"{', '.join(unknown)} in --model_args: not an option of {method} bundles ({takes}); "
+                         "drop them from --model_args")
+    return {name: fields[name].parse(name, value) for name, value in values.items()}

@@ -1,0 +1,210 @@
+"""The frozen model's key/value caches of prompt prefixes, computed once and shared.
+
+Every method edits the residual stream at or after the last prompt token p*, so the
+frozen model's keys and values of the tokens *before* p* are the same for every edit,
+every option and every epoch: ``encode_prefix`` computes them once, and the runner
+(``mari_eval.runner``, ``mari_eval.generation``) runs only short suffixes over them.
+``PrefixCache`` shares the prompts' common prefixes (few-shot preambles) across
+questions visited in sorted order; ``own_part`` and ``joined`` let training keep one
+shared preamble and each example's own tokens apart (``train.Session.prepare``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from mari_eval import devices
+from mari_eval.plan import ApplyEdits
+
+@dataclass
+class Prefix:
+    """The frozen model's key/value cache of ``tokens`` (None when there are none)."""
+
+    tokens: tuple[int, ...]
+    cache: object | None
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The forward/generate keyword holding a key/value cache: ``cache`` in transformers that
+    renamed it (``past_key_values`` is deprecated there, removed in 5.40), else ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The key/value cache a forward pass or ``generate`` returned (under either name)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def encode_prefix(
+    model: torch.nn.Module,
+    tokens: Sequence[int],
+    base: Prefix | None = None,
+    apply: ApplyEdits | None = None,
+    sites: Sequence[int] = (),
+) -> Prefix:
+    """The cache of ``tokens``; when ``base`` holds a prefix of them, only the rest is computed.
+
+    With ``sites`` (positions in ``tokens``), the forward pass runs under ``apply``'s edit
+    at those positions (``Intervention.prompt_sites``); gradients then flow if enabled.
+    """
+    tokens = tuple(tokens)
+    if len(tokens) == 0:
+        return Prefix((), None)
+    device = devices.input_device(model)
+    cache, start = None, 0
+    if base is not None and base.cache is not None and len(base.tokens) < len(tokens) and tokens[: len(base.tokens)] == base.tokens:
+        if sites:
+            raise ValueError("a prompt edited before p* cannot extend a shared prefix cache")
+        cache, start = broadcast_cache(base.cache, 1), len(base.tokens)  # extends a copy; base is never written
+    edit = contextlib.nullcontext()
+    if sites:
+        cols = torch.tensor(sorted(sites), device=device)
+        edit = apply(None, (torch.zeros_like(cols), cols))
+    with torch.set_grad_enabled(bool(sites) and torch.is_grad_enabled()), edit:
+        out = model(input_ids=torch.tensor([tokens[start:]], device=device), **with_cache(model, cache), use_cache=True,
+                    logits_to_keep=1)
+    return Prefix(tokens, cache_of(out))
+
+
+class PrefixCache:
+    """Key/value caches of token prefixes shared between requests visited in sorted order.
+
+    The prompts of an evaluation form a radix tree over their token ids (a few-shot
+    preamble is an inner node, each question a leaf), as in SGLang's RadixAttention.
+    Visiting the prompts sorted by their token ids walks that tree depth first, so the
+    caches worth keeping are those on the path from the root to the current prompt: a
+    stack of ``Prefix``es, each extending the one below it. A branch point (the prefix
+    the new prompt shares with the previous one) gets an entry of its own when it adds at
+    least ``min_shared`` tokens; entries off the current path are dropped, so memory is
+    bounded by the path (at most ``max_depth`` entries), not by the number of prompts.
+    """
+
+    def __init__(self, model: torch.nn.Module, min_shared: int = 32, max_depth: int = 4):
+        self.model, self.min_shared, self.max_depth = model, min_shared, max_depth
+        self.path: list[Prefix] = []
+        self.last = Prefix((), None)
+
+    def encode(self, tokens: Sequence[int]) -> Prefix:
+        """The cache of ``tokens``, computing only what the path does not hold."""
+        tokens = tuple(tokens)
+        if tokens == self.last.tokens:  # the same prompt again (e.g. truthfulqa_mc1 and _mc2)
+            return self.last
+        while self.path and tokens[: len(self.path[-1].tokens)] != self.path[-1].tokens:
+            self.path.pop()
+        top = self.path[-1] if self.path else None
+        branch = common_prefix([self.last.tokens, tokens])
+        if len(branch) < len(tokens) and len(branch) - (len(top.tokens) if top else 0) >= self.min_shared:
+            top = _truncated(self.last, len(branch)) or encode_prefix(self.model, branch, base=top)
+            self.path = (self.path + [top])[-self.max_depth:]
+        self.last = encode_prefix(self.model, tokens, base=top)
+        return self.last
+
+
+def _truncated(prefix: Prefix, length: int) -> Prefix | None:
+    """``prefix`` cut to its first ``length`` tokens, reading its cache (full-attention layers only, else None)."""
+    if prefix.cache is None or not all(map(_full_attention, prefix.cache.layers)):
+        return None  # a sliding-window layer no longer holds the early tokens
+    cache = cache_rows(prefix.cache, [0])
+    cache.crop(length - len(prefix.tokens))
+    return Prefix(prefix.tokens[:length], cache)
+
+
+def own_part(prefix: Prefix, shared: Prefix) -> Prefix | None:
+    """What ``prefix`` (which extends ``shared``) holds beyond ``shared``: its full-attention
+    layers cut to the tokens after ``shared`` (a copy, so the shared part is not kept twice);
+    sliding-window layers, which hold at most their window, whole. None when nothing is beyond."""
+    if len(prefix.tokens) == len(shared.tokens):
+        return None
+    if shared.cache is None:
+        return prefix
+    cut = len(shared.tokens)
+
+    def beyond(i, layer):
+        if _full_attention(layer):
+            layer.keys, layer.values = layer.keys[..., cut:, :].clone(), layer.values[..., cut:, :].clone()
+
+    return Prefix(prefix.tokens, _layerwise(prefix.cache, beyond))
+
+
+def joined(shared: Prefix, own: Prefix | None) -> Prefix:
+    """The cache of ``own.tokens`` from the shared part and an example's own part (``own_part``);
+    new tensors, so neither part is ever written."""
+    if own is None:
+        return shared
+    if shared.cache is None:
+        return own
+
+    def after_shared(i, layer):
+        if _full_attention(layer):
+            base = shared.cache.layers[i]
+            layer.keys = torch.cat([base.keys, layer.keys], dim=-2)
+            layer.values = torch.cat([base.values, layer.values], dim=-2)
+
+    return Prefix(own.tokens, _layerwise(own.cache, after_shared))
+
+
+def _layerwise(cache, change: Callable[[int, object], None]):
+    """A shallow copy of ``cache`` whose layers are copies, each handed to ``change(i, layer)``
+    to rebind its tensors; ``cache`` itself is never written."""
+    new = copy.copy(cache)
+    new.layers = []
+    for i, layer in enumerate(cache.layers):
+        layer = copy.copy(layer)
+        change(i, layer)
+        new.layers.append(layer)
+    return new
+
+
+def _full_attention(layer) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
+def broadcast_cache(cache, rows: int):
+    """A cache whose every layer reads the batch-1 ``cache`` for ``rows`` rows."""
+    return cache_rows(cache, [0] * rows)
+
+
+def cache_rows(cache, index: Sequence[int]):
+    """A cache whose row i is row ``index[i]`` of ``cache`` (None stays None).
+
+    A batch-1 cache is shared through ``expand`` views, others are gathered. A forward
+    pass concatenates new keys onto the copy's layers and so never writes into ``cache``.
+    """
+    if cache is None:
+        return None
+
+    def gather(i, layer):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            if layer.keys.shape[0] == 1:
+                layer.keys = layer.keys.expand(len(index), *layer.keys.shape[1:])
+                layer.values = layer.values.expand(len(index), *layer.values.shape[1:])
+            else:
+                rows = torch.tensor(list(index), device=layer.keys.device)
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+    return _layerwise(cache, gather)
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The longest token prefix shared by all of ``seqs``."""
+    first = tuple(seqs[0])
+    n = len(first)
+    for seq in seqs[1:]:
+        n = min(n, len(seq))
+        n = next((i for i in range(n) if seq[i] != first[i]), n)
+    return first[:n]
