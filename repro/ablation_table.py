@@ -15,10 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import BENCHMARKS  # noqa: E402
+from repro import cache, profiles, tables
+from repro.profiles import BENCHMARKS
 
 VARIANTS = {  # row label (the paper's) -> MariLM model_args; None: the base model
     "Vanilla": None,
@@ -28,7 +26,7 @@ VARIANTS = {  # row label (the paper's) -> MariLM model_args; None: the base mod
 }
 
 
-def run(profile: common.Profile, store: common.Store, columns=BENCHMARKS) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> dict:
     from tqdm import tqdm
 
     cells: dict = {}
@@ -38,27 +36,27 @@ def run(profile: common.Profile, store: common.Store, columns=BENCHMARKS) -> dic
         bundles = {}
         if model_args is not None:
             bundles = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
-        common.tally(cells, model, label, common.score(store, profile, model, seed, columns, bundles, model_args or ""))
+        tables.tally(cells, model, label, cache.score(store, profile, model, seed, columns, bundles, model_args or ""))
     return cells
 
 
 def paper_figures(model: str):
     """The paper's Table 2 rows for the paper model closest to ``model`` that it ablates (Llama-3-8B,
     Qwen2.5-14B, Qwen2.5-32B)."""
-    rows = common.paper_rows("table2_ablation")
-    closest = common.CLOSEST_PAPER_MODEL.get(model)
+    rows = tables.paper_rows("table2_ablation")
+    closest = profiles.CLOSEST_PAPER_MODEL.get(model)
     paper_model = closest if any(r["model"] == closest for r in rows) else "Llama-3-8B"
     return paper_model, {r["variant"]: r for r in rows if r["model"] == paper_model}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = common.start(__doc__, "ablation_table.py", argv)
+    args, profile, store, command = profiles.start(__doc__, "ablation_table.py", argv)
     started = time.time()
-    columns = common.select(BENCHMARKS, args.columns)
+    columns = profiles.select(BENCHMARKS, args.columns)
     cells = run(profile, store, columns)
     intro = ("Ours: mean ± std over seeds; n = test documents per cell. The paper ablates Llama-3-8B and "
              "Qwen2.5-14B/32B; its column is Llama-3-8B here: a different, far larger model.")
-    common.write_tables(Path(args.out), "ablation_table", "Table 2: ablations", intro, cells,
+    tables.write_tables(Path(args.out), "ablation_table", "Table 2: ablations", intro, cells,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store)
     return 0
 

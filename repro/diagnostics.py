@@ -17,16 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from mari_eval.files import atomic_write, atomic_write_json
+from repro import cache, profiles, tables
 
 TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
          "bbq": ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
          "sorry_bench": ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")}
 
 
-def run(profile: common.Profile, store: common.Store) -> dict:
+def run(profile: profiles.Profile, store: cache.Store) -> dict:
     from tqdm import tqdm
 
     from mari_eval.methods import load_bundle
@@ -37,8 +36,8 @@ def run(profile: common.Profile, store: common.Store) -> dict:
         bundle_dir = store.bundle("mari", attribute, model, seed, profile)
         bundle = load_bundle(bundle_dir)
         column = TASKS[attribute]
-        gated = common.score(store, profile, model, seed, [column], {attribute: bundle_dir})[column[0]]
-        ungated = common.score(store, profile, model, seed, [column], {attribute: bundle_dir}, "gate=false")[column[0]]
+        gated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir})[column[0]]
+        ungated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir}, "gate=false")[column[0]]
         out.setdefault(model, {})[f"{attribute} (seed {seed})"] = {
             "task": column[1], "n": gated["n"], "tau_E": bundle.tau,
             "ctrl_energy": bundle.tensors["ctrl_energy"].tolist(),
@@ -69,7 +68,7 @@ def markdown(diag: dict, command: str, wall: float, cost: str) -> str:
 
 
 def plot(diag: dict, path: Path) -> None:
-    plt = common.pyplot()
+    plt = tables.pyplot()
     panels = [(model, name, d) for model, bundles in diag.items() for name, d in bundles.items()]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
     for ax, (model, name, d) in zip(axes[0], panels):
@@ -80,22 +79,22 @@ def plot(diag: dict, path: Path) -> None:
         ax.set_title(f"{name}\n{model}", fontsize=8)
         ax.set_xlabel("propagation energy E")
     axes[0][0].legend(fontsize=7)
-    common.save_figure(fig, path)
+    tables.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = common.start(__doc__, "diagnostics.py", argv)
+    args, profile, store, command = profiles.start(__doc__, "diagnostics.py", argv)
     started = time.time()
     diag = run(profile, store)
     wall = time.time() - started
     out = Path(args.out)
-    common.write_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,
-                                                  "placement": common.asdict(store.placement),
+    atomic_write_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,
+                                                  "placement": profiles.asdict(store.placement),
                                                   "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(),
                                                   "computed_now": store.computed,
                                                   "bundles": diag})
-    md = markdown(diag, command, wall, common.cost(store))
-    common.write_text(out / "diagnostics.md", md)
+    md = markdown(diag, command, wall, tables.cost(store))
+    atomic_write(out / "diagnostics.md", md)
     plot(diag, out / "diagnostics_energy.png")
     print(md)
     return 0

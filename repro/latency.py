@@ -18,15 +18,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
-import common  # noqa: E402
+from repro import bench
+from repro import cache, profiles, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 
 
-def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int) -> dict:
     from tqdm import tqdm
 
     cells: dict = {}
@@ -35,7 +33,7 @@ def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int)
         method = ROWS[label]
         bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
         args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens,
-                               **common.asdict(store.placement))  # bench's worker loads the model in this placement
+                               **profiles.asdict(store.placement))  # bench's worker loads the model in this placement
         result = bench.run_one(args, "vanilla", str(bundle) if bundle else None, "gen")
         row = cells.setdefault(model, {}).setdefault(label, {})
         for column, value in (("ftl_ms", 1000 * result["first_token_s"]), ("tps", result["tokens_per_s"]),
@@ -53,7 +51,7 @@ def run(profile: common.Profile, store: common.Store, prompts: int, tokens: int)
 
 
 def paper_figures(model: str):
-    rows = {r["method"]: dict(r) for r in common.paper_rows("table4_latency")}
+    rows = {r["method"]: dict(r) for r in tables.paper_rows("table4_latency")}
     for row in rows.values():  # the paper's ratios to its base model, for the x_base columns
         base = rows["Base Model"]
         for column in ("ftl_ms", "tps", "ttlt_s"):
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--prompts", type=int, default=10)
         parser.add_argument("--tokens", type=int, default=128)
 
-    args, profile, store, command = common.start(__doc__, "latency.py", argv, sizes)
+    args, profile, store, command = profiles.start(__doc__, "latency.py", argv, sizes)
     prompts, tokens = (2, 4) if profile.name == "smoke" else (args.prompts, args.tokens)
     started = time.time()
     cells = run(profile, store, prompts, tokens)
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
              "gate_rate: fraction of the prompts on which MARI's gate opened (ours only). "
              "The paper's absolute numbers come from other hardware and models.")
     columns = ["ftl_ms", "ftl_ms_x_base", "tps", "tps_x_base", "ttlt_s", "ttlt_s_x_base", "gate_rate"]
-    common.write_tables(Path(args.out), "latency", "Table 4: inference cost", intro, cells, columns, paper_figures,
+    tables.write_tables(Path(args.out), "latency", "Table 4: inference cost", intro, cells, columns, paper_figures,
                         profile, command, time.time() - started, store)
     return 0
 

@@ -11,7 +11,7 @@ TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train`
 evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
 ARC-Challenge (25-shot) under the TruthfulQA-trained intervention. Every bundle and
-every evaluation is cached under runs/ by its configuration (repro/common.py): an
+every evaluation is cached under runs/ by its configuration (repro/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
 
 Writes results/main_table.{json,md,tex} (or --out): mean ± std over seeds, the number of
@@ -25,16 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import BENCHMARKS, METHOD_LABELS, METHODS  # noqa: E402
+from repro import cache, profiles, tables
+from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
 # Beside the judged refusal rate: the keyword rate (no judge needed), ours only.
 EXTRA = [("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")]
 
 
-def run(profile: common.Profile, store: common.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA) -> dict:
     """{model: {method: {column: {"values": [per seed], "n": docs}}}} for the profile."""
     from tqdm import tqdm
 
@@ -45,24 +43,24 @@ def run(profile: common.Profile, store: common.Store, methods: list[str] = METHO
         if method != "vanilla":
             for attribute in sorted({c[3] for c in columns}):
                 bundles[attribute] = store.bundle(method, attribute, model, seed, profile)
-        common.tally(cells, model, method, common.score(store, profile, model, seed, columns, bundles))
+        tables.tally(cells, model, method, cache.score(store, profile, model, seed, columns, bundles))
     return cells
 
 
 def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
-    paper_model = common.CLOSEST_PAPER_MODEL.get(model, "Llama-2-7B")
-    return paper_model, {r["method"]: r for r in common.paper_rows("table1_main") if r["model"] == paper_model}
+    paper_model = profiles.CLOSEST_PAPER_MODEL.get(model, "Llama-2-7B")
+    return paper_model, {r["method"]: r for r in tables.paper_rows("table1_main") if r["model"] == paper_model}
 
 
 def main(argv: list[str] | None = None) -> int:
     methods_arg = lambda p: p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    args, profile, store, command = common.start(__doc__, "main_table.py", argv, methods_arg)
+    args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, methods_arg)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     started = time.time()
-    columns = common.select(BENCHMARKS + EXTRA, args.columns)
+    columns = profiles.select(BENCHMARKS + EXTRA, args.columns)
     cells = run(profile, store, methods, columns)
     labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
@@ -70,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
              "MMLU and ARC run under the TruthfulQA-trained intervention. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
              "not the same model, not comparable in size.")
-    common.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
+    tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store)
     return 0
 

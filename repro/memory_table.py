@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from mari_eval import memory
+from mari_eval.files import atomic_write, atomic_write_json
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from mari_eval import memory  # noqa: E402
-from mari_eval.files import atomic_write, atomic_write_json  # noqa: E402
-
-# Shapes from the models' public config.json files (the checkpoints repro/common.py's paper profile names).
+# Shapes from the models' public config.json files (the checkpoints repro/profiles.py's paper profile names).
 PAPER_SHAPES = {
     "Llama-2-7B": transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),

@@ -17,16 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import BENCHMARKS  # noqa: E402
+from repro import cache, profiles, tables
+from repro.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
 GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_mmlu": "mmlu"}  # how often the gate opened there
 
 
-def run(profile: common.Profile, store: common.Store, ks: list[int], rhos: list[float]) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float]) -> dict:
     from tqdm import tqdm
 
     cells: dict = {}
@@ -37,19 +35,19 @@ def run(profile: common.Profile, store: common.Store, ks: list[int], rhos: list[
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, {"K": K} if K != 4 else None)
         model_args = f"rho={value}" if axis == "rho" else ""
         label = f"K={K}" if axis == "K" else f"rho={value}"
-        scores = common.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args)
-        common.tally(cells, model, label, common.add_gate_rates(scores, GATE_COLUMNS))
+        scores = cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args)
+        tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
     return cells
 
 
 def plot(cells: dict, axis: str, points: list, path: Path) -> None:
-    plt = common.pyplot()
+    plt = tables.pyplot()
     panels = [([column], f"{column} (%)") for column, *_rest in COLUMNS] + [(list(GATE_COLUMNS), "gate rate")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (columns, ylabel) in zip(axes, panels):
         for model, rows in cells.items():
             for column in columns:
-                means = [common.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
+                means = [tables.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
                 ax.plot(points, means, marker="o", label=model if len(columns) == 1 else f"{model}: {column}")
         ax.set_xlabel(axis)
         ax.set_ylabel(ylabel)
@@ -57,7 +55,7 @@ def plot(cells: dict, axis: str, points: list, path: Path) -> None:
         if ax in (axes[0], axes[-1]):
             ax.legend(fontsize=7)
     fig.suptitle(f"MARI sensitivity to {axis} (TruthfulQA-trained; ours)")
-    common.save_figure(fig, path)
+    tables.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--ks", default="1,2,3,4,5,6")
         parser.add_argument("--rhos", default="0.7,0.8,0.9")
 
-    args, profile, store, command = common.start(__doc__, "sensitivity.py", argv, points)
+    args, profile, store, command = profiles.start(__doc__, "sensitivity.py", argv, points)
     ks, rhos = [int(k) for k in args.ks.split(",")], [float(r) for r in args.rhos.split(",")]
     started = time.time()
     cells = run(profile, store, ks, rhos)
     out = Path(args.out)
-    common.write_tables(out, "sensitivity", "Sensitivity to K and rho", "Scores in %; gate columns: fraction of documents on which the gate opened. The paper shows figures only.", cells,
+    tables.write_tables(out, "sensitivity", "Sensitivity to K and rho", "Scores in %; gate columns: fraction of documents on which the gate opened. The paper shows figures only.", cells,
                         [c[0] for c in COLUMNS] + list(GATE_COLUMNS), lambda model: ("(figures only)", {}), profile, command,
                         time.time() - started, store)
     plot(cells, "K", ks, out / "sensitivity_k.png")

@@ -17,9 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from repro import cache, profiles, tables
 
 RHOS = [0.5, 0.7, 0.9, 1.0]
 COLUMNS = [("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
@@ -27,7 +25,7 @@ COLUMNS = [("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
 GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_gsm8k": "gsm8k"}  # how often the gate opened there (ours only)
 
 
-def run(profile: common.Profile, store: common.Store, rhos: list[float] = RHOS) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS) -> dict:
     from tqdm import tqdm
 
     cells: dict = {}
@@ -35,8 +33,8 @@ def run(profile: common.Profile, store: common.Store, rhos: list[float] = RHOS) 
     steps = [(m, s, r) for m in profile.models for s in profile.seeds for r in rows]
     for model, seed, (label, model_args) in tqdm(steps, desc="gsm8k transfer", unit="row"):
         bundles = {} if model_args is None else {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
-        scores = common.score(store, profile, model, seed, COLUMNS, bundles, model_args or "")
-        common.tally(cells, model, label, common.add_gate_rates(scores, GATE_COLUMNS))
+        scores = cache.score(store, profile, model, seed, COLUMNS, bundles, model_args or "")
+        tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
     for by_label in cells.values():  # the change from Vanilla, per seed
         base = by_label["Vanilla"]
         for by_column in by_label.values():
@@ -48,19 +46,19 @@ def run(profile: common.Profile, store: common.Store, rhos: list[float] = RHOS) 
 
 
 def paper_figures(model: str):
-    return "Llama-3-8B", {r["setting"]: r for r in common.paper_rows("table3_transfer")}
+    return "Llama-3-8B", {r["setting"]: r for r in tables.paper_rows("table3_transfer")}
 
 
 def main(argv: list[str] | None = None) -> int:
     rhos_arg = lambda p: p.add_argument("--rhos", default=",".join(map(str, RHOS)))
-    args, profile, store, command = common.start(__doc__, "transfer_gsm8k.py", argv, rhos_arg)
+    args, profile, store, command = profiles.start(__doc__, "transfer_gsm8k.py", argv, rhos_arg)
     started = time.time()
     cells = run(profile, store, [float(r) for r in args.rhos.split(",")])
     intro = ("Scores in %; gate columns (ours only): fraction of documents on which the gate opened. The MARI "
              "bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, strict exact match). "
              "The paper's Table 3 is for Llama-3-8B.")
     columns = ["tqa_mc1", "tqa_mc1_delta", "gsm8k", "gsm8k_delta"] + list(GATE_COLUMNS)
-    common.write_tables(Path(args.out), "transfer_gsm8k", "Table 3: GSM8K transfer", intro, cells, columns,
+    tables.write_tables(Path(args.out), "transfer_gsm8k", "Table 3: GSM8K transfer", intro, cells, columns,
                         paper_figures, profile, command, time.time() - started, store)
     return 0
 

@@ -376,14 +376,13 @@ def _dead_pid() -> int:
 
 
 def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_gone(tmp_path, caplog, monkeypatch):
-    from .test_repro import repro_common
+    from repro import cache
 
-    common = repro_common()
-    monkeypatch.setattr(common.socket, "gethostname", lambda: "gpu-node-3.cluster")  # dashes and dots, as hosts have
+    monkeypatch.setattr(cache.socket, "gethostname", lambda: "gpu-node-3.cluster")  # dashes and dots, as hosts have
     final = tmp_path / "mari-truthfulqa-s0-0123456789abcdef0123"
-    mine = common.partial_dir(final)
+    mine = cache.partial_dir(final)
     assert mine.name == f"{final.name}.partial-gpu_node_3.cluster-{os.getpid()}"
-    assert common._partial_owner(mine) == ("gpu_node_3.cluster", os.getpid())
+    assert cache._partial_owner(mine) == ("gpu_node_3.cluster", os.getpid())
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         dead = _dead_pid()
@@ -398,7 +397,7 @@ def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_go
         for suffix in partials.values():
             (tmp_path / f"{final.name}.partial-{suffix}").mkdir()
         with caplog.at_level(logging.INFO, logger="repro"):
-            common._remove_abandoned(tmp_path.glob(f"{final.name}.partial-*"))
+            cache._remove_abandoned(tmp_path.glob(f"{final.name}.partial-*"))
         left = {what for what, suffix in partials.items() if (tmp_path / f"{final.name}.partial-{suffix}").is_dir()}
         assert left == {"another host, its process unknown here", "another host, a pid alive here",
                         "this host, process alive", "earlier name (no host), process alive"}
@@ -409,17 +408,16 @@ def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_go
 
 
 def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, caplog):
-    from .test_repro import repro_common
+    from repro import cache
 
-    common = repro_common()
     final = tmp_path / "mari-truthfulqa-s0-0123456789abcdef0123"
-    odd = ["old", "²", "99999999999999999999", f"{common._host()}-99999999999", "0", f"{common._host()}-"]
+    odd = ["old", "²", "99999999999999999999", f"{cache._host()}-99999999999", "0", f"{cache._host()}-"]
     for suffix in odd:
         (tmp_path / f"{final.name}.partial-{suffix}").mkdir()
-    not_a_directory = tmp_path / f"{final.name}.partial-{common._host()}-{_dead_pid()}"
+    not_a_directory = tmp_path / f"{final.name}.partial-{cache._host()}-{_dead_pid()}"
     not_a_directory.write_text("a file, not a bundle directory")
     with caplog.at_level(logging.INFO, logger="repro"):
-        common._remove_abandoned(sorted(tmp_path.glob(f"{final.name}.partial-*")))  # raised ValueError/OverflowError
+        cache._remove_abandoned(sorted(tmp_path.glob(f"{final.name}.partial-*")))  # raised ValueError/OverflowError
     assert all((tmp_path / f"{final.name}.partial-{suffix}").is_dir() for suffix in odd) and not_a_directory.is_file()
     assert caplog.text.count("left alone") == len(odd) + 1
     assert f"{final.name}.partial-old: not a partial bundle of ours (a directory NAME.partial-HOST-PID); left alone" \
@@ -434,31 +432,29 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
 def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog, damage):
     """Not JSON, missing "seconds", not UTF-8, not an object: evaluated again (it is a cache of what this
     run can recompute), where it raised JSONDecodeError or KeyError: 'seconds' before."""
-    from .test_repro import repro_common
+    from repro import cache
 
-    common = repro_common()
     calls = []
 
     def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement):
         calls.append(tasks)
         return {t: {"metrics": {"acc,none": 0.75}, "n": limit, "seconds": 4.0} for t in tasks}
 
-    monkeypatch.setattr(common, "_evaluate", evaluate)
-    store = common.Store(tmp_path)
+    monkeypatch.setattr(cache, "_evaluate", evaluate)
+    store = cache.Store(tmp_path)
     first = store.evaluations("smollm2-135m-instruct", ["arc_easy", "arc_challenge"], 2)
     (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
     path.write_bytes(damage.encode("utf-8", "surrogateescape"))
     with caplog.at_level(logging.WARNING, logger="repro"):
-        again = common.Store(tmp_path).evaluations("smollm2-135m-instruct", ["arc_easy", "arc_challenge"], 2)
+        again = cache.Store(tmp_path).evaluations("smollm2-135m-instruct", ["arc_easy", "arc_challenge"], 2)
     assert calls == [["arc_easy", "arc_challenge"], ["arc_easy"]]  # the damaged one only
     assert again == first and json.loads(path.read_text())["seconds"] == 4.0
     assert f"{path} is damaged (" in caplog.text and "evaluating again, the new result replaces it" in caplog.text
 
 
 def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog):
-    from .test_repro import repro_common
+    from repro import cache, profiles
 
-    common = repro_common()
     trained = []
 
     def train(method, attribute, model, seed, out, **kwargs):
@@ -468,11 +464,11 @@ def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(
         return methods_bundle.save(out)
 
     monkeypatch.setattr("mari_eval.train.train", train)
-    final = common.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, common.PROFILES["smoke"])
+    final = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, profiles.PROFILES["smoke"])
     (final / "bundle.json").write_text('{"method": "mari", "train_sec')  # cut short
     with caplog.at_level(logging.WARNING, logger="repro"):
-        store = common.Store(tmp_path)
-        again = store.bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, common.PROFILES["smoke"])
+        store = cache.Store(tmp_path)
+        again = store.bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, profiles.PROFILES["smoke"])
     assert again == final and len(trained) == 2 and store.step_seconds == {final.name: 2.0}
     assert methods.load_bundle(final).config["train_seconds"] == 2.0
     assert f"{final / 'bundle.json'} is damaged (JSONDecodeError" in caplog.text

@@ -1,7 +1,5 @@
 """The repro scripts run end to end on tiny workloads (so that none rots)."""
 
-import functools
-import importlib.util
 import json
 import signal
 import subprocess
@@ -14,15 +12,6 @@ import pytest
 from .conftest import REPO
 
 pytestmark = pytest.mark.needs_data
-
-
-@functools.cache
-def repro_common():
-    """repro/common.py as a module (the scripts import it as ``common`` from their own folder)."""
-    spec = importlib.util.spec_from_file_location("repro_common", REPO / "repro" / "common.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # registered: its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_times_hf_and_ours_on_the_same_requests(tmp_path):

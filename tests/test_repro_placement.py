@@ -9,18 +9,19 @@ import pytest
 
 from mari_eval.devices import Placement
 
-from .test_repro import _repro, repro_common
+from repro import cache, profiles
+
+from .test_repro import _repro
 
 MODEL = "smollm2-135m-instruct"  # a float32 checkpoint
 
 
 def _placement(monkeypatch, cuda: bool, *argv: str) -> Placement:
-    common = repro_common()
     monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
     parser = argparse.ArgumentParser()
-    common.add_common_args(parser)
+    profiles.add_common_args(parser)
     args = parser.parse_args(argv)
-    return common.placement_from_args(args, common.profile_from_args(args))
+    return profiles.placement_from_args(args, profiles.profile_from_args(args))
 
 
 @pytest.mark.parametrize("cuda,argv,expected", [
@@ -45,23 +46,21 @@ def test_memory_caps_without_a_device_map_are_refused(monkeypatch):
 
 
 def test_every_script_documents_the_flags_and_the_paper_default():
-    common = repro_common()
     parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser)
+    profiles.add_common_args(parser)
     text = " ".join(parser.format_help().split())
     for flag in ("--dtype {auto,float32,bfloat16,float16}", "--device DEVICE", "--device-map {auto}", "--max-memory"):
         assert flag in text
     assert "--profile paper on a machine with CUDA defaults to --dtype bfloat16 --device-map auto" in text
-    assert "--dtype bfloat16 --device-map auto" in " ".join(common.Profile.__doc__.split())
+    assert "--dtype bfloat16 --device-map auto" in " ".join(profiles.Profile.__doc__.split())
 
 
 def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
-    common = repro_common()
     config = {"kind": "evaluation", "model": MODEL, "task": "truthfulqa_mc1_heldout", "limit": 2}  # as before placements
-    keyed = lambda placement, model=MODEL: common.config_key(common._with_placement(config, placement, model))
-    earlier = common.config_key(config)
+    keyed = lambda placement, model=MODEL: cache.config_key(cache._with_placement(config, placement, model))
+    earlier = cache.config_key(config)
     # dtype auto on a float32 checkpoint computes in float32, as every step cached before the flags did: same key.
-    assert common.resolved_dtype("auto", MODEL) == "float32"
+    assert cache.resolved_dtype("auto", MODEL) == "float32"
     assert keyed(Placement()) == keyed(Placement(dtype="float32")) == earlier
     # Devices and device maps move results by rounding only: not in the key.
     assert keyed(Placement(dtype="float32", device="cpu")) == earlier
@@ -70,10 +69,10 @@ def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
     others = {keyed(Placement(dtype=d)) for d in ("bfloat16", "float16")}
     assert len(others) == 2 and earlier not in others
     # dtype auto that cannot be resolved (a model not on this machine, offline) is keyed apart from float32.
-    assert common.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
+    assert cache.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
 
 
-# The configurations every step was cached under before placements existed (repro/common.py, Store):
+# The configurations every step was cached under before placements existed (repro/cache.py, Store):
 # the default placement must keep these keys, so that runs/ stays valid.
 EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", "model": MODEL, "seed": 0, "max_train": 4,
                   "max_ctrl": 2, "max_pca": 24, "hyperparameters": {}}
@@ -82,7 +81,6 @@ EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", 
 
 
 def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, monkeypatch):
-    common = repro_common()
     calls = []
 
     def train(method, attribute, model, seed, out, **kwargs):  # records its arguments, writes an empty bundle
@@ -94,10 +92,10 @@ def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, m
     monkeypatch.setattr("mari_eval.train.train", train)
     placements = {"default": Placement(), "float32": Placement(dtype="float32", device="cpu"),
                   "bf16": Placement(dtype="bfloat16"), "bf16 mapped": Placement(dtype="bfloat16", device_map="auto")}
-    bundles = {name: common.Store(tmp_path, placement=p, max_memory="1GiB").bundle("caa", "truthfulqa", MODEL, 0,
-                                                                                   common.PROFILES["smoke"])
+    bundles = {name: cache.Store(tmp_path, placement=p, max_memory="1GiB").bundle("caa", "truthfulqa", MODEL, 0,
+                                                                                   profiles.PROFILES["smoke"])
                for name, p in placements.items()}
-    assert bundles["default"].name == f"caa-truthfulqa-s0-{common.config_key(EARLIER_BUNDLE)}"  # the earlier key
+    assert bundles["default"].name == f"caa-truthfulqa-s0-{cache.config_key(EARLIER_BUNDLE)}"  # the earlier key
     assert bundles["float32"] == bundles["default"] != bundles["bf16"] == bundles["bf16 mapped"]
     # Trained twice (the float32 and the mapped bf16 requests read back the first two), in the placement asked for.
     assert [c["placement"] for c in calls] == [placements["default"], placements["bf16"]]
@@ -107,27 +105,25 @@ def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, m
 
 
 def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, monkeypatch):
-    common = repro_common()
     calls = []
 
     def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement):
         calls.append(placement)
         return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "model_dtype": placement.dtype} for t in tasks}
 
-    monkeypatch.setattr(common, "_evaluate", evaluate)
+    monkeypatch.setattr(cache, "_evaluate", evaluate)
     files = {}
     for name, placement in {"default": Placement(), "float32": Placement(dtype="float32"),
                             "bf16": Placement(dtype="bfloat16")}.items():
-        common.Store(tmp_path, placement=placement).evaluations(MODEL, ["arc_easy"], 2)
+        cache.Store(tmp_path, placement=placement).evaluations(MODEL, ["arc_easy"], 2)
         files[name] = {p.name for p in (tmp_path / "evaluations").iterdir()} - set().union(*files.values())
-    assert files["default"] == {f"arc_easy-{common.config_key(EARLIER_EVALUATION)}.json"}  # the earlier key
+    assert files["default"] == {f"arc_easy-{cache.config_key(EARLIER_EVALUATION)}.json"}  # the earlier key
     assert files["float32"] == set() and len(files["bf16"]) == 1  # float32 read back the default's; bf16 its own
     assert calls == [Placement(), Placement(dtype="bfloat16")]
 
 
 @pytest.mark.needs_data
 def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
-    common = repro_common()
     runs, out = tmp_path / "runs", tmp_path / "results"
     # Vanilla on one MMLU question: the cheapest real evaluation (the bundles' placement is tested above).
     _repro("main_table.py", (runs, out), "--methods", "vanilla", "--columns", "mmlu", "--dtype", "bfloat16")
@@ -138,6 +134,6 @@ def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
     stored = json.loads(path.read_text())
     assert stored["model_dtype"] == "bfloat16" and stored["placement_used"]["dtype"] == "bfloat16"  # computed in bf16
     assert stored["config"]["placement"] == {"dtype": "bfloat16"}
-    assert path.stem.endswith(common.config_key(stored["config"]))  # stored under its bf16 configuration's key...
+    assert path.stem.endswith(cache.config_key(stored["config"]))  # stored under its bf16 configuration's key...
     float32 = {k: v for k, v in stored["config"].items() if k != "placement"}
-    assert not path.stem.endswith(common.config_key(float32))  # ...not the float32 (default) request's
+    assert not path.stem.endswith(cache.config_key(float32))  # ...not the float32 (default) request's

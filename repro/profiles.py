@@ -1,0 +1,191 @@
+"""What a repro script runs: the profiles (models, seeds, data sizes), the benchmark columns,
+the command line every script shares (``start``), and the placement it trains and evaluates in.
+
+Every script takes ``mari-eval train``'s placement flags (``--dtype``, ``--device``,
+``--device-map``, ``--max-memory-per-gpu``, ``--max-cpu-memory``): one ``Placement`` for
+the bundles it trains and the evaluations it runs (``placement_from_args``).
+"""
+
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = REPO / "results" / "paper"
+log = logging.getLogger("repro")
+
+METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]
+METHOD_LABELS = {"vanilla": "Vanilla", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI", "reft": "ReFT", "mari": "MARI"}
+
+# Benchmarks of Table 1: (column of table1_main.csv, lm-eval task, metric, the attribute whose bundle answers it).
+# MMLU and ARC run under the TruthfulQA-trained intervention: general capability under the edit.
+BENCHMARKS = [
+    ("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
+    ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
+    ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
+    ("sorry_refusal", "sorry_bench_heldout", "refusal_rate,none", "sorry_bench"),
+    ("mmlu", "mmlu", "acc,none", "truthfulqa"),
+    ("arc_e", "arc_easy", "acc,none", "truthfulqa"),
+    ("arc_c", "arc_challenge", "acc,none", "truthfulqa"),
+]
+# Percentages in the paper's table (the others are fractions, as the paper prints them).
+PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k"}
+COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3}
+
+
+@dataclass
+class Profile:
+    """How much of everything a run computes, and (``cuda_placement``) where it runs by default.
+
+    ``cuda_placement``: the placement flags a profile sets on a machine with CUDA
+    (``torch.cuda.is_available()``) when the command line does not give them. The ``paper``
+    profile runs its models in bfloat16 with ``device_map=auto`` there (``--dtype bfloat16
+    --device-map auto``); an explicit ``--dtype`` wins over its dtype, and an explicit
+    ``--device`` or ``--device-map`` over its device map. Without CUDA, and for the other
+    profiles, the defaults are ``mari-eval train``'s: dtype auto (the checkpoint's own),
+    cuda when available, else cpu.
+    """
+
+    name: str
+    models: list[str]
+    seeds: list[int]
+    max_train: dict[str, int | None]  # per attribute: a seeded subset of D_train
+    max_ctrl: int | None  # per control source (None: the whole control split)
+    limits: dict[str, int | None]  # per lm-eval task (MMLU: per subject): first N documents
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  # overrides for every method (e.g. epochs)
+    max_pca: int | None = None  # D_pca prompts for MARI's subspace (None: the whole split)
+    gen_tokens: dict[str, int] = field(default_factory=dict)  # per generation task: max_gen_toks (else the task's)
+    tasks: dict[str, str] = field(default_factory=dict)  # a stand-in per task (smoke: one MMLU subject)
+    cuda_placement: dict[str, str] = field(default_factory=dict)  # flags' defaults on a CUDA machine (see above)
+
+    def task(self, name: str) -> str:
+        return self.tasks.get(name, name)
+
+
+# The paper's models as Hub ids (the paper names sizes, not checkpoints; we take the chat/instruct ones,
+# since SORRY-Bench prompts are chat turns and its appendix uses Llama-3-8B-Instruct).
+PAPER_MODELS = {
+    "Llama-2-7B": "meta-llama/Llama-2-7b-chat-hf",
+    "Llama-2-13B": "meta-llama/Llama-2-13b-chat-hf",
+    "Llama-3-8B": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "Qwen2-7B": "Qwen/Qwen2-7B-Instruct",
+    "Qwen2.5-14B": "Qwen/Qwen2.5-14B-Instruct",
+    "Qwen2.5-32B": "Qwen/Qwen2.5-32B-Instruct",
+}
+# The paper's model closest to each embedded one (same family where there is one, else the smallest).
+CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B", **{v: k for k, v in PAPER_MODELS.items()}}
+
+PROFILES = {
+    # Every script end to end in a few minutes (tests).
+    "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
+                     {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
+                      "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
+                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
+                     tasks={"mmlu": "mmlu_abstract_algebra"}),
+    # The embedded model on 2 CPU cores within the hour: seeded subsets, first-N test documents.
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, 16,
+                     {"truthfulqa_mc1_heldout": 30, "truthfulqa_mc2_heldout": 30, "bbq_disambig_heldout": 30,
+                      "sorry_bench_heldout": 8, "mmlu": 1, "arc_easy": 10, "arc_challenge": 10, "gsm8k": 20},
+                     max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
+    # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
+    "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
+                     None, {}, cuda_placement={"dtype": "bfloat16", "device_map": "auto"}),
+}
+PLACEMENT_HELP = """\
+The frozen model's placement, for the bundles a script trains and the evaluations it runs
+(the flags of `mari-eval train`). --profile paper on a machine with CUDA defaults to
+--dtype bfloat16 --device-map auto: an explicit --dtype replaces its dtype, an explicit
+--device or --device-map its device map. Otherwise: dtype auto (the checkpoint's own;
+float32 for the embedded models), cuda when available, else cpu. The resolved dtype is
+part of every cached step's key under --runs (bf16 and float32 are cached apart)."""
+
+
+def profile_from_args(args) -> Profile:
+    profile = PROFILES[args.profile]
+    if getattr(args, "model", None):
+        profile = Profile(**{**profile.__dict__, "models": [args.model]})
+    if getattr(args, "seeds", None):
+        profile = Profile(**{**profile.__dict__, "seeds": [int(s) for s in args.seeds.split(",")]})
+    return profile
+
+
+def placement_from_args(args, profile: Profile):
+    """The ``train.Placement`` of a script's command line: its flags, else the profile's
+    defaults on a CUDA machine (``Profile.cuda_placement``), else ``mari-eval train``'s."""
+    from mari_eval.devices import Placement
+
+    values = {"dtype": args.dtype, "device": args.device, "device_map": args.device_map,
+              "max_memory_per_gpu": args.max_memory_per_gpu, "max_cpu_memory": args.max_cpu_memory}
+    if profile.cuda_placement:
+        import torch
+
+        if torch.cuda.is_available():
+            defaults = dict(profile.cuda_placement)
+            if values["device"] is not None:  # one device named: no device map of the profile's
+                defaults.pop("device_map", None)
+            values.update({k: v for k, v in defaults.items() if values[k] is None})
+    return Placement(**{**values, "dtype": values["dtype"] or "auto"})
+
+
+def add_common_args(parser) -> None:
+    from mari_eval.cli import add_placement_arguments
+
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="quick",
+                        help="how much to compute (default: quick); paper also defaults to bf16 with --device-map auto "
+                             "on a CUDA machine (see placement below)")
+    parser.add_argument("--smoke", dest="profile", action="store_const", const="smoke", help="same as --profile smoke")
+    parser.add_argument("--model", help="run this model (embedded alias or Hub id) instead of the profile's")
+    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's")
+    parser.add_argument("--runs", default=str(REPO / "runs"), help="where bundles and evaluations are cached")
+    parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
+    parser.add_argument("--force", action="store_true", help="recompute cached steps")
+    parser.add_argument("--columns", help="comma-separated subset of the table's benchmark columns (e.g. tqa_mc1,bbq_acc)")
+    placement = parser.add_argument_group("placement", PLACEMENT_HELP)
+    add_placement_arguments(placement)
+    parser.set_defaults(dtype=None)  # not given: the profile's default (placement_from_args)
+    placement.add_argument("--max-memory", help="as mari-eval train's: what training may keep of the frozen model's work, "
+                                                "e.g. 40GiB (beyond it caches are recomputed; results are the same)")
+
+
+def describe(placement) -> str:
+    """A placement in a log line: dtype bfloat16, device_map auto."""
+    return ", ".join(f"{k} {v}" for k, v in asdict(placement).items() if v is not None)
+
+
+def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
+    """The benchmark columns named in ``--columns`` (all without it)."""
+    if not wanted:
+        return columns
+    names = wanted.split(",")
+    unknown = sorted(set(names) - {c[0] for c in columns})
+    if unknown:
+        raise SystemExit(f"--columns: unknown {unknown}; this table has {[c[0] for c in columns]}")
+    return [c for c in columns if c[0] in names]
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
+    """Parse a repro script's command line: (args, profile, store, the command as it will be recorded)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    if extra_args is not None:
+        extra_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    command = (f"python repro/{script} " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    profile = profile_from_args(args)
+    try:
+        placement = placement_from_args(args, profile)
+    except ValueError as e:
+        parser.error(str(e))
+    from repro.cache import Store
+
+    return args, profile, Store(args.runs, force=args.force, placement=placement, max_memory=args.max_memory), command
