@@ -1,6 +1,5 @@
 """Reimplemented baselines (CAA, ITI, NL-ITI, ReFT) behind ``mari_eval.methods.Intervention``.
 
-They register with ``mari_eval.methods.register_method`` when this package is imported.
+``mari_eval.methods.BUILTIN_METHODS`` names each one's module and class; a module is imported
+(and its class registered) when a bundle or a command first asks for that method.
 """
-
-from baselines import caa, iti, reft  # noqa: F401  (register "caa", "iti", "nl_iti", "reft")

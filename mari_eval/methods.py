@@ -5,8 +5,9 @@ edits the hidden state at the site (through ``mari_eval.site``), and it is saved
 *bundle*: a directory with ``bundle.json`` (method, base model, site, hyperparameters,
 splits, provenance) and ``weights.safetensors``. Loading never unpickles anything.
 
-Methods register themselves with ``@register_method("name")``; ``load_bundle`` reads
-``bundle.json`` and hands the directory to the registered class.
+The built-in methods are named in ``BUILTIN_METHODS`` and imported when first needed; others
+register themselves with ``@register_method("name")``. ``load_bundle`` reads ``bundle.json``
+and hands the directory to the method's class.
 
 What a bundle must hold is declared in ``mari_eval.bundle_spec`` and checked when a
 bundle is loaded and when an intervention is made.
@@ -32,6 +33,16 @@ from mari_eval.plan import BASE, Plan
 
 # Files a new bundle may replace in its directory: its own, and the provenance repro/ writes beside them.
 BUNDLE_FILES = (BUNDLE_JSON, BUNDLE_WEIGHTS, "repro_config.json")
+# The methods that come with mari-eval, by name: "module:Class", imported when first asked for
+# (as lm-eval's registry names its models). A method defined elsewhere registers itself with
+# ``@register_method`` when its module is imported.
+BUILTIN_METHODS = {
+    "mari": "mari_eval.mari:MARI",
+    "caa": "baselines.caa:CAA",
+    "iti": "baselines.iti:ITI",
+    "nl_iti": "baselines.iti:NLITI",
+    "reft": "baselines.reft:ReFT",
+}
 _METHODS: dict[str, type["Intervention"]] = {}
 
 
@@ -45,33 +56,24 @@ def register_method(name: str):
 
 
 def method_class(name: str) -> type["Intervention"]:
-    _import_builtin_methods()
+    """The class of method ``name``, importing its module if it is a built-in one not loaded yet."""
+    if name not in _METHODS and name in BUILTIN_METHODS:
+        import importlib
+
+        module, cls = BUILTIN_METHODS[name].split(":")
+        getattr(importlib.import_module(module), cls)  # registers itself on import
     if name not in _METHODS:
-        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(_METHODS))}")
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     return _METHODS[name]
+
+
+def method_names() -> list[str]:
+    return sorted(set(BUILTIN_METHODS) | set(_METHODS))
 
 
 def option_names() -> set[str]:
     """Every evaluation option some method takes (lm-eval model args that are not HFLM's)."""
-    _import_builtin_methods()
-    return {name for cls in _METHODS.values() for name in cls.option_fields}
-
-
-def method_names() -> list[str]:
-    _import_builtin_methods()
-    return sorted(_METHODS)
-
-
-def _import_builtin_methods() -> None:
-    # Methods live in their own modules and register on import; none is loaded at start-up.
-    import importlib
-
-    for module in ("mari_eval.mari", "baselines"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
+    return {option for name in method_names() for option in method_class(name).option_fields}
 
 
 class Intervention(ABC):
@@ -324,10 +326,9 @@ def load_bundle(directory: str | Path) -> Intervention:
             raise BundleError(f"{path} is missing: '{directory}' is not a complete bundle (train one with `mari-eval train`)")
     config = _read_config(meta_path)
     name = config.pop("method", None)
-    _import_builtin_methods()
-    if not isinstance(name, str) or name not in _METHODS:
-        raise BundleError(f"{meta_path} names method {_shown(name)}; known methods: {sorted(_METHODS) or 'none'}")
-    cls = _METHODS[name]
+    if not isinstance(name, str) or name not in method_names():
+        raise BundleError(f"{meta_path} names method {_shown(name)}; known methods: {method_names()}")
+    cls = method_class(name)
     check_config(cls, config, str(meta_path))  # before the weights: a bad config is named as such
     try:
         tensors = load_file(weights_path)
