@@ -38,6 +38,7 @@ from baselines.common import VALIDATION_FRACTION, validation_loss, validation_sp
 from mari_eval import runner
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
+from mari_eval.epochs import EpochLoop
 from mari_eval.bundle_spec import Float, Int, Str, TensorSpec, check_hyperparameters
 from mari_eval.methods import Intervention, register_method
 
@@ -110,40 +111,37 @@ class ReFT(Intervention):
             p.requires_grad_(True)
         fit_examples, val_examples = validation_split(data.train, seed)
         session.prepare(data.train, "D_train")
-        opt = torch.optim.Adam(params.values(), lr=hp["lr"])
+        loop = EpochLoop("reft", "ReFT", hp["epochs"], params, torch.optim.Adam(params.values(), lr=hp["lr"]),
+                         session.checkpoints)
         base = validation_loss(session, val_examples)
-        history, best = [], (float("inf"), -1, None)
+        best = [float("inf"), -1, None]  # validation loss, epoch, parameters of the best epoch so far
         order = random.Random(f"reft:{seed}")
-        # Resume a killed run after its last finished epoch (mari_eval.checkpoint).
-        done, state, kept = session.checkpoints.restore("reft", params, opt)
-        if done:
-            history = state["history"]
-            order.setstate(_python_rng_state(state["order"]))
-            best = (state["best_validation"], state["best_epoch"], {k: kept[k] for k in params})
-        from tqdm import tqdm
 
-        for epoch in range(done, hp["epochs"]):
+        def batches(epoch):
             batch_order = list(fit_examples)
             order.shuffle(batch_order)
-            losses = []
-            for i in tqdm(range(0, len(batch_order), hp["batch"]), desc=f"ReFT epoch {epoch + 1}", leave=False):
-                opt.zero_grad()
-                batch = batch_order[i : i + hp["batch"]]
-                loss = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"ReFT: non-finite loss at epoch {epoch + 1}, batch {i // hp['batch']}")
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
+
+        def loss(batch):
+            value = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
+            return value, {"loss": value.item()}
+
+        def end_epoch(epoch, parts):
+            losses = [logged["loss"] for _, logged in parts]
             with torch.no_grad():
                 val = sum(float(task_loss(session, ex, hp, params)) for ex in val_examples) / len(val_examples)
-            history.append({"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "validation_loss": val})
-            log.info("ReFT epoch %d: train loss %.4f, validation loss %.4f (base %.4f)", epoch + 1, history[-1]["train_loss"], val, base)
+            record = {"train_loss": sum(losses) / len(losses), "validation_loss": val}
+            log.info("ReFT epoch %d: train loss %.4f, validation loss %.4f (base %.4f)", epoch + 1, record["train_loss"], val, base)
             if val < best[0]:
-                best = (val, epoch + 1, {k: v.detach().clone() for k, v in params.items()})
-            session.checkpoints.save("reft", epoch + 1, params, opt, state={
-                "history": history, "order": order.getstate(), "best_validation": best[0], "best_epoch": best[1]},
-                extra=best[2])
+                best[:] = [val, epoch + 1, {k: v.detach().clone() for k, v in params.items()}]
+            return record
+
+        def restored(state, kept):  # a killed run resumes after its last finished epoch (mari_eval.checkpoint)
+            order.setstate(_python_rng_state(state["order"]))
+            best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
+
+        history = loop.run(batches, loss, end_epoch, restored=restored, extra=lambda: best[2],
+                           state=lambda: {"order": order.getstate(), "best_validation": best[0], "best_epoch": best[1]})
         _, best_epoch, kept = best
         tensors = {"R": orthonormal_rows(kept["free"]).contiguous(), "W": kept["W"].contiguous(), "b": kept["b"].contiguous()}
         config = copy.deepcopy(config)

@@ -20,6 +20,7 @@ from mari_eval.mari_equations import (apply_variants, balance_loss, energy_thres
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       routed_loss, run_energy)
 from mari_eval.bundle_spec import check_hyperparameters
+from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 
@@ -44,17 +45,9 @@ def like(params: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, tor
     return {name: value.to(hidden) for name, value in params.items()}
 
 
-def _batches(n: int, size: int, gen: torch.Generator) -> list[list[int]]:
-    order = torch.randperm(n, generator=gen).tolist()
-    return [order[i : i + size] for i in range(0, n, size)]
-
-
-def _check_finite(loss: torch.Tensor, what: str, epoch: int, step: int, ids: list[str]) -> None:
-    if not torch.isfinite(loss):
-        raise FloatingPointError(
-            f"{what}: loss is {float(loss.detach())} at epoch {epoch + 1}, step {step + 1} (examples {', '.join(ids[:4])}...); "
-            "lower --lr or check the data"
-        )
+def _batches(examples: list, size: int, gen: torch.Generator) -> list[list]:
+    order = torch.randperm(len(examples), generator=gen).tolist()
+    return [[examples[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
 
 
 def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Generator, label: str,
@@ -62,82 +55,61 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
     """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log.
 
     Checkpointed after every epoch as ``stage`` (``session.checkpoints``); a killed run resumes there."""
-    from tqdm import tqdm
-
     p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen, session.site_device)
-    opt = torch.optim.Adam(p.values(), lr=hp["lr"])
+    loop = EpochLoop(stage, label, hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     gamma = hp["gamma"]
-    checkpoints = session.checkpoints
-    done, state, _ = checkpoints.restore(stage, p, opt, gen)
-    history = state.get("history", [])
 
     def edit(h, ids):  # eq:act_phi with s_k = 1, in the model's dtype
         q = like(p, h)
         return h + gamma * lowrank_delta(h, q["U"][ids], q["V"][ids], q["b"][ids])
 
-    for epoch in range(done, hp["epochs"]):
-        sums = {"routed": 0.0, "bal": 0.0, "inter": 0.0, "out": 0.0}
-        usage = torch.zeros(K, dtype=torch.long)
-        batches = _batches(len(examples), hp["batch_size"], gen)
-        for step, idx in enumerate(tqdm(batches, desc=f"{label} epoch {epoch + 1}/{hp['epochs']}", leave=False)):
-            batch = [examples[i] for i in idx]
-            losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
-                                  for ex in batch]).to(session.site_device)
-            hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
-            deltas = torch.stack([gamma * lowrank_delta(hidden, p["U"][[k] * len(batch)], p["V"][[k] * len(batch)],
-                                                        p["b"][[k] * len(batch)]) for k in range(K)], dim=1)  # eq:delta_def
-            route, winners = routed_loss(losses)
-            bal, inter, out = balance_loss(losses, hp["T_bal"]), inter_ortho_loss(p["U"]), out_ortho_loss(deltas)
-            total = route + hp["lambda_bal"] * bal + hp["lambda_inter"] * inter + hp["lambda_out"] * out
-            _check_finite(total, label, epoch, step, [ex.id for ex in batch])
-            opt.zero_grad()
-            total.backward()
-            opt.step()
-            usage += torch.bincount(winners, minlength=K).cpu()
-            for key, value in zip(sums, (route, bal, inter, out)):
-                sums[key] += float(value.detach()) * len(batch)
-        record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()},
+    def loss(batch):
+        losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
+                              for ex in batch]).to(session.site_device)
+        hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
+        deltas = torch.stack([gamma * lowrank_delta(hidden, p["U"][[k] * len(batch)], p["V"][[k] * len(batch)],
+                                                    p["b"][[k] * len(batch)]) for k in range(K)], dim=1)  # eq:delta_def
+        route, winners = routed_loss(losses)
+        bal, inter, out = balance_loss(losses, hp["T_bal"]), inter_ortho_loss(p["U"]), out_ortho_loss(deltas)
+        total = route + hp["lambda_bal"] * bal + hp["lambda_inter"] * inter + hp["lambda_out"] * out
+        parts = {k: v.detach() for k, v in zip(("routed", "bal", "inter", "out"), (route, bal, inter, out))}
+        return total, {**parts, "usage": torch.bincount(winners, minlength=K).cpu()}
+
+    def end_epoch(epoch, parts):
+        usage = sum(logged["usage"] for _, logged in parts)
+        record = {**weighted_means(parts, ("routed", "bal", "inter", "out")),
                   "usage": [round(u / len(examples), 3) for u in usage.tolist()]}
-        history.append(record)
         log.info("%s epoch %d: routed loss %.4f, L_bal %.4f, L_inter %.4f, L_out %.4f, usage %s", label, epoch + 1,
                  record["routed"], record["bal"], record["inter"], record["out"], record["usage"])
         if K > 1 and min(record["usage"]) < 1 / (4 * K):
             log.warning("%s epoch %d: expert usage %s has an expert below 1/(4K): it is collapsing", label, epoch + 1, record["usage"])
-        checkpoints.save(stage, epoch + 1, p, opt, gen, {"history": history})
+        return record
+
+    history = loop.run(lambda epoch: _batches(examples, hp["batch_size"], gen), loss, end_epoch)
     return {k: v.detach() for k, v in p.items()}, history
 
 
 def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, hp: dict[str, Any],
               gen: torch.Generator) -> tuple[dict, list]:
-    """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsub_penalty)."""
-    from tqdm import tqdm
-
+    """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsubspace_penalty)."""
     p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
     p = {"probe_U": p["U"][0].detach().requires_grad_(), "probe_V": p["V"][0].detach().requires_grad_(),
          "probe_b": p["b"][0].detach().requires_grad_()}
-    opt = torch.optim.Adam(p.values(), lr=hp["lr"])
+    loop = EpochLoop("probe", "probe", hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     state_scale = pca_states.pow(2).sum(-1).mean()  # normalises R_off (see the module docstring)
-    checkpoints = session.checkpoints
-    done, state, _ = checkpoints.restore("probe", p, opt, gen)
-    history = state.get("history", [])
-    for epoch in range(done, hp["epochs"]):
-        sums = {"task": 0.0, "off": 0.0}
-        for step, idx in enumerate(tqdm(_batches(len(examples), hp["batch_size"], gen), desc=f"probe epoch {epoch + 1}", leave=False)):
-            batch = [examples[i] for i in idx]
-            task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
-                                            ex.gold)[0] for ex in batch]).mean().to(session.site_device)
-            off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
-            total = task + hp["lambda_off"] * off
-            _check_finite(total, "probe", epoch, step, [ex.id for ex in batch])
-            opt.zero_grad()
-            total.backward()
-            opt.step()
-            sums["task"] += float(task.detach()) * len(batch)
-            sums["off"] += float(off.detach()) * len(batch)
-        record = {"epoch": epoch + 1, **{k: round(v / len(examples), 5) for k, v in sums.items()}}
-        history.append(record)
+
+    def loss(batch):
+        task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
+                                        ex.gold)[0] for ex in batch]).mean().to(session.site_device)
+        off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
+        return task + hp["lambda_off"] * off, {"task": task.detach(), "off": off.detach()}
+
+    def end_epoch(epoch, parts):
+        record = weighted_means(parts, ("task", "off"))
         log.info("probe epoch %d: task loss %.4f, R_off %.4f", epoch + 1, record["task"], record["off"])
-        checkpoints.save("probe", epoch + 1, p, opt, gen, {"history": history})
+        return record
+
+    history = loop.run(lambda epoch: _batches(examples, hp["batch_size"], gen), loss, end_epoch)
     return {k: v.detach() for k, v in p.items()}, history
 
 
