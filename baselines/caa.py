@@ -29,7 +29,7 @@ import torch
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import site
 from mari_eval.plan import Plan
-from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec, check_hyperparameters
+from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
 
@@ -83,8 +83,9 @@ class CAA(Intervention):
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
         "negative_for_generation": Str(optional=True),
     }
-    # What `mari-eval train --set` may give CAA's fit: the grid it chooses from.
-    fit_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True)}
+    label = "CAA"
+    # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
+    training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True)}
 
     @classmethod
     def tensor_spec(cls, config, names):
@@ -98,12 +99,8 @@ class CAA(Intervention):
         return site.edit_from_site(model, self.layer, self.edit, positions)
 
     @classmethod
-    def training_hyperparameters(cls, given, max_pca=None):
-        unknown = set(given) - {"layers", "multipliers"}
-        if unknown:
-            raise ValueError(f"CAA takes the hyperparameters 'layers' and 'multipliers' (lists); got {sorted(unknown)}")
-        check_hyperparameters(cls, given, "CAA's grid", cls.fit_fields)
-        return dict(given)
+    def training_source(cls) -> str:
+        return "CAA's grid"
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):

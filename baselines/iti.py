@@ -45,7 +45,7 @@ from baselines.common import VALIDATION_FRACTION, validation_loss, validation_sp
 from mari_eval import devices, site
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import broadcast_cache, with_cache
-from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec, check_hyperparameters
+from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ class ITI(Intervention):
         "alphas_tried": List(Float(), optional=True), "probe_steps": Int(1, optional=True),
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
     }
-    fit_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True)}
+    label = "ITI"
+    training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True)}
 
     @classmethod
     def tensor_spec(cls, config, names):
@@ -208,12 +209,8 @@ class ITI(Intervention):
             )
 
     @classmethod
-    def training_hyperparameters(cls, given, max_pca=None):
-        unknown = set(given) - {"head_fractions", "alphas"}
-        if unknown:
-            raise ValueError(f"{cls.method} takes the hyperparameters 'head_fractions' and 'alphas' (lists); got {sorted(unknown)}")
-        check_hyperparameters(cls, given, f"{cls.method}'s grid", cls.fit_fields)
-        return dict(given)
+    def training_source(cls) -> str:
+        return f"{cls.method}'s grid"
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
@@ -265,5 +262,6 @@ class ITI(Intervention):
 class NLITI(ITI):
     """NL-ITI: ITI with MLP probes and the multi-token (last 4 tokens) head representation."""
 
+    label = "NL-ITI"
     probe = "mlp"
     tokens = 4

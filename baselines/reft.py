@@ -39,7 +39,7 @@ from mari_eval import runner
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.epochs import EpochLoop
-from mari_eval.bundle_spec import Float, Int, Str, TensorSpec, check_hyperparameters
+from mari_eval.bundle_spec import Float, Int, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,10 @@ class ReFT(Intervention):
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
     }
 
+    label = "ReFT"
+    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS}
+    training_defaults = DEFAULTS
+
     @classmethod
     def tensor_spec(cls, config, names):
         sizes = {"hidden_size": config["base_model"]["hidden_size"]}
@@ -89,15 +93,6 @@ class ReFT(Intervention):
     def prompt_sites(self, length: int) -> list[int]:
         hp = self.config["hyperparameters"]
         return first_and_last(length, int(hp["first"]), int(hp["last"]))
-
-    @classmethod
-    def training_hyperparameters(cls, given, max_pca=None):
-        unknown = set(given) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"ReFT takes the hyperparameters {sorted(DEFAULTS)}; got {sorted(unknown)}")
-        hp = {**DEFAULTS, **given}
-        check_hyperparameters(cls, hp, "ReFT hyperparameters")  # the bundle would be refused
-        return hp
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):

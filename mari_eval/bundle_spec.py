@@ -72,6 +72,10 @@ def Str(optional=False, choices=()) -> Field:
     return Field("str", optional=optional, choices=tuple(choices))
 
 
+def Bool(optional=False) -> Field:
+    return Field("bool", optional=optional)
+
+
 def List(items: Field | None = None, optional=False) -> Field:
     return Field("list", optional=optional, items=items)
 

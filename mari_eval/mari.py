@@ -40,7 +40,7 @@ import torch
 
 from mari_eval import runner
 from mari_eval.mari_equations import apply_variants, energy_threshold, gate_open, option_entropy, run_energy
-from mari_eval.bundle_spec import Float, Int, List, Obj, Str, TensorSpec
+from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 from mari_eval.options import Option
 
@@ -83,6 +83,11 @@ class MARI(Intervention):
         "T_bal": Float(0, lo_open=True, optional=True), "init_scale": Float(0, optional=True),
         **{name: Float(0, optional=True) for name in ("lambda_bal", "lambda_inter", "lambda_out", "lambda_off")},
     }
+    label = "MARI"
+    # `mari-eval train`: every hyperparameter above (DEFAULTS completes them), and single (also
+    # train the one-adapter ablation; mari-eval train --single).
+    training_fields = {**{k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS}, "single": Bool(optional=True)}
+    training_defaults = DEFAULTS
     config_fields = {
         "gate": Obj({"tau_E": Float(finite=False, optional=True),  # -inf: no non-applicable example, always intervene
                      "rho": Float(0, 1, lo_open=True, optional=True), "n_ctrl": Int(0, optional=True),

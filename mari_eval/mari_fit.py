@@ -19,7 +19,6 @@ from mari_eval import generation, runner
 from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       routed_loss, run_energy)
-from mari_eval.bundle_spec import check_hyperparameters
 from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
@@ -157,17 +156,11 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
 
 
 def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
-    """DEFAULTS completed by ``given`` (``single``: also train the one-adapter ablation), checked
-    as the bundle will be; a D_pca subset smaller than the PCA rank is refused too."""
-    from mari_eval.mari import DEFAULTS
-
-    unknown = set(given) - set(DEFAULTS) - {"single"}
-    if unknown:
-        raise ValueError(f"unknown MARI hyperparameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    if type(given.get("single", False)) is not bool:
-        raise ValueError(f"MARI hyperparameter single={given['single']!r}: use true or false (--single)")
-    hp = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None and k != "single"}}
-    check_hyperparameters(cls, hp, "MARI hyperparameters")  # the bundle would be refused
+    """The hyperparameters checked and completed (``Intervention.training_hyperparameters``), less
+    ``single`` (which ``fit_mari`` reads from what was given); a D_pca subset smaller than the PCA
+    rank is refused too."""
+    hp = super(cls, cls).training_hyperparameters(given)
+    hp.pop("single", None)
     if max_pca is not None and max_pca < hp["pca_rank"]:
         raise ValueError(f"--max-pca {max_pca} is below the PCA rank pca_rank={hp['pca_rank']}: the gate's subspace "
                          f"needs at least that many D_pca prompts; raise --max-pca or lower it with --set pca_rank=N")

@@ -26,7 +26,7 @@ import torch
 
 from mari_eval import site
 from mari_eval.bundle_spec import (BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError, Field, TensorSpec, _json_type, _shown, check_bundle,
-                                   check_config, check_tensors)
+                                   check_config, check_hyperparameters, check_tensors)
 from mari_eval.files import atomic_write, atomic_write_json, check_replaceable, recover_directory, replace_directory
 from mari_eval.options import Option, parse_options
 from mari_eval.plan import BASE, Plan
@@ -217,15 +217,32 @@ class Intervention(ABC):
 
     # -- training ----------------------------------------------------------------
 
+    # What `mari-eval train` may set (its flags and --set KEY=VALUE): each key's type and range
+    # (``bundle_spec.Field``), and the defaults that complete what was given. Every method's
+    # training settings are checked by ``training_hyperparameters`` alone.
+    label: ClassVar[str] = "abstract"  # how tables and errors name the method
+    training_fields: ClassVar[dict[str, Field]] = {}
+    training_defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def training_source(cls) -> str:
+        """How errors name the training settings."""
+        return f"{cls.label} hyperparameters"
+
     @classmethod
     def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
         """``given`` (``mari-eval train`` flags and ``--set``) checked and completed: unknown names,
         types and ranges are refused here, before any model or data is loaded (``train.check_arguments``)
         and again at the start of ``fit``. ``max_pca``: the D_pca subset size, for methods that fit a
         subspace on it."""
-        if given:
-            raise ValueError(f"{cls.method} takes no hyperparameters; got {sorted(given)}")
-        return {}
+        unknown = sorted(set(given) - set(cls.training_fields))
+        if unknown:
+            known = ", ".join(sorted(cls.training_fields)) or "none"
+            raise ValueError(f"unknown {cls.label} hyperparameters {unknown}; known: {known} "
+                             "(`mari-eval train --set KEY=VALUE`)")
+        hyperparameters = {**cls.training_defaults, **{k: v for k, v in given.items() if v is not None}}
+        check_hyperparameters(cls, hyperparameters, cls.training_source(), cls.training_fields)
+        return hyperparameters
 
     @classmethod
     def fit(cls, session, data, config: dict[str, Any], hyperparameters: dict[str, Any], seed: int) -> "Intervention":
