@@ -23,28 +23,33 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import site
-from mari_eval.plan import Plan
+from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
+
+if TYPE_CHECKING:
+    from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
 
 MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-def ab_prompt(session, question: str, first: str, second: str, letter: str) -> list[int]:
+def ab_prompt(session: Session, question: str, first: str, second: str, letter: str) -> list[int]:
     """Chat-formatted A/B question ending with the assistant's "(" + letter (CAA's format)."""
     user = f"{question}\n\nChoices:\n(A) {first}\n(B) {second}"
     return session.encode_prompt(session.chat_prompt(user, without_template=user + "\nAnswer:") + f"({letter}")
 
 
-def contrast_pairs(examples, seed: int) -> list[tuple[str, str, str]]:
+def contrast_pairs(examples: list[Example], seed: int) -> list[tuple[str, str, str]]:
     """(question, positive answer, negative answer) per example."""
     rng = random.Random(f"caa:{seed}")
     pairs = []
@@ -58,7 +63,7 @@ def contrast_pairs(examples, seed: int) -> list[tuple[str, str, str]]:
 
 
 @torch.no_grad()
-def steering_vector(session, pairs, layer: int) -> torch.Tensor:
+def steering_vector(session: Session, pairs: list[tuple[str, str, str]], layer: int) -> torch.Tensor:
     """mean(a(letter of positive)) - mean(a(letter of negative)) at ``layer``."""
     diffs = []
     for i, (question, positive, negative) in enumerate(pairs):
@@ -88,14 +93,15 @@ class CAA(Intervention):
     training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True)}
 
     @classmethod
-    def tensor_spec(cls, config, names):
+    def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
         return {"hidden_size": config["base_model"]["hidden_size"]}, {"vector": TensorSpec(("hidden_size",))}
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         hp = self.config["hyperparameters"]
         return hidden + hp["multiplier"] * self.tensors_like(hidden)["vector"]
 
-    def applied(self, model, positions, variant_ids=None):
+    def applied(self, model: torch.nn.Module, positions: Positions,
+                variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
         return site.edit_from_site(model, self.layer, self.edit, positions)
 
     @classmethod
@@ -103,7 +109,8 @@ class CAA(Intervention):
         return "CAA's grid"
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
+    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+            seed: int) -> Intervention:
         hyperparameters = cls.training_hyperparameters(hyperparameters)
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
         fit_examples, val_examples = validation_split(data.train, seed)
@@ -132,6 +139,6 @@ class CAA(Intervention):
         return cls(config, {"vector": vector.contiguous()})
 
 
-def _adding(model, layer: int, shift: torch.Tensor) -> Plan:
+def _adding(model: torch.nn.Module, layer: int, shift: torch.Tensor) -> Plan:
     """The plan adding ``shift`` after ``layer`` from p* on (a candidate of the validation grid)."""
     return Plan((0,), lambda variant_ids, positions: site.edit_from_site(model, layer, lambda h: h + shift.to(h), positions))

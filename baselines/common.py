@@ -4,16 +4,20 @@ chosen on, and the task loss they are scored by there."""
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import torch
 
 from mari_eval import runner
 from mari_eval.plan import VANILLA, Plan
 
+if TYPE_CHECKING:
+    from mari_eval.train import Example, Session
+
 VALIDATION_FRACTION = 0.2
 
 
-def validation_split(examples: list, seed: int) -> tuple[list, list]:
+def validation_split(examples: list[Example], seed: int) -> tuple[list[Example], list[Example]]:
     """(fit, validation) examples: a seeded 20% of D_train is held out for model selection.
 
     The test split is never involved; every baseline gets the same slice for a seed.
@@ -25,7 +29,7 @@ def validation_split(examples: list, seed: int) -> tuple[list, list]:
 
 
 @torch.no_grad()
-def validation_loss(session, examples, plan: Plan = VANILLA) -> float:
+def validation_loss(session: Session, examples: list[Example], plan: Plan = VANILLA) -> float:
     """Mean task loss (option cross-entropy, or target NLL for generation) of ``examples``
     under ``plan``'s first variant (MARI's eq:per_adapter_ce_mc / eq:per_adapter_ce_gen)."""
     from mari_eval.objectives import task_losses

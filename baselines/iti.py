@@ -37,16 +37,21 @@ scikit-learn's logistic regression and plain accuracy.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import devices, site
-from mari_eval.plan import Plan
+from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
+
+if TYPE_CHECKING:
+    from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ MLP_WIDTH = 32
 
 
 @torch.no_grad()
-def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
+def head_outputs(session: Session, ex: Example, continuations: list[list[int]], tokens: int) -> torch.Tensor:
     """[M, layers, heads * head_dim]: every head's output after ``ex``'s prompt + each
     continuation, averaged over the continuation's last ``tokens`` tokens."""
     model = session.model
@@ -84,7 +89,8 @@ def head_outputs(session, ex, continuations, tokens: int) -> torch.Tensor:
     return torch.stack(means, 1)
 
 
-def labelled_outputs(session, examples, tokens: int, desc: str):
+def labelled_outputs(session: Session, examples: list[Example], tokens: int,
+                     desc: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(features [N, layers, heads, head_dim], labels [N], example index [N]) over ``examples``."""
     from tqdm import tqdm
 
@@ -102,7 +108,8 @@ def labelled_outputs(session, examples, tokens: int, desc: str):
 # ----------------------------------------------------------------------------- probes
 
 
-def probe_accuracy(x_fit, y_fit, x_val, y_val, kind: str, seed: int) -> torch.Tensor:
+def probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, kind: str,
+                   seed: int) -> torch.Tensor:
     """Balanced validation accuracy of one probe per head; x: [N, G, head_dim] -> [G]."""
     gen = torch.Generator().manual_seed(seed)
     mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
@@ -143,7 +150,7 @@ def mass_mean(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return theta, sigma
 
 
-def layer_shifts(model, heads: torch.Tensor, vectors: torch.Tensor) -> dict[int, torch.Tensor]:
+def layer_shifts(model: torch.nn.Module, heads: torch.Tensor, vectors: torch.Tensor) -> dict[int, torch.Tensor]:
     """Per layer, W_o of the heads' shifts: ``heads`` [K, 2] (layer, head), ``vectors`` [K, head_dim]."""
     n_heads, head_dim = site.attention_heads(model)
     shifts = {}
@@ -179,22 +186,23 @@ class ITI(Intervention):
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True)}
 
     @classmethod
-    def tensor_spec(cls, config, names):
+    def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
         sizes = {"hidden_size": config["base_model"]["hidden_size"]}
         if "num_heads" in config["hyperparameters"]:
             sizes["num_heads"] = config["hyperparameters"]["num_heads"]
         return sizes, {"heads": TensorSpec(("num_heads", 2), "int"), "directions": TensorSpec(("num_heads", "head_dim")),
                        "sigma": TensorSpec(("num_heads",))}
 
-    def shifts(self, model) -> dict[int, torch.Tensor]:
+    def shifts(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
         alpha = float(self.config["hyperparameters"]["alpha"])
         vectors = alpha * self.tensors["sigma"][:, None] * self.tensors["directions"]
         return layer_shifts(model, self.tensors["heads"], vectors)
 
-    def applied(self, model, positions, variant_ids=None):
+    def applied(self, model: torch.nn.Module, positions: Positions,
+                variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
         return site.shift_attention_from_site(model, self.shifts(model), positions)
 
-    def check_compatible(self, model, model_name, allow_other_model=False):
+    def check_compatible(self, model: torch.nn.Module, model_name: str, allow_other_model: bool = False) -> None:
         super().check_compatible(model, model_name, allow_other_model)
         n_heads, head_dim = site.attention_heads(model)
         heads = self.tensors["heads"]
@@ -213,7 +221,8 @@ class ITI(Intervention):
         return f"{cls.method}'s grid"
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
+    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+            seed: int) -> Intervention:
         hyperparameters = cls.training_hyperparameters(hyperparameters)
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +42,9 @@ from mari_eval.prefix_cache import encode_prefix
 from mari_eval.epochs import EpochLoop
 from mari_eval.bundle_spec import Float, Int, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
+
+if TYPE_CHECKING:
+    from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class ReFT(Intervention):
     training_defaults = DEFAULTS
 
     @classmethod
-    def tensor_spec(cls, config, names):
+    def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
         sizes = {"hidden_size": config["base_model"]["hidden_size"]}
         if "rank" in config["hyperparameters"]:
             sizes["rank"] = config["hyperparameters"]["rank"]
@@ -95,7 +99,8 @@ class ReFT(Intervention):
         return first_and_last(length, int(hp["first"]), int(hp["last"]))
 
     @classmethod
-    def fit(cls, session, data, config, hyperparameters, seed):
+    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+            seed: int) -> Intervention:
         hp = cls.training_hyperparameters(hyperparameters)
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
@@ -112,16 +117,16 @@ class ReFT(Intervention):
         best = [float("inf"), -1, None]  # validation loss, epoch, parameters of the best epoch so far
         order = random.Random(f"reft:{seed}")
 
-        def batches(epoch):
+        def batches(epoch: int) -> list[list[Example]]:
             batch_order = list(fit_examples)
             order.shuffle(batch_order)
             return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
 
-        def loss(batch):
+        def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
             value = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
             return value, {"loss": value.item()}
 
-        def end_epoch(epoch, parts):
+        def end_epoch(epoch: int, parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
             losses = [logged["loss"] for _, logged in parts]
             with torch.no_grad():
                 val = sum(float(task_loss(session, ex, hp, params)) for ex in val_examples) / len(val_examples)
@@ -131,7 +136,7 @@ class ReFT(Intervention):
                 best[:] = [val, epoch + 1, {k: v.detach().clone() for k, v in params.items()}]
             return record
 
-        def restored(state, kept):  # a killed run resumes after its last finished epoch (mari_eval.checkpoint)
+        def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes after its last finished epoch (mari_eval.checkpoint)
             order.setstate(_python_rng_state(state["order"]))
             best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
 
@@ -154,7 +159,7 @@ def _python_rng_state(saved: list) -> tuple:
     return version, tuple(internal), gauss_next
 
 
-def task_loss(session, ex, hp: dict, params: dict[str, torch.Tensor]) -> torch.Tensor:
+def task_loss(session: Session, ex: Example, hp: dict[str, Any], params: dict[str, torch.Tensor]) -> torch.Tensor:
     """MARI's single-expert task loss of ``ex`` with LoReFT at the first/last prompt tokens of l*."""
     from mari_eval.objectives import task_losses
 

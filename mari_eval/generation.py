@@ -9,14 +9,24 @@ the winner's cache.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from mari_eval import devices, site
-from mari_eval.plan import BASE, Plan, VariantRun
+from mari_eval.plan import BASE, ApplyEdits, Plan, VariantRun
 from mari_eval.prefix_cache import cache_of, cache_rows, with_cache
+
+Cache = Any  # a transformers key/value cache (DynamicCache and kin)
+
+
+class Streamer(Protocol):
+    """What ``generate`` streams tokens to (transformers' ``TextStreamer`` and kin)."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
 
 
 
@@ -41,8 +51,8 @@ def generate_variants(
     max_length: int,
     pad_token_id: int | None = None,
     stopping_criteria: Callable[[int, int], object] | None = None,
-    streamer=None,
-    **generation_kwargs,
+    streamer: Streamer | None = None,
+    **generation_kwargs: Any,
 ) -> tuple[torch.Tensor, list[dict]]:
     """Greedy generation where each prompt is answered by the variant ``plan.choose`` picks.
 
@@ -131,7 +141,8 @@ def generate_variants(
     return _pad_after_eos(sequences, width, _eos_ids(model), pad_token_id), [records[p] for p in range(n_prompts)]
 
 
-def _continue(model, sequences, prompt_mask, cache, answer_from, max_length, criteria, streamer, kwargs):
+def _continue(model: torch.nn.Module, sequences: torch.Tensor, prompt_mask: torch.Tensor, cache: Cache | None, answer_from: int,
+              max_length: int, criteria: object, streamer: Streamer | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """Decode on from ``sequences`` (the cache holds all but their last token); the tokens from
     ``answer_from`` on are the answer so far, streamed before decoding goes on."""
     if streamer is not None:
@@ -148,7 +159,8 @@ def _continue(model, sequences, prompt_mask, cache, answer_from, max_length, cri
                           **kwargs)
 
 
-def _base_first_token(model, input_ids, attention_mask, capture, edit_layer, kwargs):
+def _base_first_token(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture: Sequence[int],
+                      edit_layer: int | None, kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.Tensor]]:
     """generate's first step of the untouched model, with its states at p* after ``capture`` and ``edit_layer``."""
     layers = sorted(set(capture) | ({edit_layer} if edit_layer is not None else set()))
     with site.capture_site(model, layers, None) as seen:
@@ -157,7 +169,9 @@ def _base_first_token(model, input_ids, attention_mask, capture, edit_layer, kwa
     return out, dict(seen)
 
 
-def _probe_at_p_star(model, input_ids, attention_mask, cache, variants, apply, capture, edit_layer, base):
+def _probe_at_p_star(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Cache, variants: Sequence[int],
+                     apply: ApplyEdits, capture: Sequence[int], edit_layer: int | None,
+                     base: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """p* fed again under each of ``variants`` (rows prompt-major) over ``cache`` (the prompt,
     with its untouched p* masked out): the states after ``capture`` layers at p*, [P * V, d]."""
     index = [p for p in range(input_ids.shape[0]) for _ in variants]
@@ -182,15 +196,15 @@ def _p_star_fed_again(attention_mask: torch.Tensor) -> torch.Tensor:
 class _SkipPrompt:
     """A streamer that ignores generate's first ``put`` (the prompt and the tokens already streamed)."""
 
-    def __init__(self, streamer):
+    def __init__(self, streamer: Streamer):
         self.streamer, self.started = streamer, False
 
-    def put(self, value):
+    def put(self, value: torch.Tensor) -> None:
         if self.started:
             self.streamer.put(value)
         self.started = True
 
-    def end(self):
+    def end(self) -> None:
         self.streamer.end()
 
 
@@ -199,7 +213,7 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
 
 
-def _prefill(model, input_ids, attention_mask):
+def _prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Cache | None:
     """The untouched model's cache of left-padded prompts (None when they are empty)."""
     if input_ids.shape[1] == 0:
         return None
@@ -208,7 +222,9 @@ def _prefill(model, input_ids, attention_mask):
     return cache_of(out)
 
 
-def _routing_window(model, input_ids, attention_mask, variant_ids, apply, capture, steps, cache=None, **generation_kwargs):
+def _routing_window(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, variant_ids: torch.Tensor,
+                    apply: ApplyEdits, capture: Sequence[int], steps: int, cache: Cache | None = None,
+                    **generation_kwargs: Any) -> tuple[Any, torch.Tensor, dict[int, torch.Tensor]]:
     """Rows of prompts, row i under variant ``variant_ids[i]``, for ``steps`` greedy steps.
 
     ``cache`` (optional) holds each row's prompt before p*. Returns generate's output,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from mari_eval.mari_equations import (apply_variants, balance_loss, energy_thres
 from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
+
+if TYPE_CHECKING:
+    from mari_eval.mari import MARI
+    from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ def _batches(examples: list, size: int, gen: torch.Generator) -> list[list]:
     return [[examples[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
 
 
-def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Generator, label: str,
+def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str, Any], gen: torch.Generator, label: str,
                 stage: str = "experts") -> tuple[dict, list]:
     """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log.
 
@@ -58,11 +62,11 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
     loop = EpochLoop(stage, label, hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     gamma = hp["gamma"]
 
-    def edit(h, ids):  # eq:act_phi with s_k = 1, in the model's dtype
+    def edit(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # eq:act_phi with s_k = 1, in the model's dtype
         q = like(p, h)
         return h + gamma * lowrank_delta(h, q["U"][ids], q["V"][ids], q["b"][ids])
 
-    def loss(batch):
+    def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
         losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
                               for ex in batch]).to(session.site_device)
         hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
@@ -74,7 +78,7 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
         parts = {k: v.detach() for k, v in zip(("routed", "bal", "inter", "out"), (route, bal, inter, out))}
         return total, {**parts, "usage": torch.bincount(winners, minlength=K).cpu()}
 
-    def end_epoch(epoch, parts):
+    def end_epoch(epoch: int, parts: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         usage = sum(logged["usage"] for _, logged in parts)
         record = {**weighted_means(parts, ("routed", "bal", "inter", "out")),
                   "usage": [round(u / len(examples), 3) for u in usage.tolist()]}
@@ -88,7 +92,7 @@ def fit_experts(session, examples, K: int, hp: dict[str, Any], gen: torch.Genera
     return {k: v.detach() for k, v in p.items()}, history
 
 
-def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, hp: dict[str, Any],
+def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tensor, basis: torch.Tensor, hp: dict[str, Any],
               gen: torch.Generator) -> tuple[dict, list]:
     """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsubspace_penalty)."""
     p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
@@ -97,13 +101,13 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
     loop = EpochLoop("probe", "probe", hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     state_scale = pca_states.pow(2).sum(-1).mean()  # normalises R_off (see the module docstring)
 
-    def loss(batch):
+    def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
         task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
                                         ex.gold)[0] for ex in batch]).mean().to(session.site_device)
         off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
         return task + hp["lambda_off"] * off, {"task": task.detach(), "off": off.detach()}
 
-    def end_epoch(epoch, parts):
+    def end_epoch(epoch: int, parts: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         record = weighted_means(parts, ("task", "off"))
         log.info("probe epoch %d: task loss %.4f, R_off %.4f", epoch + 1, record["task"], record["off"])
         return record
@@ -113,7 +117,7 @@ def fit_probe(session, examples, pca_states: torch.Tensor, basis: torch.Tensor, 
 
 
 @torch.no_grad()
-def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
+def calibrate(session: Session, examples: list[Example], tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
     """Energies of D_ctrl, applicability labels (routed expert and single adapter), routing agreement."""
     from tqdm import tqdm
 
@@ -122,7 +126,7 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
     variants = [runner.BASE, *range(K), *([K] if has_single else []), K + 1]
     layers = list(range(session.layer, session.num_layers))
     energies, applicable, applicable_single, agrees = [], [], [], []
-    def edit(h, ids):
+    def edit(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return apply_variants(like(tensors, h), hp, h, ids)
 
     experts = Plan.at_site(session.model, session.layer, edit, list(range(K)))
@@ -155,7 +159,7 @@ def calibrate(session, examples, tensors: dict[str, torch.Tensor], hp: dict[str,
     return out
 
 
-def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
+def training_hyperparameters(cls: type[MARI], given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
     """The hyperparameters checked and completed (``Intervention.training_hyperparameters``), less
     ``single`` (which ``fit_mari`` reads from what was given); a D_pca subset smaller than the PCA
     rank is refused too."""
@@ -167,7 +171,8 @@ def training_hyperparameters(cls, given: dict[str, Any], max_pca: int | None = N
     return hp
 
 
-def fit_mari(cls, session, data, config, hyperparameters, seed):
+def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dict[str, Any],
+             hyperparameters: dict[str, Any], seed: int) -> MARI:
     """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
     hp = cls.training_hyperparameters(hyperparameters)
     if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records

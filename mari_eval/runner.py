@@ -179,7 +179,7 @@ def packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
     return not (sliding and window) or prefix_len + longest_row <= window
 
 
-def _packing(model, prefix, rows):
+def _packing(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]]) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Token ids, position ids and attention mask of ``rows`` packed into one sequence after ``prefix``."""
     device, dtype = devices.input_device(model), model.dtype
     past = len(prefix.tokens)
@@ -211,7 +211,9 @@ def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], 
     return [states[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
-def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None, keep_after=None):
+def _forward_packed(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,
+                    apply: ApplyEdits, capture: Sequence[int], start: tuple[int, torch.Tensor] | None = None,
+                    keep_after: int | None = None) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor] | None]:
     inputs, starts, lengths = _packing(model, prefix, rows)
     sites = (torch.zeros_like(starts), starts)
     everywhere = _all_positions(inputs)
@@ -226,7 +228,8 @@ def _forward_packed(model, prefix, rows, variant_ids, apply, capture, start=None
     return split(logits), dict(seen), split(below[keep_after]) if keep_after is not None else None
 
 
-def _forward_batched(model, prefix, rows, variant_ids, apply, capture):
+def _forward_batched(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,
+                     apply: ApplyEdits, capture: Sequence[int]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     device = devices.input_device(model)
     width = max(map(len, rows))
     # Right padding needs no mask: pads come after every scored position.
