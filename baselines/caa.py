@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import devices, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache

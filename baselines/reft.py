@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from baselines.common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import VALIDATION_FRACTION, validation_loss, validation_split
 from mari_eval import runner
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix

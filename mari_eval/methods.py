@@ -36,12 +36,14 @@ BUNDLE_FILES = (BUNDLE_JSON, BUNDLE_WEIGHTS, "repro_config.json")
 # The methods that come with mari-eval, by name: "module:Class", imported when first asked for
 # (as lm-eval's registry names its models). A method defined elsewhere registers itself with
 # ``@register_method`` when its module is imported.
+# "{baselines}" is the package of the checkout's baselines/ folder: mari_eval.baselines in an
+# installed wheel (pyproject.toml installs it there), baselines in an editable install.
 BUILTIN_METHODS = {
     "mari": "mari_eval.mari:MARI",
-    "caa": "baselines.caa:CAA",
-    "iti": "baselines.iti:ITI",
-    "nl_iti": "baselines.iti:NLITI",
-    "reft": "baselines.reft:ReFT",
+    "caa": "{baselines}.caa:CAA",
+    "iti": "{baselines}.iti:ITI",
+    "nl_iti": "{baselines}.iti:NLITI",
+    "reft": "{baselines}.reft:ReFT",
 }
 _METHODS: dict[str, type["Intervention"]] = {}
 
@@ -60,11 +62,17 @@ def method_class(name: str) -> type["Intervention"]:
     if name not in _METHODS and name in BUILTIN_METHODS:
         import importlib
 
-        module, cls = BUILTIN_METHODS[name].split(":")
+        module, cls = BUILTIN_METHODS[name].format(baselines=_baselines_package()).split(":")
         getattr(importlib.import_module(module), cls)  # registers itself on import
     if name not in _METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
     return _METHODS[name]
+
+
+def _baselines_package() -> str:
+    import importlib.util
+
+    return "mari_eval.baselines" if importlib.util.find_spec("mari_eval.baselines") is not None else "baselines"
 
 
 def method_names() -> list[str]:
