@@ -19,7 +19,7 @@ the last prompt token:
 
 Model args beyond HFLM's: ``bundle``, ``diagnostics`` (a JSON file of every choice the
 method made), ``allow_other_model``, and the evaluation options of the bundle's method
-(``Intervention.option_fields``; README: Model args).
+(``Intervention.option_fields``; README: MARI, evaluation switches).
 Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 """
 
