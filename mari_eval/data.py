@@ -1,7 +1,9 @@
 """Benchmark loading and the paper's data splits (Appendix B).
 
 Every loader returns a list of records in the Hugging Face schema of the dataset,
-each with an added stable ``id``. Records come from the local copy under
+each with an added stable ``id``: the dataset's own id where it has one (BBQ, SORRY-Bench,
+ARC), otherwise one derived from the record's content (``content_id``), so that no id moves
+when a line is added to or removed from a file. Records come from the local copy under
 ``$MARI_DATA_DIR`` when that variable is set (layout of ``shared/data``: see
 ``ATTRIBUTE_FILES`` and the loaders), otherwise from the Hugging Face Hub, and are checked
 against the schema of its family first (``data_schema.py``: types, shapes, duplicates; a bad
@@ -16,6 +18,11 @@ Splits (``make_splits``) are a pure function of (dataset, seed):
   of ARC-Easy *train* questions (100), disjoint from D_pca and D_train and from
   every reported test set;
 * the test split: every remaining attribute example.
+
+The examples are ordered by sha256("dataset:seed:id") and cut in that order: a uniformly
+random order that an added or removed example does not reshuffle (each other example keeps
+its rank), so a changed file moves a few examples across a boundary at most; a bundle
+trained on other splits is refused anyway (``check_recorded_splits``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import io
 import json
 import logging
 import os
-import random
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -133,14 +139,39 @@ def file_sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------- loaders
 
 
+def content_id(prefix: str, *content: object) -> str:
+    """``prefix-`` and 12 hex digits of the sha256 of ``content`` (as JSON, runs of whitespace in
+    its strings read as one space): an id that names the example, not its line, so that it stays
+    put when other lines are added or removed. (TruthfulQA's two published files differ in one
+    question by a trailing space; it keeps one id.)"""
+    def norm(x: object) -> object:
+        return " ".join(x.split()) if isinstance(x, str) else [norm(v) for v in x] if isinstance(x, (list, tuple)) else x
+    digest = hashlib.sha256(json.dumps(norm(content), ensure_ascii=False).encode("utf-8")).hexdigest()
+    return f"{prefix}-{digest[:12]}"
+
+
+def _with_content_ids(rows: list[dict], id_of) -> list[dict]:
+    """``rows`` with ``id = id_of(row)``; a repeated record (MMLU publishes 28, kept on purpose,
+    see data_schema) gets ``-r2``, ``-r3``... after the first, in file order."""
+    count: dict[str, int] = {}
+    out = []
+    for r in rows:
+        rid = id_of(r)
+        n = count[rid] = count.get(rid, 0) + 1
+        out.append({"id": rid if n == 1 else f"{rid}-r{n}", **r})
+    return out
+
+
 def load_truthfulqa_mc() -> list[dict]:
     rows = _local_or_hub("truthfulqa/mc.jsonl.gz", "truthfulqa/mc", ("truthfulqa/truthful_qa", "multiple_choice", "validation"))
-    return [{"id": f"tqa-{i}", **r} for i, r in enumerate(rows)]
+    return _with_content_ids(rows, lambda r: content_id("tqa", r["question"]))
 
 
 def load_truthfulqa_gen() -> list[dict]:
+    """TruthfulQA's generation config; a question has the same id here as in ``load_truthfulqa_mc``
+    (the two published files list the questions in different orders)."""
     rows = _local_or_hub("truthfulqa/generation.jsonl.gz", "truthfulqa/generation", ("truthfulqa/truthful_qa", "generation", "validation"))
-    return [{"id": f"tqa-{i}", **r} for i, r in enumerate(rows)]
+    return _with_content_ids(rows, lambda r: content_id("tqa", r["question"]))
 
 
 def load_bbq(context: str | None = "disambig") -> tuple[list[dict], list[str]]:
@@ -207,12 +238,7 @@ def _hub_sorry_bench() -> list[dict]:
 
 def load_mmlu(split: str) -> list[dict]:
     rows = _local_or_hub(f"mmlu/{split}.jsonl.gz", "mmlu", ("cais/mmlu", "all", split))
-    counters: dict[str, int] = {}
-    records = []
-    for r in rows:
-        n = counters[r["subject"]] = counters.get(r["subject"], -1) + 1
-        records.append({"id": f"mmlu-{split}-{r['subject']}-{n}", **r})
-    return records
+    return _with_content_ids(rows, lambda r: content_id(f"mmlu-{split}-{r['subject']}", r["question"], r["choices"], r["answer"]))
 
 
 def load_arc(task: str, split: str) -> list[dict]:
@@ -222,7 +248,7 @@ def load_arc(task: str, split: str) -> list[dict]:
 
 def load_gsm8k(split: str) -> list[dict]:
     rows = _local_or_hub(f"gsm8k/{split}.jsonl.gz", "gsm8k", ("openai/gsm8k", "main", split))
-    return [{"id": f"gsm8k-{split}-{i}", **r} for i, r in enumerate(rows)]
+    return _with_content_ids(rows, lambda r: content_id(f"gsm8k-{split}", r["question"]))
 
 
 # The attribute datasets that are split, and how to load each one.
@@ -280,9 +306,12 @@ class Splits:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _rng(*parts: object) -> random.Random:
-    # Seeding Random with a string hashes it with SHA-512: stable across processes and platforms.
-    return random.Random(":".join(map(str, parts)))
+def _seeded_order(ids: Iterable[str], *salt: object) -> list[str]:
+    """``ids`` in the order of sha256("salt:...:id"): uniformly random for a given salt, the same
+    in every process and platform, and each id's rank relative to the others does not depend
+    on which other ids are present (an added or removed example reshuffles nothing)."""
+    prefix = "".join(f"{part}:" for part in salt)
+    return sorted(ids, key=lambda i: hashlib.sha256(f"{prefix}{i}".encode("utf-8")).digest())
 
 
 def make_splits(dataset: str, seed: int = 0, records: list[dict] | None = None) -> Splits:
@@ -294,15 +323,14 @@ def make_splits(dataset: str, seed: int = 0, records: list[dict] | None = None) 
         repeated = sorted({i for i in ids if i in seen or seen.add(i)})
         raise DataError(f"{dataset}: duplicate example ids {repeated[:5]}{' ...' if len(repeated) > 5 else ''}; "
                         f"each example must appear once. Restore the data.")
-    order = sorted(ids)
-    _rng(dataset, seed).shuffle(order)
+    order = _seeded_order(ids, dataset, seed)
     n = len(order)
     n_pool = min(TRUTHFULQA_POOL, n) if dataset == "truthfulqa" else round(POOL_FRACTION * n)
     n_ctrl = min(CTRL_MAX, round(CTRL_FRACTION * n))
     pool, ctrl, test = order[:n_pool], order[n_pool : n_pool + n_ctrl], order[n_pool + n_ctrl :]
     half = n_pool // 2
-    arc_ids = sorted(r["id"] for r in load_arc("arc_easy", "train"))
-    ctrl_arc = sorted(_rng("arc_easy-ctrl", dataset, seed).sample(arc_ids, CTRL_ARC))
+    arc_ids = [r["id"] for r in load_arc("arc_easy", "train")]
+    ctrl_arc = sorted(_seeded_order(arc_ids, "arc_easy-ctrl", dataset, seed)[:CTRL_ARC])
     notes: dict[str, Any] = {"n_total": n}
     if dataset == "bbq":
         notes["bbq_categories"] = sorted({i.split("-")[1] for i in ids})

@@ -11,6 +11,8 @@ from mari_eval import data
 
 pytestmark = pytest.mark.needs_data
 
+REAL_DATA = data.data_dir()
+
 
 @pytest.fixture(scope="module")
 def tqa_splits():
@@ -66,7 +68,64 @@ def test_split_fingerprints_of_the_shared_data_are_pinned():
     # Every committed result records these: a change to the loaders or to make_splits that moves
     # them changes every held-out set, and must be deliberate (update here, rerun the results).
     assert {d: data.make_splits(d, seed=0).fingerprint() for d in ("truthfulqa", "bbq", "sorry_bench")} == {
-        "truthfulqa": "62193709a024282c", "bbq": "203130def1d701ae", "sorry_bench": "9f1887d1acd5c2e7"}
+        "truthfulqa": "cd41305674652c9b", "bbq": "66f5387408b36c66", "sorry_bench": "61d5e027555190db"}
+
+
+def _copy_without_line(src, dst, drop: int) -> list[str]:
+    """Copy the gzipped JSON-lines file ``src`` to ``dst`` without its line ``drop`` (0-based)."""
+    with gzip.open(src, "rt", encoding="utf-8") as fh:
+        lines = [line for line in fh if line.strip()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(dst, "wt", encoding="utf-8") as fh:
+        fh.writelines(lines[:drop] + lines[drop + 1:])
+    return lines
+
+
+@pytest.mark.parametrize("rel, load", [
+    ("truthfulqa/mc.jsonl.gz", data.load_truthfulqa_mc),
+    ("mmlu/dev.jsonl.gz", lambda: data.load_mmlu("dev")),
+    ("gsm8k/test.jsonl.gz", lambda: data.load_gsm8k("test")),
+])
+def test_ids_name_the_content_so_a_removed_line_moves_no_other_id(tmp_path, monkeypatch, rel, load):
+    before = [r["id"] for r in load()]
+    _copy_without_line(REAL_DATA / rel, tmp_path / rel, drop=0)
+    monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
+    assert [r["id"] for r in load()] == before[1:]
+
+
+def test_truthfulqa_ids_agree_between_the_mc_and_generation_files():
+    # The two published files list the questions in different orders; a question keeps its id.
+    # (One question differs by a trailing space between them; ids read whitespace runs as one space.)
+    mc = {r["id"]: r["question"].strip() for r in data.load_truthfulqa_mc()}
+    gen = {r["id"]: r["question"].strip() for r in data.load_truthfulqa_gen()}
+    assert len(mc) == 817 and mc == gen
+
+
+def test_mmlu_keeps_its_published_repeats_under_distinct_ids():
+    records = data.load_mmlu("test")
+    repeats = [r for r in records if r["id"].endswith("-r2")]
+    assert len(repeats) == 27 and len({r["id"] for r in records}) == len(records)
+    first = {r["id"]: r for r in records}[repeats[0]["id"][: -len("-r2")]]
+    assert {k: v for k, v in first.items() if k != "id"} == {k: v for k, v in repeats[0].items() if k != "id"}
+
+
+def test_a_removed_line_puts_no_training_or_control_question_into_the_test_split(tmp_path, monkeypatch):
+    # The issue's probe: deleting the first TruthfulQA line used to move 179 of a bundle's 282
+    # D_pca/D_train/D_ctrl questions into the held-out test (ids were line numbers and the
+    # whole order was reshuffled). With content ids and hash-ranked splits, none moves.
+    before = data.make_splits("truthfulqa", seed=0)
+    for rel in ("truthfulqa/mc.jsonl.gz", "arc/ARC-Easy-train.jsonl.gz"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).symlink_to(REAL_DATA / rel)
+    (tmp_path / "truthfulqa" / "mc.jsonl.gz").unlink()
+    for drop in (0, before.notes["n_total"] // 2):
+        _copy_without_line(REAL_DATA / "truthfulqa/mc.jsonl.gz", tmp_path / "truthfulqa/mc.jsonl.gz", drop)
+        monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
+        after = data.make_splits("truthfulqa", seed=0)
+        monkeypatch.setenv(data.DATA_ENV, str(REAL_DATA))
+        assert set(after.test) <= set(before.test)
+        assert not set(after.test) & set(before.pca + before.train + before.ctrl)
+        assert after.ctrl_arc == before.ctrl_arc and after.fingerprint() != before.fingerprint()
 
 
 def test_split_json_round_trip_and_cli(tmp_path, tqa_splits):

@@ -200,7 +200,7 @@ def test_lone_surrogates_are_refused_and_pairs_pass(root):
 def test_a_file_checked_once_is_checked_again_once_changed(root):
     # read_jsonl skips the checks for bytes it already accepted; a rewrite in place is new bytes.
     _write(root, "gsm8k/test.jsonl.gz", [GOOD["gsm8k"]])
-    assert data.load_gsm8k("test") == data.load_gsm8k("test") == [{"id": "gsm8k-test-0", **GOOD["gsm8k"]}]
+    assert data.load_gsm8k("test") == data.load_gsm8k("test") == [{"id": data.content_id("gsm8k-test", GOOD["gsm8k"]["question"]), **GOOD["gsm8k"]}]
     _refused(root, "gsm8k", [_changed("gsm8k", "answer", "no final answer")], r"line 1, field 'answer'")
     # The same bytes under another schema or fixed field are checked for that one.
     path = _write(root, "bbq/Age.jsonl.gz", [GOOD["bbq"]])
@@ -266,7 +266,7 @@ def test_recorded_splits_must_match_the_current_data(tqa_copy):
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         lines = fh.read().splitlines(keepends=True)
     with gzip.open(path, "wt", encoding="utf-8") as fh:
-        fh.write("".join(lines[1:]))  # the first question deleted: every id after it shifts
+        fh.write("".join(lines[1:]))  # the first question deleted: a split loses it
     current = data.make_splits("truthfulqa", 1).fingerprint()
     assert current != recorded["fingerprint"]
     with pytest.raises(data.DataError) as e:
@@ -288,7 +288,9 @@ def test_a_changed_file_is_refused_even_when_the_split_is_the_same(tqa_copy):
     path = tqa_copy / "truthfulqa/mc.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         lines = fh.read().splitlines(keepends=True)
-    lines[5] = json.dumps({**json.loads(lines[5]), "question": "An edited question?"}) + "\n"
+    record = json.loads(lines[5])  # an answer edited: the ids (the questions), so the splits, stay
+    record["mc1_targets"]["choices"][-1] += " (edited)"
+    lines[5] = json.dumps(record) + "\n"
     with gzip.open(path, "wt", encoding="utf-8") as fh:
         fh.write("".join(lines))
     with pytest.raises(data.DataError, match=rf"fingerprint {recorded['fingerprint']} \(the same\)\. Changed files: "
