@@ -164,6 +164,13 @@ def layer_shifts(model: torch.nn.Module, heads: torch.Tensor, vectors: torch.Ten
     return shifts
 
 
+def rank_heads(accuracy: torch.Tensor) -> torch.Tensor:
+    """Flat head indices (layer * n_heads + head) by probe accuracy, best first; heads that tie
+    (frequent on a small validation slice) in head-index order, so that the chosen heads are
+    the same on every machine (an unstable sort ordered ties by float rounding and library build)."""
+    return torch.sort(accuracy, descending=True, stable=True).indices
+
+
 # ----------------------------------------------------------------------------- the method
 
 
@@ -235,7 +242,7 @@ class ITI(Intervention):
         if y[~is_fit].min() == y[~is_fit].max():
             raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
         accuracy = probe_accuracy(x[is_fit], y[is_fit], x[~is_fit], y[~is_fit], cls.probe, seed)
-        ranked = accuracy.argsort(descending=True)
+        ranked = rank_heads(accuracy)
         base = validation_loss(session, val_examples)
         scores = {}
         for fraction in fractions:

@@ -60,9 +60,18 @@ def test_iti_ranks_heads_as_scikit_learn_logistic_regression_probes_do():
     # Li et al. (2023): one logistic-regression probe per head, ranked by validation accuracy.
     theirs = torch.tensor([LogisticRegression(max_iter=1000).fit(x[fit, h].numpy(), y[fit].numpy())
                            .score(x[val, h].numpy(), y[val].numpy()) for h in range(heads)])
-    top_ours, top_theirs = ours.argsort(descending=True)[:3].tolist(), theirs.argsort(descending=True)[:3].tolist()
+    top_ours, top_theirs = iti.rank_heads(ours)[:3].tolist(), theirs.argsort(descending=True)[:3].tolist()
     assert top_ours == top_theirs and top_ours[:2] == [3, 1]  # the two strongest heads by construction first
     assert np.corrcoef(ours.numpy(), theirs.numpy())[0, 1] > 0.9
+
+
+def test_heads_that_tie_are_ranked_by_head_index():
+    # Issue 24.3: 4096 heads sharing 4 accuracy values, as on a small validation slice; an
+    # unstable sort may order each tie any way, this one by head index (the same everywhere).
+    accuracy = torch.tensor([0.5, 0.75, 0.625, 1.0])[torch.arange(4096) * 7 % 4]
+    ranked = iti.rank_heads(accuracy).tolist()
+    expected = sorted(range(4096), key=lambda h: (-accuracy[h].item(), h))
+    assert ranked == expected
 
 
 @pytest.mark.parametrize("tokens", [1, 4])  # ITI reads the last token; NL-ITI the last 4 (Hoscilowicz et al., 2024)
