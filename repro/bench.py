@@ -2,6 +2,13 @@
 baselines, on the same requests, on the same machine, in one run.
 
     python repro/bench.py --bundle mari=DIR --bundle caa=DIR ... [--limit 100] [--gen-prompts 50]
+    python repro/bench.py --from-runs quick [--limit 100] [--gen-prompts 10]
+
+``--from-runs PROFILE`` times the repro scripts' own bundles of that profile (the first
+seed): every method's TruthfulQA bundle on ``mc`` and SORRY-Bench bundle on ``gen``, and
+MARI with its gate forced open as ``mari_open``; they are read from ``--runs`` (where
+``main_table.py`` caches them) or trained there now, so the timed bundles have a recorded
+training command and configuration (runs/bundles/*/repro_config.json).
 
 Workloads:
 
@@ -218,6 +225,27 @@ def table(results: dict, tokens: int) -> list[str]:
     return lines
 
 
+def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[dict[str, str], dict[str, str]]:
+    """The repro cache's TruthfulQA (mc) and SORRY-Bench (gen) bundles of every method, trained
+    now where missing (paths relative to the working directory, as the timed processes see them)."""
+    from repro import profiles
+    from repro.cache import Store
+
+    if profile_name not in profiles.PROFILES:
+        raise SystemExit(f"--from-runs {profile_name!r}: choose one of {sorted(profiles.PROFILES)}")
+    profile = profiles.PROFILES[profile_name]
+    store = Store(runs, placement=placement)
+    seed = profile.seeds[0]
+
+    def where(method: str, attribute: str) -> str:
+        return os.path.relpath(store.bundle(method, attribute, model, seed, profile))
+
+    methods = ("mari", "caa", "iti", "nl_iti", "reft")
+    mc = {m: where(m, "truthfulqa") for m in methods}
+    gen = {m: where(m, "sorry_bench") for m in methods}
+    return {**mc, "mari_open": mc["mari"] + ",gate=false"}, {**gen, "mari_open": gen["mari"] + ",gate=false"}
+
+
 def main() -> int:
     from mari_eval.cli import add_placement_arguments
 
@@ -243,6 +271,8 @@ def main() -> int:
     p.add_argument("--bundle-dir", help=argparse.SUPPRESS)
     p.add_argument("--model-args", help=argparse.SUPPRESS)
     p.add_argument("--force", action="store_true", help="remeasure entries already in the output's bench.json")
+    p.add_argument("--from-runs", metavar="PROFILE", help="time the repro scripts' bundles of this profile (see above)")
+    p.add_argument("--runs", default=str(REPO / "runs"), help="with --from-runs: the repro cache (default: runs/)")
     args = p.parse_args()
     try:
         placement = placement_of(args)
@@ -262,6 +292,9 @@ def main() -> int:
         return out
 
     mc_bundles, gen_bundles = bundles(args.bundle, "--bundle"), bundles(args.gen_bundle, "--gen-bundle")
+    if args.from_runs:
+        cached_mc, cached_gen = repro_bundles(args.from_runs, args.model, args.runs, placement)
+        mc_bundles, gen_bundles = {**cached_mc, **mc_bundles}, {**cached_gen, **gen_bundles}
     entries = {"hf": {}, "vanilla": {}}
     for name in [*mc_bundles, *gen_bundles]:
         entries[name] = {"mc": mc_bundles.get(name), "gen": gen_bundles.get(name, mc_bundles.get(name))}

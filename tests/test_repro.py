@@ -160,3 +160,27 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
 GATE_COLUMNS = {"transfer_gsm8k.py": ["gate_tqa", "gate_gsm8k"], "sensitivity.py": ["gate_tqa", "gate_mmlu"],
                 "latency.py": ["gate_rate"]}
 UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT"}  # no gate: no rate
+
+
+def test_bench_from_runs_times_the_repro_scripts_own_bundles(tmp_path, monkeypatch):
+    # bench --from-runs PROFILE takes each method's bundles from the repro cache (trained there
+    # when missing): TruthfulQA on the multiple-choice workload, SORRY-Bench on generation.
+    from repro import bench, profiles
+    from repro.cache import Store
+
+    asked = []
+
+    def bundle(self, method, attribute, model, seed, profile, hyperparameters=None):
+        asked.append((method, attribute, model, seed, profile.name, self.root))
+        return tmp_path / "runs" / f"{method}-{attribute}"
+
+    monkeypatch.setattr(Store, "bundle", bundle)
+    monkeypatch.chdir(tmp_path)
+    mc, gen = bench.repro_bundles("quick", "smollm2-135m-instruct", str(tmp_path / "runs"), None)
+    methods = ["mari", "caa", "iti", "nl_iti", "reft"]
+    assert mc == {**{m: f"runs/{m}-truthfulqa" for m in methods}, "mari_open": "runs/mari-truthfulqa,gate=false"}
+    assert gen == {**{m: f"runs/{m}-sorry_bench" for m in methods}, "mari_open": "runs/mari-sorry_bench,gate=false"}
+    seed = profiles.PROFILES["quick"].seeds[0]
+    assert {a[2:] for a in asked} == {("smollm2-135m-instruct", seed, "quick", tmp_path / "runs")}
+    with pytest.raises(SystemExit, match="--from-runs 'fast': choose one of"):
+        bench.repro_bundles("fast", "smollm2-135m-instruct", str(tmp_path / "runs"), None)
