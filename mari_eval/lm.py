@@ -58,7 +58,9 @@ class MariLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # The method's evaluation options (Intervention.option_fields) travel with HFLM's model args.
-        method_options = options.given({k: kwargs.pop(k) for k in list(kwargs) if k in methods.option_names()})
+        # (Reading the option names imports every built-in method's module: only when there are model args to sort.)
+        names = methods.option_names() if kwargs else set()
+        method_options = options.given({k: kwargs.pop(k) for k in list(kwargs) if k in names})
         checks.bundle_args(bundle, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
         if diagnostics:
             checks.check_writable(Path(diagnostics))

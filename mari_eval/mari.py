@@ -265,9 +265,15 @@ class MARI(Intervention):
 
     @classmethod
     def training_hyperparameters(cls, given, max_pca=None):
-        from mari_eval import mari_fit
-
-        return mari_fit.training_hyperparameters(cls, given, max_pca)
+        """The shared check (``Intervention.training_hyperparameters``), less ``single`` (which
+        ``fit`` reads from what was given); a D_pca subset below the PCA rank is refused too."""
+        hp = super().training_hyperparameters(given)
+        hp.pop("single", None)
+        if max_pca is not None and max_pca < hp["pca_rank"]:
+            raise ValueError(f"--max-pca {max_pca} is below the PCA rank pca_rank={hp['pca_rank']}: the gate's "
+                             f"subspace needs at least that many D_pca prompts; raise --max-pca or lower it with "
+                             f"--set pca_rank=N")
+        return hp
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):

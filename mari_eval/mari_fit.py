@@ -159,18 +159,6 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
     return out
 
 
-def training_hyperparameters(cls: type[MARI], given: dict[str, Any], max_pca: int | None = None) -> dict[str, Any]:
-    """The hyperparameters checked and completed (``Intervention.training_hyperparameters``), less
-    ``single`` (which ``fit_mari`` reads from what was given); a D_pca subset smaller than the PCA
-    rank is refused too."""
-    hp = super(cls, cls).training_hyperparameters(given)
-    hp.pop("single", None)
-    if max_pca is not None and max_pca < hp["pca_rank"]:
-        raise ValueError(f"--max-pca {max_pca} is below the PCA rank pca_rank={hp['pca_rank']}: the gate's subspace "
-                         f"needs at least that many D_pca prompts; raise --max-pca or lower it with --set pca_rank=N")
-    return hp
-
-
 def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dict[str, Any],
              hyperparameters: dict[str, Any], seed: int) -> MARI:
     """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
