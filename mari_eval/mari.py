@@ -28,6 +28,9 @@ the bundle; see DEFAULTS):
 * alpha_probe = 1: the probe is trained as an intervention h + delta_phi(h), so at
   strength 1 it is a task-sized update.
 * T_ent = 8 greedy steps for generation routing (eq:entropy_gen).
+* labels = "loss": a control example is applicable when the routed expert lowers its task
+  loss (the paper's text); "flip" and "source" are the other readings (mari_eval.gate_labels),
+  stored in every bundle and selectable at evaluation (labels=...), like rho.
 * Median of an even number of layers: the mean of the two middle values.
 """
 
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mari_eval import runner
+from mari_eval import gate_labels, runner
 from mari_eval.mari_equations import apply_variants, energy_threshold, gate_open, option_entropy, run_energy
 from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
@@ -62,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "alpha_full": 1.0,
     "T_ent": 8,
     "rho": 0.9,
+    "labels": "loss",
     "init_scale": 0.01,
 }
 
@@ -73,12 +77,12 @@ DEFAULTS: dict[str, Any] = {
 class MARI(Intervention):
     """A trained MARI bundle. Tensors: expert_U/V [K, d, r], expert_b [K, r], single_U/V/b,
     probe_U/V [d, r_p], probe_b [r_p], pca_basis [d, k], ctrl_energy [N], ctrl_applicable [N],
-    ctrl_applicable_single [N]."""
+    ctrl_applicable_single [N], ctrl_flip [N], ctrl_flip_single [N] (gate_labels)."""
 
     # bundle.json (bundle_spec.check_bundle): what inference reads is required; training's record when present.
     hyperparameter_fields = {
         "K": Int(1), "rank": Int(1), "probe_rank": Int(1), "pca_rank": Int(1),
-        "rho": Float(0, 1, lo_open=True), "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
+        "rho": Float(0, 1, lo_open=True), "labels": Str(optional=True, choices=gate_labels.LABELINGS), "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
         "lr": Float(0, lo_open=True, optional=True), "epochs": Int(0, optional=True), "batch_size": Int(1, optional=True),
         "T_bal": Float(0, lo_open=True, optional=True), "init_scale": Float(0, optional=True),
         **{name: Float(0, optional=True) for name in ("lambda_bal", "lambda_inter", "lambda_out", "lambda_off")},
@@ -91,6 +95,7 @@ class MARI(Intervention):
     config_fields = {
         "gate": Obj({"tau_E": Float(finite=False, optional=True),  # -inf: no non-applicable example, always intervene
                      "rho": Float(0, 1, lo_open=True, optional=True), "n_ctrl": Int(0, optional=True),
+                     "labels": Str(optional=True, choices=gate_labels.LABELINGS),
                      "n_applicable": Int(0, optional=True), "quantile": Str(optional=True),
                      "ctrl_sources": List(Str(), optional=True)}, optional=True),
     }
@@ -108,7 +113,10 @@ class MARI(Intervention):
         specs.update(probe_U=TensorSpec(("hidden_size", "probe_rank")), probe_V=TensorSpec(("hidden_size", "probe_rank")),
                      probe_b=TensorSpec(("probe_rank",)), pca_basis=TensorSpec(("hidden_size", "pca_rank")),
                      ctrl_energy=TensorSpec(("n_ctrl",)), ctrl_applicable=TensorSpec(("n_ctrl",), "int"),
-                     ctrl_applicable_single=TensorSpec(("n_ctrl",), "int"))
+                     ctrl_applicable_single=TensorSpec(("n_ctrl",), "int"),
+                     # Bundles trained before the flip labels were recorded have none (labels=flip refused).
+                     ctrl_flip=TensorSpec(("n_ctrl",), "int", optional=True),
+                     ctrl_flip_single=TensorSpec(("n_ctrl",), "int", optional=True))
         return sizes, specs
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
@@ -120,10 +128,13 @@ class MARI(Intervention):
     # ------------------------------------------------------------------ runtime options
 
     option_fields = {"gate": Option(bool, "gate=false"), "rho": Option(float, "rho=0.9"),
+                     "labels": Option(str, "labels=loss, labels=flip or labels=source"),
                      "experts": Option(str, "experts=routed, experts=single or experts=0")}
 
-    def configure(self, gate: bool = True, rho: float | None = None, experts: str = "routed") -> None:
-        """Ablation switches (lm_eval model_args): gate on/off, rho, and which experts answer.
+    def configure(self, gate: bool = True, rho: float | None = None, experts: str = "routed",
+                  labels: str | None = None) -> None:
+        """Ablation switches (lm_eval model_args): gate on/off, rho, the applicability labels tau_E
+        is calibrated on (default: the bundle's), and which experts answer.
 
         experts: "routed" (entropy routing over the K experts), "single" (the one-adapter
         ablation), or an expert index to force.
@@ -142,11 +153,18 @@ class MARI(Intervention):
         self.rho = float(self.config["hyperparameters"]["rho"] if rho is None else rho)
         if not 0.0 <= self.rho <= 1.0:
             raise ValueError(f"rho={self.rho} must lie in [0, 1]")
-        self.tau = self.threshold(self.rho, single=experts == "single") if self.gate else -math.inf
+        self.labels = labels if labels is not None else self.config["hyperparameters"].get("labels", "loss")
+        applicable = self.applicable(self.labels, single=experts == "single")  # refuses unknown or missing labels
+        self.tau = energy_threshold(self.tensors["ctrl_energy"], applicable, self.rho) if self.gate else -math.inf
 
-    def threshold(self, rho: float, single: bool = False) -> float:
-        labels = self.tensors["ctrl_applicable_single" if single else "ctrl_applicable"]
-        return energy_threshold(self.tensors["ctrl_energy"], labels, rho)
+    def applicable(self, labels: str, single: bool = False) -> torch.Tensor:
+        """Which D_ctrl examples are applicable under ``labels`` (mari_eval.gate_labels)."""
+        return gate_labels.control_labels(self.tensors, self.ctrl_sources, labels, single)
+
+    @property
+    def ctrl_sources(self) -> list[str] | None:
+        return (self.config.get("gate") or {}).get("ctrl_sources")
+
 
     @property
     def uses_base(self) -> bool:  # the gate compares the probe run with the base run, and falls back to it
@@ -248,16 +266,30 @@ class MARI(Intervention):
             "expert_counts": usage,
         }
         if self.gate:  # no prompt seen: no rate (not 0)
-            out.update(rho=self.rho, tau_E=self.tau, gate_rate=sum(r["gate_open"] for r in records) / n if n else None)
+            out.update(rho=self.rho, labels=self.labels, tau_E=self.tau,
+                       gate_rate=sum(r["gate_open"] for r in records) / n if n else None)
         agree = [r["routing_agrees"] for r in records if r.get("routing_agrees") is not None]
         if agree:
             out["routing_agreement"] = sum(agree) / len(agree)
             out["routing_agreement_n"] = len(agree)
         out["control_energies"] = self.control_energy_summary()
+        out["control_separation"] = self.control_separation()
+        return out
+
+    def control_separation(self) -> dict[str, Any]:
+        """Per labelling the bundle holds: how well energy separates applicable from non-applicable
+        D_ctrl examples (AUROC over all, and within each source; mari_eval.gate_labels)."""
+        out = {}
+        for labels in gate_labels.LABELINGS:
+            try:
+                applicable = self.applicable(labels)
+            except ValueError:  # not recorded in this (older) bundle
+                continue
+            out[labels] = gate_labels.separation(self.tensors["ctrl_energy"], applicable, self.ctrl_sources)
         return out
 
     def control_energy_summary(self) -> dict[str, Any]:
-        e, a = self.tensors["ctrl_energy"], self.tensors["ctrl_applicable"].bool()
+        e, a = self.tensors["ctrl_energy"], self.applicable(self.labels)
         def stats(x):
             return {"n": int(x.numel()), "mean": float(x.mean()) if x.numel() else None,
                     "median": float(x.median()) if x.numel() else None}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import generation, runner
+from mari_eval import gate_labels, generation, runner
 from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       routed_loss, run_energy)
@@ -118,14 +118,15 @@ def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tenso
 
 @torch.no_grad()
 def calibrate(session: Session, examples: list[Example], tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
-    """Energies of D_ctrl, applicability labels (routed expert and single adapter), routing agreement."""
+    """Energies of D_ctrl, its loss and flip applicability labels (routed expert and single adapter;
+    mari_eval.gate_labels), routing agreement."""
     from tqdm import tqdm
 
     K = tensors["expert_U"].shape[0]
     has_single = "single_U" in tensors
     variants = [runner.BASE, *range(K), *([K] if has_single else []), K + 1]
     layers = list(range(session.layer, session.num_layers))
-    energies, applicable, applicable_single, agrees = [], [], [], []
+    energies, applicable, applicable_single, flip, flip_single, agrees = [], [], [], [], [], []
     def edit(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return apply_variants(like(tensors, h), hp, h, ids)
 
@@ -139,10 +140,12 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
         else:
             u = option_entropy(run.logprobs[expert_rows])
         losses = task_losses(run.logprobs, ex.gold)
-        routed = int(u.argmin())
-        applicable.append(bool(losses[expert_rows[routed]] < losses[run.row(runner.BASE)]))
+        routed, base = int(u.argmin()), run.row(runner.BASE)
+        applicable.append(gate_labels.loss_label(losses, expert_rows[routed], base))
+        flip.append(gate_labels.flip_label(run.logprobs, ex.gold, expert_rows[routed], base))
         if has_single:
-            applicable_single.append(bool(losses[run.row(K)] < losses[run.row(runner.BASE)]))
+            applicable_single.append(gate_labels.loss_label(losses, run.row(K), base))
+            flip_single.append(gate_labels.flip_label(run.logprobs, ex.gold, run.row(K), base))
         agrees.append(routed == int(losses[expert_rows].argmin()))  # Appendix C.2: entropy vs lowest-loss expert
     bad = [ex.id for ex, e in zip(examples, energies) if not math.isfinite(e)]
     if bad:  # tau_E would be NaN (every gate comparison False) or infinite: refuse, naming the examples
@@ -154,6 +157,8 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
         "ctrl_energy": torch.tensor(energies),
         "ctrl_applicable": torch.tensor(applicable, dtype=torch.uint8),
         "ctrl_applicable_single": torch.tensor(applicable_single or applicable, dtype=torch.uint8),
+        "ctrl_flip": torch.tensor(flip, dtype=torch.uint8),
+        "ctrl_flip_single": torch.tensor(flip_single or flip, dtype=torch.uint8),
     }
     out["routing_agreement"] = sum(agrees) / max(1, len(agrees))
     return out
@@ -182,16 +187,17 @@ def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dic
     cal = calibrate(session, data.ctrl, tensors, hp)
     agreement = cal.pop("routing_agreement")
     tensors.update(cal)
-    tau = energy_threshold(cal["ctrl_energy"], cal["ctrl_applicable"], hp["rho"])
-    applicable = cal["ctrl_applicable"].bool()
+    applicable = gate_labels.control_labels(cal, data.ctrl_source, hp["labels"])
+    tau = energy_threshold(cal["ctrl_energy"], applicable, hp["rho"])
     config = {
         **config,
         "hyperparameters": hp,
-        "gate": {"tau_E": tau, "rho": hp["rho"], "quantile": "rho-quantile of non-applicable D_ctrl energies",
+        "gate": {"tau_E": tau, "rho": hp["rho"], "labels": hp["labels"],
+                 "quantile": f"rho-quantile of the D_ctrl energies non-applicable by labels={hp['labels']}",
                  "n_ctrl": int(applicable.numel()), "n_applicable": int(applicable.sum()),
                  "ctrl_sources": data.ctrl_source},
         "diagnostics": {"training": logs, "ctrl_routing_agreement": agreement},
     }
-    log.info("gate: tau_E %.4f (rho %.2f), %d/%d control examples applicable, routing agreement %.3f",
-             tau, hp["rho"], int(applicable.sum()), applicable.numel(), agreement)
+    log.info("gate: tau_E %.4f (rho %.2f, labels %s), %d/%d control examples applicable, routing agreement %.3f",
+             tau, hp["rho"], hp["labels"], int(applicable.sum()), applicable.numel(), agreement)
     return cls(config, {k: v.detach().contiguous() for k, v in tensors.items()})

@@ -415,6 +415,12 @@ def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
     assert config["base_model"] == {"name": "smollm2-135m-instruct", "hidden_size": 576, "num_layers": 30}
     assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 12
     assert not set(config["splits"]["train_used"]) & set(config["splits"]["test"])
+    # Every labelling of the control set is stored (issue 22): loss and flip labels, and the sources.
+    assert config["gate"]["labels"] == config["hyperparameters"]["labels"] == "loss"
+    assert config["gate"]["ctrl_sources"] == ["attribute"] * 6 + ["arc_easy"] * 6
+    loaded = methods.load_bundle(out)
+    assert {"ctrl_flip", "ctrl_flip_single"} <= set(loaded.tensors) and loaded.tensors["ctrl_flip"].numel() == 12
+    assert set(loaded.summarize([])["control_separation"]) == {"loss", "flip", "source"}
     results = tmp_path / "results"
     evaluate = subprocess.run(
         ["lm_eval", "--model", "mari", "--model_args", f"pretrained=smollm2-135m-instruct,bundle={out}",
