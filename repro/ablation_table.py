@@ -4,7 +4,10 @@
 
 Rows: Vanilla; w/o Energy Gating (the routed experts on every input, ``gate=false``);
 w/o Multi-Adapter (the single adapter trained beside the experts, gated with its own
-threshold, ``experts=single``); EG-MARI (the full method). The MARI bundles are the main
+threshold, ``experts=single``); EG-MARI (the full method, its gate calibrated on the
+``loss`` applicability labels, the paper's text); and EG-MARI with tau_E recalibrated on the
+``flip`` and ``source`` labels (``labels=``, no retraining; the paper is ambiguous about which
+examples are non-applicable: see mari_eval/gate_labels.py). The MARI bundles are the main
 table's (same cache under runs/), so running both trains each bundle once. Writes
 results/ablation_table.{json,md,tex}. The paper reports Table 2 for Llama-3-8B, Qwen2.5-14B and -32B.
 """
@@ -18,11 +21,18 @@ from pathlib import Path
 from repro import cache, profiles, tables
 from repro.profiles import BENCHMARKS
 
-VARIANTS = {  # row label (the paper's) -> MariLM model_args; None: the base model
+def labels_args(labels: str) -> str:
+    """The model args of EG-MARI with its gate calibrated on ``labels`` (the bundle's own, loss: none)."""
+    return "" if labels == "loss" else f"labels={labels}"
+
+
+VARIANTS = {  # row label (the paper's, then ours) -> MariLM model_args; None: the base model
     "Vanilla": None,
     "w/o Energy Gating": "gate=false",
     "w/o Multi-Adapter": "experts=single",
-    "EG-MARI": "",
+    "EG-MARI": labels_args("loss"),
+    "EG-MARI (labels=flip)": labels_args("flip"),
+    "EG-MARI (labels=source)": labels_args("source"),
 }
 
 

@@ -141,7 +141,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     ("ablation_table.py", ["--columns", "tqa_mc1,bbq_acc"], ["ablation_table.json", "ablation_table.md", "ablation_table.tex"]),
     ("transfer_gsm8k.py", ["--rhos", "0.9"], ["transfer_gsm8k.json", "transfer_gsm8k.md"]),
     ("sensitivity.py", ["--ks", "4", "--rhos", "0.8"], ["sensitivity.json", "sensitivity_k.png", "sensitivity_rho.png"]),
-    ("diagnostics.py", [], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
+    ("diagnostics.py", ["--columns", "tqa_mc1,bbq_acc"], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
     ("latency.py", [], ["latency.json", "latency.md", "latency.tex"]),
 ])
 def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs):
@@ -155,6 +155,20 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
         for column in GATE_COLUMNS[script]:  # MARI's gate rate on every benchmark, generation and groups included
             rate = row["ours"][column]["mean"]
             assert (rate != rate) if row["row"] in UNGATED_ROWS else 0 <= rate <= 1, (row["row"], column, rate)
+    if script == "ablation_table.py":  # EG-MARI with tau_E recalibrated on each labelling (issue 22)
+        rows = [r["row"] for r in record["models"]["smollm2-135m-instruct"]["rows"]]
+        assert rows[-3:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)"]
+    if script == "diagnostics.py":
+        rates = record["gate_rates"]["smollm2-135m-instruct"]
+        assert set(rates) == {"loss", "flip", "source"}
+        for by_column in rates.values():
+            assert set(by_column) == {"tqa_mc1", "bbq_acc"}
+            assert all(0 <= v <= 1 for cell in by_column.values() for v in cell["values"])
+        for bundle in record["bundles"]["smollm2-135m-instruct"].values():
+            assert set(bundle["separation"]) == set(bundle["ctrl_labels"]) == set(bundle["tau_E_by_labels"]) == {
+                "loss", "flip", "source"}
+            assert bundle["ctrl_labels"]["source"] == [s == "attribute" for s in bundle["ctrl_sources"]]
+        assert "AUROC (all)" in (smoke_dirs[1] / "diagnostics.md").read_text()
 
 
 GATE_COLUMNS = {"transfer_gsm8k.py": ["gate_tqa", "gate_gsm8k"], "sensitivity.py": ["gate_tqa", "gate_mmlu"],
