@@ -82,7 +82,8 @@ class MARI(Intervention):
     # bundle.json (bundle_spec.check_bundle): what inference reads is required; training's record when present.
     hyperparameter_fields = {
         "K": Int(1), "rank": Int(1), "probe_rank": Int(1), "pca_rank": Int(1),
-        "rho": Float(0, 1, lo_open=True), "labels": Str(optional=True, choices=gate_labels.LABELINGS), "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
+        "rho": Float(0, 1, lo_open=True), "labels": Str(optional=True, choices=gate_labels.LABELINGS),
+        "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
         "lr": Float(0, lo_open=True, optional=True), "epochs": Int(0, optional=True), "batch_size": Int(1, optional=True),
         "T_bal": Float(0, lo_open=True, optional=True), "init_scale": Float(0, optional=True),
         **{name: Float(0, optional=True) for name in ("lambda_bal", "lambda_inter", "lambda_out", "lambda_off")},
@@ -164,7 +165,6 @@ class MARI(Intervention):
     @property
     def ctrl_sources(self) -> list[str] | None:
         return (self.config.get("gate") or {}).get("ctrl_sources")
-
 
     @property
     def uses_base(self) -> bool:  # the gate compares the probe run with the base run, and falls back to it
