@@ -122,8 +122,15 @@ def markdown(result: dict, command: str, wall: float, cost: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# One colour per (control source, applicable) in every panel.
+COLORS = {("attribute", True): "tab:green", ("attribute", False): "tab:red",
+          ("arc_easy", True): "tab:blue", ("arc_easy", False): "tab:orange"}
+
+
 def plot(diag: dict, path: Path) -> None:
     """One column per bundle, one row per labelling: D_ctrl energies by source and label, and tau_E."""
+    import numpy as np
+
     plt = tables.pyplot()
     panels = [(model, name, d) for model, bundles in diag.items() for name, d in bundles.items()]
     fig, axes = plt.subplots(len(LABELINGS), len(panels), figsize=(4 * len(panels), 3 * len(LABELINGS)), squeeze=False)
@@ -138,9 +145,11 @@ def plot(diag: dict, path: Path) -> None:
                 continue
             groups = {}
             for e, s, a in zip(d["ctrl_energy"], sources, d["ctrl_labels"][labels]):
-                groups.setdefault(f"{s}, {'applicable' if a else 'non-applicable'}", []).append(e)
-            for group, energies in sorted(groups.items()):
-                ax.hist(energies, bins=20, label=group, alpha=0.6)
+                groups.setdefault((s, bool(a)), []).append(e)
+            bins = np.histogram_bin_edges(d["ctrl_energy"], bins=24)  # one set of bins per panel
+            for (source, applicable), energies in sorted(groups.items()):
+                ax.hist(energies, bins=bins, alpha=0.6, color=COLORS.get((source, applicable), "grey"),
+                        label=f"{source}, {'applicable' if applicable else 'non-applicable'}")
             ax.axvline(d["tau_E_by_labels"][labels], color="k", linestyle="--", label="tau_E")
             ax.legend(fontsize=6)
     tables.save_figure(fig, path)
