@@ -240,7 +240,7 @@ def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[
     def where(method: str, attribute: str) -> str:
         return os.path.relpath(store.bundle(method, attribute, model, seed, profile))
 
-    methods = ("mari", "caa", "iti", "nl_iti", "reft")
+    methods = sorted((m for m in profiles.METHODS if m != "vanilla"), key=lambda m: m != "mari")  # MARI first
     mc = {m: where(m, "truthfulqa") for m in methods}
     gen = {m: where(m, "sorry_bench") for m in methods}
     return {**mc, "mari_open": mc["mari"] + ",gate=false"}, {**gen, "mari_open": gen["mari"] + ",gate=false"}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mari_eval.files import atomic_write, atomic_write_json
 from mari_eval.gate_labels import LABELINGS
+from mari_eval.mari_equations import energy_threshold
 from repro import cache, profiles, tables
 from repro.ablation_table import labels_args
 from repro.profiles import BENCHMARKS
@@ -48,15 +49,15 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
         column = TASKS[attribute]
         gated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir})[column[0]]
         ungated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir}, "gate=false")[column[0]]
-        labels = {name: bundle.applicable(name).tolist() for name in bundle.control_separation()}
-        taus = {}
-        for name in labels:
-            bundle.configure(labels=name)
-            taus[name] = bundle.tau
+        separation = bundle.control_separation()  # the labellings this bundle holds
+        labels = {name: bundle.applicable(name) for name in separation}
+        taus = {name: energy_threshold(bundle.tensors["ctrl_energy"], applicable, bundle.rho)
+                for name, applicable in labels.items()}
+        labels = {name: applicable.tolist() for name, applicable in labels.items()}
         out.setdefault(model, {})[f"{attribute} (seed {seed})"] = {
             "task": column[1], "n": gated["n"], "rho": bundle.rho, "tau_E": taus["loss"], "tau_E_by_labels": taus,
             "ctrl_energy": bundle.tensors["ctrl_energy"].tolist(), "ctrl_sources": bundle.ctrl_sources,
-            "ctrl_applicable": labels["loss"], "ctrl_labels": labels, "separation": bundle.control_separation(),
+            "ctrl_applicable": labels["loss"], "ctrl_labels": labels, "separation": separation,
             "with_gate": gated["diagnostics"], "without_gate": ungated["diagnostics"],
             "metric_with_gate": gated["value"], "metric_without_gate": ungated["value"],
         }
@@ -65,10 +66,8 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
             bundles = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
             for name in LABELINGS:  # the ablation's EG-MARI rows: the same evaluations
                 scores = cache.score(store, profile, model, seed, columns, bundles, labels_args(name))
-                rates = gate_rates.setdefault(model, {}).setdefault(name, {})
-                for column, result in scores.items():
-                    rate = (result["diagnostics"] or {}).get("gate_rate")
-                    rates.setdefault(column, {"values": [], "n": result["n"]})["values"].append(rate)
+                tables.tally(gate_rates, model, name, {column: {"value": (r["diagnostics"] or {}).get("gate_rate"),
+                                                                "n": r["n"]} for column, r in scores.items()})
     return {"bundles": out, "gate_rates": gate_rates}
 
 
