@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -45,6 +46,38 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
 
 def atomic_write_json(path: str | Path, obj: Any, **dumps_kwargs: Any) -> Path:
     return atomic_write(path, json.dumps(obj, **{"indent": 2, **dumps_kwargs}) + "\n")
+
+
+# ----------------------------------------------------------------------------- results: strict JSON
+#
+# Python's json writes a NaN or an infinity as the bare words NaN / Infinity, which are not
+# JSON: jq, JavaScript's JSON.parse and most other readers refuse such a file. Every results
+# file (repro/'s results/*.json, `mari-eval judge --out`) is written by ``write_results_json``:
+# a missing or undefined number (NaN, +-inf) becomes null, and anything else that is not JSON
+# raises instead of being written.
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf, numpy's float64 included) replaced by
+    None, through dicts, lists and tuples (tuples become lists, as json writes them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def strict_json_dumps(obj: Any, **dumps_kwargs: Any) -> str:
+    """Strict JSON text of ``obj``: non-finite numbers as null (``finite_json``), and
+    ``allow_nan=False``, so that a NaN that got past it raises rather than being written."""
+    return json.dumps(finite_json(obj), **{"indent": 2, **dumps_kwargs, "allow_nan": False})
+
+
+def write_results_json(path: str | Path, obj: Any, **dumps_kwargs: Any) -> Path:
+    """``atomic_write_json`` for results files: strict JSON (``strict_json_dumps``)."""
+    return atomic_write(path, strict_json_dumps(obj, **dumps_kwargs) + "\n")
 
 
 # ----------------------------------------------------------------------------- whole directories

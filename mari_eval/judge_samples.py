@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -207,21 +206,10 @@ def judge_file(path: str | Path, *, base_url: str | None = None, model: str | No
     summary = J.refusal_summary(items, labels, judge=judge)
     result = {"source": str(path), "run": run, "metrics": task_metrics(summary, judge), "summary": summary}
     if out is not None:
-        from mari_eval.files import atomic_write_json
+        from mari_eval.files import write_results_json
 
-        atomic_write_json(out, _finite(result), ensure_ascii=False)
+        write_results_json(out, result, ensure_ascii=False)  # strict JSON: NaN as null
     return result
-
-
-def _finite(obj):
-    """``obj`` with NaN as None (strict JSON)."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def print_result(result: Mapping) -> None:
