@@ -24,7 +24,8 @@ import torch
 import transformers
 
 from mari_eval import memory
-from mari_eval.files import atomic_write, atomic_write_json
+from mari_eval.files import atomic_write, write_results_json
+from repro.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,17 +96,20 @@ def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int) 
              "Per model, the formula of `mari_eval/memory.py`, c = 2 L H_kv d_h b bytes per cached token and "
              "M = P c + sum_i (q_i c + r_i d b), on a meta-device model of the public configuration's shape.\n",
              "Sets: " + "; ".join(f"{a}: " + ", ".join(f"{s['set']} {s['examples']} examples, preamble {s['shared_tokens']} tokens"
-                                                   for s in sets) for a, sets in counts.items()) + ".\n",
-             "| model | parameters | weights (GiB) | c (KiB/token) | " + " | ".join(
-                 f"{a}: held now (GiB) | {a}: before, preamble per example (GiB)" for a in counts) + " | peak now, largest attribute (GiB) |",
-             "|---|---|---|---|" + "---|---|" * len(counts) + "---|"]
+                                                   for s in sets) for a, sets in counts.items()) + ".\n"]
+    headers = ["model", "parameters", "weights (GiB)", "c (KiB/token)"]
+    for a in counts:
+        headers += [f"{a}: held now (GiB)", f"{a}: before, preamble per example (GiB)"]
+    headers.append("peak now, largest attribute (GiB)")
+    table = []
     for name, row in rows.items():
         cells = [name, f"{row['parameters'] / 1e9:.2f} B", gib(row["weights_bytes"]), f"{row['cache_bytes_per_token'] / 1024:.0f}"]
         for a in counts:
             cells += [gib(row["attributes"][a]["now_bytes"]), gib(row["attributes"][a]["before_bytes"])]
         largest = max(v["now_bytes"] for v in row["attributes"].values())
         cells.append(gib(row["weights_bytes"] + largest))
-        lines.append("| " + " | ".join(cells) + " |")
+        table.append(cells)
+    lines.append(markdown_table(headers, table))
     lines.append("\nPeak = weights + the largest attribute's training state; one training step adds its own "
                  "activations (a few option rows through the layers above l*), small beside these. Past "
                  "`mari-eval train --max-memory` (default: half the free memory of the site layer's device), "
@@ -127,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {a: [{k: v for k, v in s.items() if k not in ("own_tokens", "row_tokens")} |
                    {"own_tokens_total": sum(s["own_tokens"]), "row_tokens_total": sum(s["row_tokens"])} for s in sets]
                for a, sets in counts.items()}
-    atomic_write_json(out / "memory.json", {"command": command, "seed": args.seed, "tokenizer": args.tokenizer_model,
-                                            "dtype": "bfloat16", "sets": summary, "models": rows,
-                                            "wall_time_s": round(time.time() - start, 1)})
+    write_results_json(out / "memory.json", {"command": command, "seed": args.seed, "tokenizer": args.tokenizer_model,
+                                             "dtype": "bfloat16", "sets": summary, "models": rows,
+                                             "wall_time_s": round(time.time() - start, 1)})
     atomic_write(out / "memory.md", markdown(rows, counts, command, args.tokenizer_model, args.seed).encode())
     print(markdown(rows, counts, command, args.tokenizer_model, args.seed))
     return 0
