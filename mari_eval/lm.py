@@ -17,7 +17,8 @@ the last prompt token:
   a plan with several variants runs them all for its routing window first
   (``mari_eval.generation``).
 
-Model args beyond HFLM's: ``bundle``, ``diagnostics`` (a JSON file of every choice the
+Model args beyond HFLM's: ``bundle`` (a directory or a Hub repository, at
+``bundle_revision``: ``mari_eval.hub``), ``diagnostics`` (a JSON file of every choice the
 method made), ``allow_other_model``, and the evaluation options of the bundle's method
 (``Intervention.option_fields``; README: MARI, evaluation switches).
 Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
@@ -34,7 +35,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from mari_eval import generation, methods, options, runner
+from mari_eval import generation, hub, methods, options, runner
 from mari_eval import lm_checks as checks
 from mari_eval.choice_log import ChoiceLog, prompt_order
 from mari_eval.models import DEFAULT_MODEL, resolve_model
@@ -51,6 +52,7 @@ class MariLM(HFLM):
         self,
         pretrained: str = DEFAULT_MODEL,
         bundle: str | None = None,
+        bundle_revision: str | None = None,
         device: str | None = None,
         dtype: str = "auto",
         diagnostics: str | None = None,
@@ -61,13 +63,13 @@ class MariLM(HFLM):
         # (Reading the option names imports every built-in method's module: only when there are model args to sort.)
         names = methods.option_names() if kwargs else set()
         method_options = options.given({k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        checks.bundle_args(bundle, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
+        checks.bundle_args(bundle, bundle_revision, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
         if diagnostics:
             checks.check_writable(Path(diagnostics))
         # The bundle is read and its options applied before the model is loaded, so a bad one fails fast.
         self.intervention: methods.Intervention | None = None
         if bundle is not None:
-            self.intervention = methods.load_bundle(bundle)
+            self.intervention = hub.load_bundle(bundle, bundle_revision)  # a directory or a Hub repository
             self.intervention.configure_from(method_options)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"

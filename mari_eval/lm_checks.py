@@ -1,5 +1,5 @@
 """What the lm-eval model refuses, each naming the document, the argument or the prompt and the fix:
-text no tokenizer reads, model args that need a bundle, an unwritable diagnostics file, and
+text no tokenizer reads, model args that need a bundle (or an empty one), an unwritable diagnostics file, and
 non-finite numbers while scoring or generating. Also the gold options of the known
 multiple-choice tasks, for the method's diagnostics (``Intervention.record_outcome``).
 """
@@ -37,17 +37,22 @@ def check_request_text(requests) -> None:
                     "which is not text; fix that document (a broken \\u escape in the data)") from None
 
 
-def bundle_args(bundle, **given) -> None:
+def bundle_args(bundle, bundle_revision=None, **given) -> None:
     """Refuse an empty ``bundle=`` (an unset shell variable), never read as "no bundle": it would
-    evaluate the plain model and report it as ``--model mari``; and refuse the arguments that
-    need a bundle (the method's options, ``diagnostics``, ``allow_other_model``) without one."""
+    evaluate the plain model and report it as ``--model mari``; likewise an empty ``bundle_revision=``,
+    which would read the repository's main branch; and refuse the arguments that need a bundle
+    (``bundle_revision``, the method's options, ``diagnostics``, ``allow_other_model``) without one.
+    (``bundle_revision`` with a local directory is refused where the bundle is read: ``hub.resolve``.)"""
     if isinstance(bundle, str) and not bundle.strip():
-        raise ValueError("bundle= is empty in --model_args (an unset shell variable?): give the bundle's directory, "
-                         "or leave bundle out to evaluate the plain model")
-    given = options.given(given)
+        raise ValueError("bundle= is empty in --model_args (an unset shell variable?): give the bundle's directory "
+                         "(or Hub repository), or leave bundle out to evaluate the plain model")
+    if isinstance(bundle_revision, str) and not bundle_revision.strip():
+        raise ValueError("bundle_revision= is empty in --model_args (an unset shell variable?): give a branch, tag or "
+                         "commit of the bundle's repository, or leave it out for its main branch")
+    given = options.given({"bundle_revision": bundle_revision, **given})
     if bundle is None and given:
         raise ValueError(f"{', '.join(given)} in --model_args need a bundle: add bundle=DIR, or drop them to "
-                         "evaluate the plain model")
+                         "evaluate the plain model (bundle= also takes a Hub repository: bundle=hf://org/name)")
 
 
 def check_writable(path: Path) -> None:

@@ -303,8 +303,11 @@ class Intervention(ABC):
             digest.update(self.tensors[name].detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
+    source: dict[str, Any] | None = None  # where a Hub bundle was read from (``hub.Resolved.source``)
+
     def describe(self) -> dict[str, Any]:
-        return {"method": self.method, "fingerprint": self.fingerprint(), "site": self.config.get("site")}
+        described = {"method": self.method, "fingerprint": self.fingerprint(), "site": self.config.get("site")}
+        return described if self.source is None else {**described, "source": self.source}
 
     # -- persistence ------------------------------------------------------------
 
@@ -338,7 +341,9 @@ def check_bundle_directory(directory: str | Path) -> None:
     check_replaceable(directory, _bundle_file)
 
 
-def load_bundle(directory: str | Path) -> Intervention:
+def load_bundle(directory: str | Path, source: dict[str, Any] | None = None) -> Intervention:
+    """The bundle in ``directory``, checked (``bundle_spec``); ``source``: where it was fetched from
+    (``mari_eval.hub``: a Hub bundle), reported by ``describe``. A Hub reference is ``hub.load_bundle``'s."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -360,7 +365,9 @@ def load_bundle(directory: str | Path) -> Intervention:
     except (SafetensorError, OSError, ValueError) as e:
         raise BundleError(f"{weights_path} is not a readable safetensors file: {_why_unreadable(weights_path, e)}") from None
     check_tensors(cls, config, tensors, str(meta_path), str(weights_path))
-    return cls(config, tensors)
+    bundle = cls(config, tensors)
+    bundle.source = source
+    return bundle
 
 
 def _read_config(path: Path) -> dict[str, Any]:
