@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mari_eval.files import atomic_write_json
+from mari_eval.files import write_results_json
 
 if TYPE_CHECKING:
     from mari_eval.methods import Intervention
@@ -50,7 +50,7 @@ class ChoiceLog:
         self._keys[start:] = [key for key, _ in mine]
         self.records[start:] = [record for _, record in mine]
         if rank == 0 and self.path:
-            atomic_write_json(Path(self.path), {"summary": self.summary(), "records": self.records})
+            write_results_json(Path(self.path), {"summary": self.summary(), "records": self.records})  # NaN as null
 
     def summary(self) -> dict:
         return {} if self.intervention is None else self.intervention.summarize(self.records)
