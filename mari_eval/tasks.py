@@ -107,7 +107,7 @@ class _QuietOverrides(logging.Filter):
         if "overrides existing task" not in str(record.msg) or len(record.args or ()) != 3:
             return True
         new, old = (str(Path(p).resolve()) for p in record.args[1:])
-        return not ({_root(new, self.roots), _root(old, self.roots)} == set(self.roots))
+        return {_root(new, self.roots), _root(old, self.roots)} != set(self.roots)
 
 
 def _root(path: str, roots: tuple[str, ...]) -> str | None:

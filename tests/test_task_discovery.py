@@ -14,15 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval.tasks
 import pytest
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+
+from mari_eval.tasks import DATA_ENV, tasks_dir
 
 from .conftest import HARNESS_TASKS
-
-import lm_eval.tasks  # noqa: E402  (imported after conftest set HF_HUB_OFFLINE)
-from lm_eval.tasks import TaskManager  # noqa: E402
-from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
-
-from mari_eval.tasks import DATA_ENV, tasks_dir  # noqa: E402
 
 BUILTIN = Path(lm_eval.tasks.__file__).resolve().parent
 OURS = tasks_dir()
