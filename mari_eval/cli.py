@@ -1,10 +1,5 @@
-"""``mari-eval``: the project's command line.
-
-    mari-eval materialize [ALIAS ...]          build the embedded models' safetensors directories
-    mari-eval splits --dataset truthfulqa --seed 0 [--out FILE]
-                                               print or write the paper's splits as example ids
-    mari-eval judge SAMPLES.jsonl [--out FILE] judge saved SORRY-Bench responses (lm_eval --log_samples,
-                                               e.g. with --predict_only; or the file a judge error names)
+"""``mari-eval``: the project's command line. ``mari-eval --help`` lists every command with one
+line each (``build_parser``); ``mari-eval COMMAND --help`` describes one.
 
 Evaluation itself goes through lm-eval: ``lm_eval --model mari --model_args ...``.
 """
@@ -86,6 +81,19 @@ def _judge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from mari_eval.hub import push
+
+    pushed = push(args.bundle, args.repo, revision=args.revision, private=args.private,
+                  commit_message=args.commit_message, to_dir=args.to_dir)
+    if args.to_dir:
+        print(f"wrote {', '.join(pushed.files)} to {pushed.where}; nothing was uploaded")
+    else:
+        print(f"pushed {', '.join(pushed.files)} as commit {pushed.commit}")
+        print(f"evaluate this version with --model_args bundle={pushed.where}")
+    return 0
+
+
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device, --device-map and the memory caps (``devices.Placement``), shared with repro/."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -99,21 +107,26 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mari-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="mari-eval", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MARI's evaluation suite: train steering bundles, share them, judge generations.",
+        epilog="Evaluation goes through lm-eval: lm_eval --model mari --model_args pretrained=...,bundle=...\n"
+               "`mari-eval COMMAND --help` describes a command.")
+    # One line per command in --help: keep each help= short (argparse wraps at the terminal's width).
+    sub = parser.add_subparsers(dest="command", required=True, title="commands")
 
-    p = sub.add_parser("materialize", help="build the embedded models' safetensors directories (once)")
+    p = sub.add_parser("materialize", help="build the embedded models' directories (once)")
     p.add_argument("alias", nargs="*", help="embedded model aliases (default: all)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.set_defaults(run=_materialize)
 
-    p = sub.add_parser("splits", help="the paper's data splits (Appendix B) as example ids")
+    p = sub.add_parser("splits", help="print or write the paper's splits as example ids")
     p.add_argument("--dataset", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write JSON here instead of printing it")
     p.set_defaults(run=_splits)
 
-    p = sub.add_parser("train", help="train a method on an attribute's D_train and save a bundle")
+    p = sub.add_parser("train", help="train a method on an attribute, save a bundle")
     p.add_argument("--method", default="mari", help="mari (default) or a baseline: caa, iti, nl_iti, reft")
     p.add_argument("--attribute", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or local directory")
@@ -136,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "the site device's free memory); beyond it caches are recomputed, not kept")
     p.set_defaults(run=_train)
 
-    p = sub.add_parser("judge", help="judge saved SORRY-Bench responses and print the task's metrics",
+    p = sub.add_parser("judge", help="judge saved SORRY-Bench responses, print metrics",
                        description="Judge the responses of a SORRY-Bench run saved in SAMPLES (lm_eval --log_samples "
                                    "output, e.g. of a --predict_only run, or the generations file a judge error names) "
                                    "with the judge MARI_JUDGE_* configures, through the same cache, and print the "
@@ -149,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="judge prompt name (default: $MARI_JUDGE_PROMPT, else base-#thescore when available)")
     p.add_argument("--out", help="also write the metrics and the per-category summary here as JSON")
     p.set_defaults(run=_judge)
+
+    p = sub.add_parser("push", help="upload a bundle to a Hugging Face Hub repository",
+                       description="Upload the bundle directory BUNDLE to the Hub repository REPO with huggingface_hub "
+                                   "(HfApi.upload_folder; the token from `hf auth login` or HF_TOKEN). The bundle is "
+                                   "loaded and checked first, from the copy that is sent; a training checkpoint, a "
+                                   "bundle being written or one holding other files is refused. Evaluate it with "
+                                   "--model_args bundle=hf://REPO (bundle_revision=COMMIT to pin it).")
+    p.add_argument("bundle", help="the bundle directory (`mari-eval train --out`)")
+    p.add_argument("repo", help="org/name, hf://org/name, or hf://org/name/FOLDER for a folder of the repository")
+    p.add_argument("--revision", help="the branch to commit to (created when missing; default main)")
+    p.add_argument("--private", action="store_true", help="create the repository private (refused if it exists public)")
+    p.add_argument("--commit-message", help="default: the method and base model")
+    p.add_argument("--to-dir", metavar="DIR",
+                   help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
+    p.set_defaults(run=_push)
     return parser
 
 

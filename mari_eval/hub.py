@@ -216,7 +216,7 @@ def bundle_files(directory: str | Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Pushed:
-    where: str  # the repository and commit, or the folder written
+    where: str  # hf://org/name@COMMIT[/folder], which loads this very upload, or the folder written
     commit: str | None
     files: list[str]
 
@@ -234,27 +234,31 @@ def push(directory: str | Path, repo: str, *, revision: str | None = None, priva
     hub = parse_hub(repo if repo.startswith(HF_PREFIX) else HF_PREFIX + repo, revision)
     assert hub is not None
     files = bundle_files(directory)
-    if to_dir is not None:
-        target = Path(to_dir)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise FileExistsError(f"--to-dir {target} exists and is not an empty directory: give a new one, so that "
-                                  "it holds exactly what would be uploaded")
-        _stage(Path(directory), files, target / hub.path)
-        methods.load_bundle(target / hub.path)
-        return Pushed(str(target), None, files)
+    target = None if to_dir is None else Path(to_dir)
+    if target is not None and target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"--to-dir {target} exists and is not an empty directory: give a new one, so that it "
+                              "holds exactly what would be uploaded")
     with tempfile.TemporaryDirectory(prefix="mari-push-") as tmp:
         staged = Path(tmp) / "bundle"
-        _stage(Path(directory), files, staged)
-        bundle = methods.load_bundle(staged)
+        staged.mkdir()
+        for name in files:
+            shutil.copyfile(Path(directory) / name, staged / name)
+        bundle = methods.load_bundle(staged)  # checked as sent: a bundle replaced meanwhile cannot slip through
+        if target is not None:
+            shutil.copytree(staged, target / hub.path, dirs_exist_ok=True)
+            return Pushed(str(target), None, files)
         message = commit_message or f"mari-eval push: {bundle.method} bundle for {bundle.config['base_model']['name']}"
         info = _upload(hub, staged, private, message, stale=[n for n in (PROVENANCE,) if n not in files])
-    return Pushed(f"{hub.uri(info.oid)}", info.oid, files)
+    return Pushed(hub.uri(info.oid), info.oid, files)
 
 
-def _stage(directory: Path, files: list[str], staged: Path) -> None:
-    staged.mkdir(parents=True, exist_ok=True)
-    for name in files:
-        shutil.copyfile(directory / name, staged / name)
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """The HTTP client's connection errors (huggingface_hub 2.x sends its requests with httpx2)."""
+    try:
+        import httpx2
+    except ImportError:
+        return ()
+    return (httpx2.TransportError,)
 
 
 def _upload(hub: HubRef, staged: Path, private: bool, message: str, stale: list[str]):
@@ -274,14 +278,17 @@ def _upload(hub: HubRef, staged: Path, private: bool, message: str, stale: list[
                                  "make it private in its settings on the Hub first, or drop --private")
         if hub.revision and hub.revision != "main":
             api.create_branch(hub.repo_id, repo_type=hub.repo_type, branch=hub.revision, exist_ok=True)
-        # A provenance file of an earlier push that this bundle lacks would describe other weights: deleted.
-        prefix = f"{hub.path}/" if hub.path else ""
-        return api.upload_folder(repo_id=hub.repo_id, repo_type=hub.repo_type, folder_path=staged, path_in_repo=hub.path or None,
-                                 revision=hub.revision, commit_message=message,
-                                 delete_patterns=[prefix + n for n in stale] or None)
+        # A provenance file of an earlier push that this bundle lacks would describe other weights: deleted
+        # (upload_folder matches delete_patterns within path_in_repo).
+        return api.upload_folder(repo_id=hub.repo_id, repo_type=hub.repo_type, folder_path=staged,
+                                 path_in_repo=hub.path or None, revision=hub.revision, commit_message=message,
+                                 delete_patterns=stale or None)
     except OfflineModeIsEnabled:
         raise OSError("HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it to push (or give --to-dir DIR to "
                       "write the files that would be sent)") from None
+    except _unreachable() as e:
+        raise OSError(f"the Hub cannot be reached ({type(e).__name__}: {e}); check the connection (or HF_ENDPOINT) and "
+                      "push again") from None
     except LocalTokenNotFoundError:
         raise OSError("not logged in to the Hub: run `hf auth login` or set HF_TOKEN, then push again") from None
     except HfHubHTTPError as e:
