@@ -79,7 +79,7 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
 
     ``hf://...`` always names the Hub; a bare ``org/name`` does when ``bare_ok`` (the caller has
     found no local path of that name). A revision given in the URI and as ``revision`` is refused."""
-    from huggingface_hub.errors import HFValidationError, HfUriError
+    from huggingface_hub.errors import HfUriError, HFValidationError
     from huggingface_hub.utils import parse_hf_uri, validate_repo_id
 
     if reference.startswith(HF_PREFIX):
@@ -106,13 +106,14 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
 def resolve(reference: str | Path, revision: str | None = None) -> Resolved:
     """The local directory of bundle ``reference`` (see the module's docstring), fetched into
     the Hugging Face cache for a Hub bundle. ``revision`` (``bundle_revision=``) is for Hub
-    bundles only: given with a local directory it is refused, never ignored."""
+    bundles only: given with a local directory it is refused, never ignored. A ``Path`` is local."""
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise ValueError(f"bundle_revision={revision!r} in --model_args: give a branch, tag or commit hash (lm-eval reads "
                          "digits as a number: quote them, bundle_revision='0123')")
     text = str(reference)
     local = Path(text).expanduser()
-    hub = parse_hub(text, revision, bare_ok=not local.exists())
+    # A Path object is a file system path by the caller's own choice: never the Hub.
+    hub = None if isinstance(reference, Path) else parse_hub(text, revision, bare_ok=not local.exists())
     if hub is None:
         if revision is not None:
             raise ValueError(f"bundle_revision={revision} applies to a Hub bundle, and bundle={text} is a local "
@@ -124,8 +125,14 @@ def resolve(reference: str | Path, revision: str | None = None) -> Resolved:
 
 def _download(hub: HubRef, reference: str) -> Resolved:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f" at revision {hub.revision!r}" if hub.revision else ""
     where = f"bundle={reference}: Hub repository {hub.repo_id}{at}"
@@ -168,7 +175,7 @@ def _download(hub: HubRef, reference: str) -> Resolved:
     return Resolved(directory, hub, commit)
 
 
-def load_bundle(reference: str | Path, revision: str | None = None) -> "Intervention":
+def load_bundle(reference: str | Path, revision: str | None = None) -> Intervention:
     """The bundle ``reference`` names (local directory or Hub repository), loaded and checked;
     a Hub bundle reports its origin in ``describe()``."""
     from mari_eval import methods
@@ -263,7 +270,11 @@ def _unreachable() -> tuple[type[BaseException], ...]:
 
 def _upload(hub: HubRef, staged: Path, private: bool, message: str, stale: list[str]):
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalTokenNotFoundError,
+        RepositoryNotFoundError,
+    )
     from huggingface_hub.utils import OfflineModeIsEnabled
 
     api = HfApi()

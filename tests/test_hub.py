@@ -76,6 +76,7 @@ def test_references_local_directory_wins_hub_otherwise(tmp_path, monkeypatch):
     assert hub.parse_hub("hf://org/name", "main") == hub.HubRef("org/name", revision="main")
     for local in ("./org/name", "/abs/org", "a/b/c", "name", "~/x", "my bundle/x"):
         assert hub.parse_hub(local) is None, local
+    assert hub.resolve(Path("org/name")) == hub.Resolved(Path("org/name"))  # a Path is a path, missing or not
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert hub.resolve("org/name") == hub.Resolved(Path("org/name"))  # it exists here: the local directory
     with pytest.raises(ValueError, match="bundle_revision=main applies to a Hub bundle, and bundle=org/name is a local directory"):
@@ -204,11 +205,11 @@ def test_unreachable_hub_is_named_for_reading_and_pushing(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "c"),
            "HF_TOKEN": "hf_test_not_a_token"}
     code = "from mari_eval import hub\ntry:\n    hub.load_bundle('org/name')\nexcept Exception as e:\n    print(e)"
-    read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
     assert "cannot be reached and is not in the Hugging Face cache" in read.stdout, read.stdout + read.stderr
     bundle = _saved(tmp_path / "b")
     pushed = subprocess.run([sys.executable, "-m", "mari_eval.cli", "push", str(bundle), "org/name"], capture_output=True,
-                            text=True, env=env, cwd=tmp_path, timeout=120)
+                            text=True, env=env, cwd=tmp_path, timeout=120, check=False)
     assert pushed.returncode == 1 and "error: the Hub cannot be reached (ConnectError" in pushed.stderr, pushed.stderr
 
 
@@ -269,7 +270,7 @@ def test_lm_eval_scores_the_hub_bundle_as_the_local_one(tmp_path, cache, smollm2
          f"pretrained=smollm2-135m-instruct,bundle=hf://org/mari,bundle_revision={commit}", "--batch_size", "4",
          "--tasks", task, "--include_path", str(HARNESS_TASKS), "--limit", str(limit), "--output_path", str(out),
          "--log_samples"],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result_file,) = out.rglob("results_*.json")
     written = json.loads(result_file.read_text())
