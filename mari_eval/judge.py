@@ -18,9 +18,10 @@ judge here asks a chat model for that score:
   counted and reported, never guessed.
 * cache: every judgement is appended to a JSON-lines file keyed by sha256 of (judge
   model, prompt text, instruction, response), so a rerun never asks twice.
-* failures: connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
-  backoff; a judge that stays down raises ``JudgeUnavailable`` (judgements made so far
-  stay cached), and the whole judging step ends at one deadline (``JudgeDeadline``).
+* failures: the ``openai`` client retries connection errors, timeouts, HTTP 408, 409, 429
+  and 5xx (``MARI_JUDGE_ATTEMPTS`` tries, its backoff with jitter, ``Retry-After``); a
+  judge that stays down raises ``JudgeUnavailable`` (judgements made so far stay cached),
+  and the whole judging step ends at one deadline (``JudgeDeadline``).
   A reply is read up to ``MAX_REPLY_BYTES`` and its verdict cached up to ``MAX_RAW_CHARS``;
   an HTML page, a body that is not a chat completion, settings out of range, an API key
   with whitespace or control characters and a cache path that is a directory are errors
@@ -37,7 +38,7 @@ a caller needs:
 * ``judge_config``: the ``MARI_JUDGE_*`` settings (``JudgeConfig``) and the errors.
 * ``judge_prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``.
 * ``judge_cache``: the verdict cache (``JudgeCache``).
-* ``judge_client``: ``Judge``, which asks the server (retries, deadline, reply checks).
+* ``judge_client``: ``Judge``, which asks the server (the client's retries, deadline, reply checks).
 * ``judge_summary``: ``refusal_summary`` and the category names.
 * ``judge_server``: the embedded ``transformers serve`` judge and ``main``.
 """

@@ -3,12 +3,16 @@
 The server is any OpenAI-compatible chat-completions endpoint (``JudgeConfig``), asked
 through the ``openai`` client, ``config.concurrency`` requests at a time:
 
-* retries: connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
-  backoff; a judge that stays down raises ``JudgeUnavailable`` (judgements made so far
-  stay cached). Other HTTP errors (401/403, 404, ...) fail at once with the fix.
+* retries are the ``openai`` client's (``max_retries=config.attempts - 1``): it retries
+  connection errors, timeouts, HTTP 408, 409, 429 and 5xx, with exponential backoff and
+  jitter, honouring ``Retry-After``. A judge that stays down raises ``JudgeUnavailable``
+  (judgements made so far stay cached); other HTTP errors (401/403, 404, 400, ...) fail at
+  once with the fix. A reply that breaks off once its body has started is not asked again.
+* timeouts: ``config.timeout`` seconds per try (connecting: at most ``CONNECT_TIMEOUT``).
 * deadline: the whole judging step (one ``judge`` call) ends at ``config.deadline``
-  seconds (``JudgeDeadline``): request timeouts are cut to it, and requests still in
-  flight then are aborted.
+  seconds (``JudgeDeadline``). An HTTP request hook, run before every try (the client's
+  retries included), starts no try after it and cuts each try's timeouts to what is left;
+  requests still in flight then are aborted.
 * replies: a reply is read up to ``MAX_REPLY_BYTES`` and its verdict cached up to
   ``MAX_RAW_CHARS``; an HTML page or a body that is not a chat completion is an error
   that names the problem and the fix.
@@ -31,6 +35,7 @@ from typing import Callable, Sequence
 
 from mari_eval.judge_cache import JudgeCache, cache_key
 from mari_eval.judge_config import (
+    CONNECT_TIMEOUT,
     ENV_API_KEY,
     ENV_API_KEY_FALLBACK,
     ENV_BASE_URL,
@@ -55,7 +60,7 @@ MAX_RAW_CHARS = 2000
 
 
 class _ReplyInterrupted(Exception):
-    """The connection failed while a reply's body was read (retried like a connection error)."""
+    """The connection failed while a reply's body was read (after the client returned it: not retried)."""
 
 
 @dataclass(frozen=True)
@@ -75,18 +80,17 @@ class Judge:
         cache: JudgeCache | str | Path | None = None,
         *,
         progress: bool | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.config = config
         self.prompt = prompt if prompt is not None else load_prompt()
         self.cache = cache if isinstance(cache, JudgeCache) else JudgeCache(cache)
         self.progress = progress  # None: a bar when at least 10 judgements are asked
-        self._sleep = sleep
         self._client = None
-        self._down = threading.Event()  # set once a judgement failed: no new requests
+        self._down = threading.Event()  # set once a judgement failed: no new requests, no more tries
         self._failure: JudgeError | None = None
         self._failure_lock = threading.Lock()
         self._deadline: float | None = None  # time.monotonic() at which the current judging step ends
+        self._local = threading.local()  # per requesting thread: what is asked, tries made, last failure
 
     # ------------------------------------------------------------------ public
 
@@ -125,9 +129,9 @@ class Judge:
 
         self.cache.check()
 
-        def probe(client, timeout):
+        def probe(client):
             try:
-                with client.models.with_streaming_response.list(timeout=timeout) as response:
+                with client.models.with_streaming_response.list() as response:
                     self._json_reply(response, "a model-list request")
             except openai.APIStatusError as e:  # any other HTTP answer: a server is there
                 if e.status_code in (401, 403):
@@ -242,13 +246,12 @@ class Judge:
         return True
 
     def _ask(self, text: str) -> str:
-        def request(client, timeout):
+        def request(client):
             with client.chat.completions.with_streaming_response.create(
                 model=self.config.model,
                 messages=[{"role": "user", "content": text}],
                 temperature=0.0,
                 max_tokens=self.config.max_tokens,
-                timeout=timeout,
             ) as response:
                 return self._completion_text(self._json_reply(response, "a judgement request"))
 
@@ -322,38 +325,65 @@ class Judge:
         return content or ""
 
     def _call(self, request: Callable, what: str):
-        """``request(client, timeout)`` with retries on connection errors, timeouts, 429 and 5xx, within the deadline."""
+        """``request(client)``, which the openai client tries up to ``config.attempts`` times (``_before_try``
+        ends it at the deadline); its failure becomes a ``JudgeError`` naming the problem and the fix."""
         import openai
 
         url = safe_url(self.config.base_url)
-        attempts = self.config.attempts
-        for attempt in range(1, attempts + 1):
-            timeout = self.config.timeout
-            if self._deadline is not None:
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    raise self._deadline_error(f"{what} was still to be made")
-                timeout = min(timeout, left)
-            try:
-                return request(self._openai(), timeout)
-            except (openai.APIConnectionError, openai.APIStatusError, _ReplyInterrupted) as e:
-                if not _retryable(e):
-                    raise self._fatal(e, url) from None
-                reason = self._redact(_describe(e))
-                if self._deadline is not None and time.monotonic() >= self._deadline:
-                    raise self._deadline_error(f"last error on {what}: {reason}") from None
-                if attempt == attempts or self._down.is_set():
-                    raise JudgeUnavailable(
-                        f"The judge at {url} did not answer {what} after {attempt} attempt(s); last error: {reason}. "
-                        f"Check that the server is running and that {ENV_BASE_URL} points at it."
-                    ) from None
-                delay = min(self.config.max_backoff, self.config.backoff * 2 ** (attempt - 1))
-                if self._deadline is not None and time.monotonic() + delay >= self._deadline:
-                    raise self._deadline_error(f"last error on {what}: {reason}") from None
-                log.warning("Judge at %s: attempt %d/%d failed (%s); retrying in %.1f s", url, attempt, attempts, reason, delay)
-                self._sleep(delay)
-            except (openai.OpenAIError, ValueError) as e:
-                raise JudgeError(f"The judge at {url} failed on {what}: {self._redact(_describe(e))}") from None
+        self._local.what, self._local.tries, self._local.last = what, 0, None
+        try:
+            return request(self._openai())
+        except JudgeError:
+            raise
+        except (openai.APIConnectionError, openai.APIStatusError, _ReplyInterrupted) as e:
+            if not _unavailable(e):
+                raise self._fatal(e, url) from None
+            reason = self._redact(_describe(e))
+            if self._past_deadline():
+                raise self._deadline_error(f"last error on {what}: {reason}") from None
+            if isinstance(e, _ReplyInterrupted):
+                raise JudgeUnavailable(
+                    f"The judge at {url} broke off its reply to {what} ({reason}); a reply that has started is not "
+                    f"asked again. Check the server's log, and that {ENV_BASE_URL} points at it."
+                ) from None
+            raise JudgeUnavailable(
+                f"The judge at {url} did not answer {what} after {self._local.tries} attempt(s) "
+                f"({_env_name('attempts')}={self.config.attempts}); last error: {reason}. "
+                f"Check that the server is running and that {ENV_BASE_URL} points at it."
+            ) from None
+        except (openai.OpenAIError, ValueError, RuntimeError) as e:  # RuntimeError: a client closed at the deadline
+            if self._past_deadline():
+                raise self._deadline_error(f"{what} was aborted") from None
+            raise JudgeError(f"The judge at {url} failed on {what}: {self._redact(_describe(e))}") from None
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _before_try(self, request) -> None:
+        """Run by the HTTP client before each try of a request, the openai client's retries included: counts
+        the tries, logs a retry, and in a judging step starts no try past the deadline (or once a judgement
+        failed) and cuts the try's timeouts to the time left."""
+        self._local.tries = tries = getattr(self._local, "tries", 0) + 1
+        what = getattr(self._local, "what", "a request")
+        if tries > 1:
+            log.warning("Judge at %s: %s failed (%s); the openai client tries it again (try %d of %d)",
+                        safe_url(self.config.base_url), what, getattr(self._local, "last", None) or "no answer",
+                        tries, self.config.attempts)
+        self._local.last = "a connection error or timeout"  # unless _after_try sees an HTTP answer
+        if self._deadline is None:  # outside a judging step (check)
+            return
+        if self._down.is_set():
+            raise JudgeUnavailable(f"{what} was not tried again: another judgement failed")  # not the one reported
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise self._deadline_error(f"{what} was still to be {'made' if tries == 1 else 'tried again'}")
+        timeouts = request.extensions.get("timeout") or dict.fromkeys(("connect", "read", "write", "pool"))
+        request.extensions["timeout"] = {k: left if v is None else min(v, left) for k, v in timeouts.items()}
+
+    def _after_try(self, response) -> None:
+        """Run by the HTTP client on each answer's headers: remembers a failing status for the retry log."""
+        if response.status_code >= 400:
+            self._local.last = f"HTTP {response.status_code}"
 
     def _fatal(self, e, url: str) -> JudgeError:
         status = getattr(e, "status_code", None)
@@ -370,11 +400,14 @@ class Judge:
         if self._client is None:
             import openai
 
+            timeout = self.config.timeout
             self._client = openai.OpenAI(
                 base_url=self.config.base_url,
                 api_key=self.config.api_key or "no-key",  # local servers take any key
-                max_retries=0,  # retries are ours (_call)
-                timeout=self.config.timeout,
+                max_retries=self.config.attempts - 1,  # the client retries, with backoff, jitter and Retry-After
+                timeout=openai.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)),  # per try
+                http_client=openai.DefaultHttpxClient(
+                    event_hooks={"request": [self._before_try], "response": [self._after_try]}),
             )
         return self._client
 
@@ -383,13 +416,15 @@ class Judge:
         return text.replace(key, "<redacted>") if key else text
 
 
-def _retryable(e) -> bool:
+def _unavailable(e) -> bool:
+    """A failure of the kinds the openai client retries (connection errors, timeouts, HTTP 408, 409, 429, 5xx):
+    the judge is down or overloaded rather than refusing the request."""
     import openai
 
     if isinstance(e, (openai.APIConnectionError, _ReplyInterrupted)):  # APITimeoutError included
         return True
     status = getattr(e, "status_code", None)
-    return status == 429 or (status is not None and status >= 500)
+    return status in (408, 409, 429) or (status is not None and status >= 500)
 
 
 def _describe(e) -> str:

@@ -1,9 +1,11 @@
 """The judge's settings: where it is (``MARI_JUDGE_*``), how hard it tries, and its errors.
 
 ``JudgeConfig`` holds the endpoint (base URL, served model name, API key) and the knobs
-of ``TUNABLE`` (tokens, timeout, retries, backoff, concurrency, deadline). ``from_env``
-reads arguments first, then ``MARI_JUDGE_*`` (the key: ``MARI_JUDGE_API_KEY``, else
-``OPENAI_API_KEY``). Settings out of range, numbers that are not numbers and an API key
+of ``TUNABLE`` (tokens, timeout, attempts, concurrency, deadline). ``from_env`` reads
+arguments first, then ``MARI_JUDGE_*`` (the key: ``MARI_JUDGE_API_KEY``, else
+``OPENAI_API_KEY``). ``attempts`` and ``timeout`` go to the ``openai`` client, which
+retries (``max_retries=attempts - 1``) with its own backoff; ``MARI_JUDGE_BACKOFF`` and
+``MARI_JUDGE_MAX_BACKOFF`` (``RETIRED``) are accepted and have no effect (a warning says so). Settings out of range, numbers that are not numbers and an API key
 with whitespace or control characters are refused with an error naming the variable and
 the fix; the key itself is never written to logs, errors or results (``repr`` hides it,
 ``safe_url`` strips credentials from a URL).
@@ -13,6 +15,7 @@ Every failure of the judge is a ``JudgeError`` whose message names the problem a
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import urllib.parse
@@ -25,6 +28,9 @@ ENV_API_KEY_FALLBACK = "OPENAI_API_KEY"
 ENV_CACHE = "MARI_JUDGE_CACHE"  # path of the cache file
 ENV_PROMPT = "MARI_JUDGE_PROMPT"  # prompt name: SORRY_PROMPT (default) or OWN_PROMPT
 ENV_DEADLINE = "MARI_JUDGE_DEADLINE"  # seconds for one judging step (JudgeConfig.deadline)
+
+
+log = logging.getLogger(__name__)
 
 
 class JudgeError(RuntimeError):
@@ -52,16 +58,19 @@ class JudgeConfig:
     model: str
     api_key: str | None = field(default=None, repr=False)
     max_tokens: int = 64  # judge answer length; "#thescore: 1" needs about 6 tokens
-    timeout: float = 120.0  # seconds per request
-    attempts: int = 5  # tries per judgement on retryable errors
-    backoff: float = 1.0  # seconds before the 2nd try, doubled for each later one
-    max_backoff: float = 30.0
+    timeout: float = 120.0  # seconds one try may wait on the server (connecting: at most CONNECT_TIMEOUT)
+    attempts: int = 5  # tries per request: the openai client's max_retries is attempts - 1
     concurrency: int = 4  # requests in flight
     deadline: float = 300.0  # seconds for one judging step (all the judgements one call asks for)
+    backoff: float | None = None  # retired (RETIRED): no effect, accepted so that old callers still run
+    max_backoff: float | None = None  # retired (RETIRED): no effect
 
     def __post_init__(self) -> None:
         for name, (kind, low, high, what) in TUNABLE.items():
             _check_setting(name, getattr(self, name), kind, low, high, what)
+        for name in RETIRED:
+            if getattr(self, name) is not None:
+                _warn_retired(f"Judge setting {name}={getattr(self, name)!r}")
         if self.api_key:
             _check_api_key(self.api_key, f"The API key ({ENV_API_KEY}, else {ENV_API_KEY_FALLBACK})")
 
@@ -84,6 +93,9 @@ class JudgeConfig:
             )
         if api_key:
             _check_api_key(api_key, key_source)
+        for name in RETIRED:  # read by older versions: said to have no effect, never refused
+            if os.environ.get(_env_name(name)):
+                _warn_retired(f"{_env_name(name)}={os.environ[_env_name(name)]!r}")
         for name, (kind, low, high, what) in TUNABLE.items():  # MARI_JUDGE_MAX_TOKENS=128 etc., arguments first
             value = os.environ.get(_env_name(name))
             if name not in kwargs and value:
@@ -99,13 +111,28 @@ class JudgeConfig:
 # JudgeConfig fields that MARI_JUDGE_<NAME> can set: type, lowest value (None: above 0), highest, meaning.
 TUNABLE = {
     "max_tokens": (int, 1, 4096, "the longest judge answer in tokens"),
-    "timeout": (float, None, None, "the seconds one request may take"),
-    "attempts": (int, 1, 100, "the tries per judgement"),
-    "backoff": (float, 0, None, "the seconds before the 2nd try (doubled for each later one)"),
-    "max_backoff": (float, 0, None, "the longest wait between two tries in seconds"),
+    "timeout": (float, None, None, "the seconds one try of a request may wait on the server"),
+    "attempts": (int, 1, 100, "the tries per request (the openai client retries attempts - 1 times)"),
     "concurrency": (int, 1, 256, "the number of requests in flight"),
     "deadline": (float, None, None, "the seconds one judging step may take in all"),
 }
+
+# Settings of older versions that no longer do anything: the openai client now chooses the wait
+# between tries. Accepted (so that an environment or a call setting them still works), with a warning.
+RETIRED = ("backoff", "max_backoff")
+# The longest wait for a connection, per try (MARI_JUDGE_TIMEOUT when that is shorter).
+CONNECT_TIMEOUT = 5.0
+
+_warned: set[str] = set()
+
+
+def _warn_retired(setting: str) -> None:
+    if setting not in _warned:
+        _warned.add(setting)
+        log.warning("%s has no effect any more and is ignored: the openai client now chooses the wait between "
+                    "retries (0.5 s, doubled per retry up to 8 s, with jitter; or the server's Retry-After, up to "
+                    "2 minutes). MARI_JUDGE_ATTEMPTS (tries per request) and %s (the whole judging step) still "
+                    "apply; unset it to silence this warning.", setting, ENV_DEADLINE)
 
 
 def _env_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """mari_eval.judge and the SORRY-Bench tasks.
 
-Deterministic parts (verdict parser, cache, retries, key hygiene) run against a stdlib
-HTTP server scripted per test; the rest against a real ``transformers serve`` with the
+Deterministic parts (verdict parser, cache, the openai client's retries and our deadline,
+key hygiene) run against a stdlib HTTP server scripted per test; the rest against a real ``transformers serve`` with the
 embedded instruct model (one server for the module). Nothing here asserts that a 135M
 judge judges well: only what must hold whatever it answers.
 """
@@ -44,6 +44,7 @@ class FakeServer:
     def __init__(self, reply):
         self.reply = reply
         self.requests: list[tuple[str, dict, object]] = []
+        self.times: list[float] = []  # time.monotonic() at which each request arrived
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,6 +53,7 @@ class FakeServer:
                 body = json.loads(raw) if raw else None
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 outer.requests.append((self.path, headers, body))
+                outer.times.append(time.monotonic())
                 status, payload, *extra = outer.reply(self.path, headers, body)
                 reply_headers = {"Content-Type": "application/json", **(extra[0] if extra else {})}
                 if isinstance(payload, (dict, list)):
@@ -112,10 +114,9 @@ def fake():
         s.close()
 
 
-def make_judge(server_url, tmp_path, sleeps=None, **config):
-    cfg = J.JudgeConfig(base_url=server_url, model="judge-m", **{"backoff": 1.0, **config})
-    return J.Judge(cfg, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl",
-                   sleep=(sleeps.append if sleeps is not None else lambda s: None))
+def make_judge(server_url, tmp_path, **config):
+    cfg = J.JudgeConfig(base_url=server_url, model="judge-m", **config)
+    return J.Judge(cfg, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl")
 
 
 def cache_lines(path) -> list[dict]:
@@ -274,26 +275,49 @@ def test_summary_counts_add_up_per_category():
 # ----------------------------------------------------------------------------- retries and failures
 
 
-def test_429_then_200_is_retried_with_backoff(fake, tmp_path):
-    server = fake(scripted((429, {"error": {"message": "slow down"}}), (200, completion("#thescore: 1"))))
-    sleeps: list[float] = []
-    labels = make_judge(server.url, tmp_path, sleeps, attempts=3).labels([("q", COMPLYING)])
-    assert labels == [J.COMPLIANCE] and len(server.chats) == 2 and sleeps == [1.0]
+# The openai client retries (max_retries = attempts - 1, its backoff: 0.5 s doubled, less up to 25 %
+# jitter; Retry-After honoured up to 2 minutes); these count the requests the server saw.
+
+
+@pytest.mark.parametrize("status, headers", [
+    (429, {"Retry-After": "0"}),
+    (503, {}),
+    (408, {}),
+], ids=["429-retry-after-0", "503", "408"])
+def test_a_transient_error_is_retried_once_by_the_client(fake, tmp_path, status, headers):
+    server = fake(scripted((status, {"error": {"message": "not now"}}, headers), (200, completion("#thescore: 1"))))
+    judgement, = make_judge(server.url, tmp_path, attempts=3).judge([("q", COMPLYING)])
+    assert judgement.label == J.COMPLIANCE and not judgement.cached
+    assert len(server.chats) == 2
+    assert server.chats[0][1]["x-stainless-retry-count"] == "0" and server.chats[1][1]["x-stainless-retry-count"] == "1"
+    assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.COMPLIANCE]
+
+
+def test_retry_after_is_honoured(fake, tmp_path):
+    server = fake(scripted((429, {"error": {"message": "slow down"}}, {"Retry-After": "2"})))
+    assert make_judge(server.url, tmp_path, attempts=2).labels([("q", REFUSING)]) == [J.REFUSAL]
+    assert len(server.chats) == 2
+    assert 1.9 <= server.times[1] - server.times[0] < 10  # the client's own backoff would wait under 0.5 s
 
 
 def test_500s_exhaust_the_retries_and_keep_what_was_judged(fake, tmp_path):
     server = fake(scripted((200, completion("#thescore: 0")), then=(500, {"error": {"message": "boom"}})))
-    sleeps: list[float] = []
-    judge = make_judge(server.url, tmp_path, sleeps, attempts=5, max_backoff=5.0, concurrency=1)
+    judge = make_judge(server.url, tmp_path, attempts=3, concurrency=1)
     judge.labels([("q1", REFUSING)])
     with pytest.raises(J.JudgeUnavailable) as err:
         judge.labels([("q1", REFUSING), ("q2", COMPLYING)])
     message = str(err.value)
-    assert server.url in message and "5 attempt" in message and "HTTP 500" in message
+    assert server.url in message and "after 3 attempt(s) (MARI_JUDGE_ATTEMPTS=3)" in message and "HTTP 500" in message
     assert "1 of this run's 2 judgements" in message and str(tmp_path / "cache.jsonl") in message
-    assert sleeps == [1.0, 2.0, 4.0, 5.0]  # doubling, capped at max_backoff
-    assert len(server.chats) == 1 + 5
+    assert len(server.chats) == 1 + 3  # max_retries + 1 requests for q2
     assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.REFUSAL]
+
+
+def test_one_attempt_means_no_retry(fake, tmp_path):
+    server = fake(scripted(then=(503, {"error": {"message": "overloaded"}})))
+    with pytest.raises(J.JudgeUnavailable, match=r"after 1 attempt\(s\)"):
+        make_judge(server.url, tmp_path, attempts=1).labels([("q", "r")])
+    assert len(server.chats) == 1
 
 
 def test_a_slow_judge_times_out_is_retried_and_then_fails_loudly(fake, tmp_path):
@@ -305,13 +329,56 @@ def test_a_slow_judge_times_out_is_retried_and_then_fails_loudly(fake, tmp_path)
         return 200, completion("#thescore: 0")
 
     server = fake(reply)
-    sleeps: list[float] = []
-    judge = make_judge(server.url, tmp_path, sleeps, timeout=0.3, attempts=3, concurrency=1)
-    assert judge.labels([("q1", REFUSING)]) == [J.REFUSAL] and sleeps == [1.0]
-    with pytest.raises(J.JudgeUnavailable, match=r"after 3 attempt\(s\); last error: APITimeoutError") as err:
+    judge = make_judge(server.url, tmp_path, timeout=0.3, attempts=3, concurrency=1)
+    assert judge.labels([("q1", REFUSING)]) == [J.REFUSAL] and len(server.chats) == 2
+    with pytest.raises(J.JudgeUnavailable, match=r"after 3 attempt\(s\) \(MARI_JUDGE_ATTEMPTS=3\); last error: APITimeoutError") as err:
         judge.labels([("q1", REFUSING), ("q2", COMPLYING)])  # every answer now slower than the timeout
-    assert "1 of this run's 2 judgements" in str(err.value)
+    assert "1 of this run's 2 judgements" in str(err.value) and len(server.chats) == 2 + 3
     assert [r["label"] for r in cache_lines(tmp_path / "cache.jsonl")] == [J.REFUSAL]
+
+
+def test_a_bad_request_is_not_retried(fake, tmp_path):
+    server = fake(scripted(then=(400, {"error": {"message": "max_tokens is too large"}})))
+    with pytest.raises(J.JudgeError, match="refused the request") as err:
+        make_judge(server.url, tmp_path, attempts=5).labels([("q", "r")])
+    assert "HTTP 400" in str(err.value) and "MARI_JUDGE_MODEL" in str(err.value)
+    assert not isinstance(err.value, J.JudgeUnavailable) and len(server.chats) == 1
+
+
+def test_a_failed_judgement_stops_the_retries_of_the_others(fake, tmp_path):
+    """One request is refused (404) while another is being retried (503): the retries stop at their next try."""
+    def reply(path, headers, body):
+        if body["messages"][0]["content"].count("refused"):
+            time.sleep(0.2)  # the other one has had its first 503 by then
+            return 404, {"error": {"message": "no such model"}}
+        return 503, {"error": {"message": "overloaded"}}
+
+    server = fake(reply)
+    started = time.monotonic()
+    with pytest.raises(J.JudgeError, match="refused the request") as err:
+        make_judge(server.url, tmp_path, attempts=50, concurrency=2).labels([("refused", "r"), ("q", "r")])
+    assert not isinstance(err.value, J.JudgeUnavailable) and "HTTP 404" in str(err.value)
+    assert len(server.chats) <= 1 + 2 and time.monotonic() - started < 5  # not 50 tries of the 503
+
+
+def test_the_deadline_ends_the_clients_retries(fake, tmp_path):
+    """A judge that answers 503 with Retry-After: 1 forever: 100 attempts would take minutes, the deadline
+    ends them (no try starts after it) and the error names it."""
+    server = fake(scripted(then=(503, {"error": {"message": "overloaded"}}, {"Retry-After": "1"})))
+    judge = make_judge(server.url, tmp_path, attempts=100, deadline=2.5)
+    judge.check()  # client made and openai imported before the clock starts
+    started = time.monotonic()
+    with pytest.raises(J.JudgeDeadline) as err:
+        judge.labels([("q", "r")])
+    elapsed = time.monotonic() - started
+    assert 2.5 <= elapsed < 5 and 2 <= len(server.chats) <= 4
+    assert f"{J.ENV_DEADLINE}=2.5 s" in str(err.value) and "0 of this run's 1 judgements" in str(err.value)
+    time.sleep(1.5)  # the client's next retry was due 1 s after its last try: none is made
+    assert all(t <= started + 2.5 for t in server.times) and len(server.chats) <= 4
+
+
+def _judge_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("judge")}
 
 
 def test_a_refused_request_is_not_retried(fake, tmp_path):
@@ -366,7 +433,7 @@ def test_api_key_never_leaks(fake, tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.setenv(J.ENV_MODEL, "judge-m")
     caplog.set_level(logging.DEBUG)
     config = J.JudgeConfig.from_env(attempts=2)
-    judge = J.Judge(config, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl", sleep=lambda s: None)
+    judge = J.Judge(config, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl")
     judge.check()
     assert judge.labels([("q", REFUSING)]) == [J.REFUSAL]
     with pytest.raises(J.JudgeUnavailable) as err:
@@ -405,8 +472,6 @@ def test_an_html_page_is_named_as_such_with_the_fix(fake, tmp_path):
 
 
 @pytest.mark.parametrize("name, value, says", [
-    ("MARI_JUDGE_BACKOFF", "-1", "at least 0"),
-    ("MARI_JUDGE_MAX_BACKOFF", "-0.5", "at least 0"),
     ("MARI_JUDGE_TIMEOUT", "0", "above 0"),
     ("MARI_JUDGE_TIMEOUT", "nan", "finite number above 0"),
     ("MARI_JUDGE_DEADLINE", "-5", "above 0"),
@@ -415,7 +480,7 @@ def test_an_html_page_is_named_as_such_with_the_fix(fake, tmp_path):
     ("MARI_JUDGE_ATTEMPTS", "2.5", "not a whole number"),
     ("MARI_JUDGE_CONCURRENCY", "-4", "from 1 to 256"),
     ("MARI_JUDGE_MAX_TOKENS", "0", "from 1 to 4096"),
-    ("MARI_JUDGE_BACKOFF", "1s", "not a number"),
+    ("MARI_JUDGE_TIMEOUT", "1s", "not a number"),
 ])
 def test_judge_settings_out_of_range_or_not_numbers_are_refused(monkeypatch, name, value, says):
     monkeypatch.setenv(J.ENV_BASE_URL, "http://127.0.0.1:1/v1")
@@ -424,6 +489,26 @@ def test_judge_settings_out_of_range_or_not_numbers_are_refused(monkeypatch, nam
     with pytest.raises(J.JudgeError, match=says) as err:
         J.JudgeConfig.from_env()
     assert name in str(err.value) and "unset it" in str(err.value)  # the variable and the fix
+
+
+def test_retired_backoff_settings_are_ignored_with_a_warning(fake, tmp_path, monkeypatch, caplog):
+    """MARI_JUDGE_BACKOFF / MARI_JUDGE_MAX_BACKOFF of older versions still load (the openai client now chooses
+    the wait between retries): a warning names them, and the judge works."""
+    server = fake(scripted((503, {"error": {"message": "overloaded"}})))
+    monkeypatch.setenv(J.ENV_BASE_URL, server.url)
+    monkeypatch.setenv(J.ENV_MODEL, "judge-m")
+    monkeypatch.setenv("MARI_JUDGE_BACKOFF", "1s")  # not even a number: once refused, now ignored
+    monkeypatch.setenv("MARI_JUDGE_MAX_BACKOFF", "30")
+    caplog.set_level(logging.WARNING)
+    config = J.JudgeConfig.from_env(attempts=2)
+    assert (config.backoff, config.max_backoff) == (None, None)
+    for name in ("MARI_JUDGE_BACKOFF='1s'", "MARI_JUDGE_MAX_BACKOFF='30'"):
+        assert f"{name} has no effect any more" in caplog.text
+    assert "Retry-After" in caplog.text and "MARI_JUDGE_ATTEMPTS" in caplog.text
+    judge = J.Judge(config, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl")
+    assert judge.labels([("q", REFUSING)]) == [J.REFUSAL] and len(server.chats) == 2
+    assert J.JudgeConfig(server.url, "judge-m", backoff=0.5).backoff == 0.5  # a caller passing it still runs
+    assert "Judge setting backoff=0.5 has no effect" in caplog.text
 
 
 @pytest.mark.parametrize("key, says", [
@@ -477,9 +562,16 @@ def test_a_hanging_judge_stops_at_the_deadline_keeping_its_verdicts(fake, tmp_pa
     server = fake(_hangs_after_first(release))
     judge = make_judge(server.url, tmp_path, timeout=60, attempts=5, concurrency=1, deadline=2)
     judge.check()  # client made and openai imported before the clock starts
+    before = _judge_threads()
+    started = time.monotonic()
     try:
         with pytest.raises(J.JudgeDeadline) as err:
             judge.labels([("q1", REFUSING), ("q2", COMPLYING), ("q3", COMPLYING)])
+        assert time.monotonic() - started < 4
+        # The hanging try's 60 s read timeout was cut to the deadline: its thread ends by itself, and soon.
+        while _judge_threads() - before and time.monotonic() - started < 5:
+            time.sleep(0.05)
+        assert not _judge_threads() - before
     finally:
         release.set()
     message = str(err.value)
@@ -565,7 +657,7 @@ def embedded(smollm2_path):
 
 
 def embedded_judge(server, tmp_path, **config):
-    cfg = server.config(max_tokens=8, **{"attempts": 2, "backoff": 0.05, **config})
+    cfg = server.config(max_tokens=8, **{"attempts": 2, **config})
     return J.Judge(cfg, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl")
 
 
@@ -598,7 +690,7 @@ def test_server_stopped_mid_run_then_resumed(embedded, tmp_path):
             asked.append(text)
             return super()._ask(text)
 
-    cfg = embedded.config(max_tokens=8, attempts=2, backoff=0.05)
+    cfg = embedded.config(max_tokens=8, attempts=2)
     assert cfg.concurrency == 1  # so the requests go in order
     judge = StopsOnThirdRequest(cfg, J.load_prompt(J.OWN_PROMPT), tmp_path / "cache.jsonl")
     try:
@@ -759,7 +851,6 @@ def test_a_judge_failing_after_generation_loses_no_response(fake, tmp_path, monk
     server = fake(scripted(then=(503, {"error": {"message": "overloaded"}})))
     _task_env(monkeypatch, tmp_path, server.url, "judge-m")
     monkeypatch.setenv("MARI_JUDGE_ATTEMPTS", "2")
-    monkeypatch.setenv("MARI_JUDGE_BACKOFF", "0")
     out, cache = task_run
     with pytest.raises(J.JudgeUnavailable) as err:
         _generate(task_manager)
