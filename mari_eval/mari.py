@@ -25,8 +25,10 @@ the bundle; see DEFAULTS):
   mean squared norm of the D_pca states, so lambda_off = 1 means "as costly as the task
   loss when the probe leaves the subspace by one typical state norm" for any model
   (the paper's eq:offsub_penalty is unnormalised; the scale of h differs per model).
-* alpha_probe = 1: the probe is trained as an intervention h + delta_phi(h), so at
-  strength 1 it is a task-sized update.
+* alpha_probe = 1: the probe is trained and used as h + alpha_probe delta_phi(h)
+  (eq:probe_update at training as at calibration and inference), so at strength 1 it is a
+  task-sized update. The paper calls the update "small" and its analysis is first-order in
+  alpha; repro/sensitivity.py measures alpha_probe = 0.1, 0.3 and 1 (--alphas).
 * T_ent = 8 greedy steps for generation routing (eq:entropy_gen).
 * labels = "loss": a control example is applicable when the routed expert lowers its task
   loss (the paper's text); "flip" and "source" are the other readings (mari_eval.gate_labels),

@@ -94,15 +94,18 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
 
 def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tensor, basis: torch.Tensor, hp: dict[str, Any],
               gen: torch.Generator) -> tuple[dict, list]:
-    """Calibrator g_phi: task loss under h + delta_phi(h) plus lambda_off R_off (eq:cal_objective, eq:offsubspace_penalty)."""
+    """Calibrator g_phi: task loss under h + alpha_probe delta_phi(h) plus lambda_off R_off (eq:cal_objective,
+    eq:offsubspace_penalty). Trained at the strength the gate uses it at (eq:probe_update), so a
+    smaller alpha_probe is not merely a rescaled probe: the delta learns to be larger."""
     p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
     p = {"probe_U": p["U"][0].detach().requires_grad_(), "probe_V": p["V"][0].detach().requires_grad_(),
          "probe_b": p["b"][0].detach().requires_grad_()}
     loop = EpochLoop("probe", "probe", hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     state_scale = pca_states.pow(2).sum(-1).mean()  # normalises R_off (see the module docstring)
+    alpha = hp["alpha_probe"]
 
     def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
-        task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + probe_delta(h, like(p, h))).logprobs,
+        task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + alpha * probe_delta(h, like(p, h))).logprobs,
                                         ex.gold)[0] for ex in batch]).mean().to(session.site_device)
         off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale
         return task + hp["lambda_off"] * off, {"task": task.detach(), "off": off.detach()}

@@ -44,7 +44,6 @@ from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
 log = logging.getLogger(__name__)
 
-HARNESS_TASKS = Path(__file__).resolve().parents[1] / "harness_tasks"
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
 ARC_CTRL_TASK = "arc_easy"
 
@@ -239,10 +238,10 @@ class AttributeData:
 def _task_manager():
     from lm_eval.tasks import TaskManager
 
-    if not HARNESS_TASKS.is_dir():
-        raise FileNotFoundError(f"{HARNESS_TASKS} is missing: install mari-eval from its repository checkout (pip install -e .)")
+    from mari_eval.tasks import tasks_dir  # the wheel's copy or the checkout's folder; a clear error if neither
+
     # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
-    return TaskManager(include_path=str(HARNESS_TASKS), include_defaults=False)
+    return TaskManager(include_path=str(tasks_dir()), include_defaults=False)
 
 
 def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:

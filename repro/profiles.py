@@ -33,7 +33,7 @@ BENCHMARKS = [
 ]
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k"}
-COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3}
+COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2}
 
 
 @dataclass
@@ -86,7 +86,8 @@ PROFILES = {
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
     # The embedded model on 2 CPU cores within the hour: seeded subsets, first-N test documents.
-    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, 16,
+    # D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / 100 BBQ / 45 SORRY-Bench hold-outs, each with 100 ARC-Easy.
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, None,
                      {"truthfulqa_mc1_heldout": 30, "truthfulqa_mc2_heldout": 30, "bbq_disambig_heldout": 30,
                       "sorry_bench_heldout": 8, "mmlu": 1, "arc_easy": 10, "arc_challenge": 10, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),

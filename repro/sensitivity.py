@@ -1,14 +1,23 @@
-"""Sensitivity to K (number of experts) and rho (gate quantile): tables and line plots.
+"""Sensitivity to K (number of experts), rho (gate quantile) under each applicability labelling,
+and alpha_probe (the probe's strength): tables and line plots.
 
-    python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6] [--rhos 0.7,0.8,0.9]
+    python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6]
+        [--rhos 0.7,0.8,0.9] [--labellings loss,flip,source] [--alphas 0.1,0.3,1]
 
 K: MARI is trained on TruthfulQA with K = 1..6 experts (everything else as the main
 table) and evaluated with its gate. rho: the K = 4 bundle evaluated with tau_E
-recomputed at each rho. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the
-TruthfulQA intervention), and the fraction of TruthfulQA and MMLU documents on which the
-gate opened. The paper shows these as figures only (no numbers to put beside ours).
+recomputed at each rho from the control energies non-applicable under each labelling
+(``rho=...,labels=...``: no retraining; mari_eval/gate_labels.py). alpha_probe: MARI
+trained on TruthfulQA with the probe trained and used at that strength (issue 22.3; the
+paper calls the probe's update "small", our default is 1), chosen on nothing: every value
+is shown. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the TruthfulQA
+intervention), the fraction of TruthfulQA and MMLU documents on which the gate opened, and
+how well the bundle's energy separates applicable from non-applicable D_ctrl examples
+(AUROC over the whole control set, under the loss and the source labels). The paper
+shows these as figures only (no numbers to put beside ours).
 Writes results/sensitivity.{json,md,tex} and results/sensitivity_k.png,
-results/sensitivity_rho.png (a panel per score, and one for the gate rates).
+results/sensitivity_rho.png, results/sensitivity_alpha.png (a panel per score, and one
+for the gate rates).
 """
 
 from __future__ import annotations
@@ -22,57 +31,90 @@ from repro.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
 GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_mmlu": "mmlu"}  # how often the gate opened there
+AUROC_COLUMNS = {"auroc_loss": "loss", "auroc_source": "source"}  # energy vs applicability on D_ctrl
 
 
-def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float]) -> dict:
+def rho_label(rho: float, labels: str) -> str:
+    return f"rho={rho}, labels={labels}"
+
+
+def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float], labellings: list[str],
+        alphas: list[float]) -> dict:
     from tqdm import tqdm
 
+    from mari_eval.methods import load_bundle
+
     cells: dict = {}
-    steps = [(m, s, "K", k) for m in profile.models for s in profile.seeds for k in ks]
-    steps += [(m, s, "rho", r) for m in profile.models for s in profile.seeds for r in rhos]
-    for model, seed, axis, value in tqdm(steps, desc="sensitivity", unit="point"):
-        K = int(value) if axis == "K" else 4
-        bundle = store.bundle("mari", "truthfulqa", model, seed, profile, {"K": K} if K != 4 else None)
-        model_args = f"rho={value}" if axis == "rho" else ""
-        label = f"K={K}" if axis == "K" else f"rho={value}"
-        scores = cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle}, model_args)
-        tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
+    points = [("K", k, f"K={k}", {"K": k}, "") for k in ks]
+    points += [("rho", r, rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
+               for labels in labellings for r in rhos]
+    points += [("alpha", a, f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
+    steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
+    for model, seed, _axis, _value, label, trained, model_args in tqdm(steps, desc="sensitivity", unit="point"):
+        # The defaults (K = 4, alpha_probe = 1) are the main table's bundle: the same cache key.
+        trained = {k: v for k, v in trained.items() if v != {"K": 4, "alpha_probe": 1.0}[k]}
+        bundle = store.bundle("mari", "truthfulqa", model, seed, profile, trained or None)
+        scores = tables.add_gate_rates(cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle},
+                                                   model_args), GATE_COLUMNS)
+        separation = load_bundle(bundle).control_separation()
+        for column, labels in AUROC_COLUMNS.items():
+            n = separation[labels]["n_applicable"] + separation[labels]["n_non_applicable"]
+            auroc = separation[labels]["auroc"]  # None where D_ctrl holds one class only
+            scores[column] = {"value": float("nan") if auroc is None else auroc, "n": n}
+        tables.tally(cells, model, label, scores)
     return cells
 
 
-def plot(cells: dict, axis: str, points: list, path: Path) -> None:
+def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], path: Path) -> None:
+    """One panel per score and one for the gate rates; one line per model and ``series`` entry
+    ({legend: [(x, row label), ...]})."""
     plt = tables.pyplot()
     panels = [([column], f"{column} (%)") for column, *_rest in COLUMNS] + [(list(GATE_COLUMNS), "gate rate")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (columns, ylabel) in zip(axes, panels):
         for model, rows in cells.items():
-            for column in columns:
-                means = [tables.mean_std(rows[f"{axis}={p}"][column]["values"])[0] for p in points]
-                ax.plot(points, means, marker="o", label=model if len(columns) == 1 else f"{model}: {column}")
-        ax.set_xlabel(axis)
+            for name, points in series.items():
+                for column in columns:
+                    means = [tables.mean_std(rows[label][column]["values"])[0] for _x, label in points]
+                    legend = ", ".join(part for part in (model, name, column if len(columns) > 1 else "") if part)
+                    ax.plot([x for x, _label in points], means, marker="o", label=legend)
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if ax in (axes[0], axes[-1]):
-            ax.legend(fontsize=7)
-    fig.suptitle(f"MARI sensitivity to {axis} (TruthfulQA-trained; ours)")
+            ax.legend(fontsize=6)
+    fig.suptitle(f"MARI sensitivity to {xlabel} (TruthfulQA-trained; ours)")
     tables.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mari_eval.gate_labels import LABELINGS
+
     def points(parser):
         parser.add_argument("--ks", default="1,2,3,4,5,6")
         parser.add_argument("--rhos", default="0.7,0.8,0.9")
+        parser.add_argument("--labellings", default=",".join(LABELINGS), help="applicability labellings of the rho sweep")
+        parser.add_argument("--alphas", default="0.1,0.3,1", help="alpha_probe values (each trains a bundle)")
 
     args, profile, store, command = profiles.start(__doc__, "sensitivity.py", argv, points)
     ks, rhos = [int(k) for k in args.ks.split(",")], [float(r) for r in args.rhos.split(",")]
+    alphas, labellings = [float(a) for a in args.alphas.split(",")], args.labellings.split(",")
+    unknown = [name for name in labellings if name not in LABELINGS]
+    if unknown:
+        raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")
     started = time.time()
-    cells = run(profile, store, ks, rhos)
+    cells = run(profile, store, ks, rhos, labellings, alphas)
     out = Path(args.out)
-    tables.write_tables(out, "sensitivity", "Sensitivity to K and rho", "Scores in %; gate columns: fraction of documents on which the gate opened. The paper shows figures only.", cells,
-                        [c[0] for c in COLUMNS] + list(GATE_COLUMNS), lambda model: ("(figures only)", {}), profile, command,
-                        time.time() - started, store)
-    plot(cells, "K", ks, out / "sensitivity_k.png")
-    plot(cells, "rho", rhos, out / "sensitivity_rho.png")
+    tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe",
+                        "Scores in %; gate columns: fraction of documents on which the gate opened; auroc columns: "
+                        "energy vs applicability over the bundle's whole D_ctrl under the loss and source labels "
+                        "(0.5: no separation). The paper shows figures only.", cells,
+                        [c[0] for c in COLUMNS] + list(GATE_COLUMNS) + list(AUROC_COLUMNS), lambda model: ("(figures only)", {}),
+                        profile, command, time.time() - started, store)
+    plot(cells, "K", {"": [(k, f"K={k}") for k in ks]}, out / "sensitivity_k.png")
+    plot(cells, "rho", {f"labels={name}": [(r, rho_label(r, name)) for r in rhos] for name in labellings},
+         out / "sensitivity_rho.png")
+    plot(cells, "alpha_probe", {"": [(a, f"alpha_probe={a}") for a in alphas]}, out / "sensitivity_alpha.png")
     return 0
 
 

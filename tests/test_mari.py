@@ -398,6 +398,29 @@ def test_training_lowers_the_routed_loss_on_the_embedded_model():
 
 
 @pytest.mark.needs_data
+def test_the_probe_is_trained_at_the_strength_alpha_probe_it_is_used_at():
+    """eq:probe_update is h + alpha_probe delta_phi(h) at training as at use (issue 22.3): at
+    alpha_probe = 0 the task term sees the base model whatever the probe is, at 1 it sees the probe."""
+    from mari_eval.train import Session, attribute_data
+
+    session = Session("smollm2-135m-instruct")
+    data = attribute_data(session, "truthfulqa", seed=0)
+    examples = data.train[:4]
+    session.prepare(examples, "test")
+    pca_states = session.hidden_of_prompts(data.pca_prompts[:20])
+    basis = mari_equations.pca_basis(pca_states, 4)
+    base = statistics.mean(float(objectives.task_losses(session.run(ex, [0], lambda h, ids: h).logprobs, ex.gold)[0])
+                           for ex in examples)
+    tasks = {}
+    for alpha in (0.0, 1.0):
+        hp = {**mari.DEFAULTS, "epochs": 2, "batch_size": 4, "lr": 0.2, "alpha_probe": alpha}
+        _, history = mari_fit.fit_probe(session, examples, pca_states, basis, hp, torch.Generator().manual_seed(0))
+        tasks[alpha] = [h["task"] for h in history]
+    assert all(t == pytest.approx(base, abs=1e-4) for t in tasks[0.0])
+    assert abs(tasks[1.0][1] - base) > 1e-3  # after one step the probe moves the loss it is trained on
+
+
+@pytest.mark.needs_data
 def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
     import json
     import subprocess

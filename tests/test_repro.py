@@ -150,7 +150,8 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
 @pytest.mark.parametrize("script,args,outputs", [
     ("ablation_table.py", ["--columns", "tqa_mc1,bbq_acc"], ["ablation_table.json", "ablation_table.md", "ablation_table.tex"]),
     ("transfer_gsm8k.py", ["--rhos", "0.9"], ["transfer_gsm8k.json", "transfer_gsm8k.md"]),
-    ("sensitivity.py", ["--ks", "4", "--rhos", "0.8"], ["sensitivity.json", "sensitivity_k.png", "sensitivity_rho.png"]),
+    ("sensitivity.py", ["--ks", "4", "--rhos", "0.8", "--labellings", "loss,source", "--alphas", "1,0.5"],
+     ["sensitivity.json", "sensitivity_k.png", "sensitivity_rho.png", "sensitivity_alpha.png"]),
     ("diagnostics.py", ["--columns", "tqa_mc1,bbq_acc"], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
     ("latency.py", [], ["latency.json", "latency.md", "latency.tex"]),
 ])
@@ -168,6 +169,13 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
     if script == "ablation_table.py":  # EG-MARI with tau_E recalibrated on each labelling (issue 22)
         rows = [r["row"] for r in record["models"]["smollm2-135m-instruct"]["rows"]]
         assert rows[-3:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)"]
+    if script == "sensitivity.py":  # the rho sweep per labelling, the alpha_probe axis (issue 22)
+        rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
+        assert list(rows) == ["K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
+                              "alpha_probe=0.5"]
+        assert rows["K=4"]["ours"] == rows["alpha_probe=1.0"]["ours"]  # the same bundle and evaluation
+        for row in rows.values():
+            assert all(v is None or 0 <= v <= 1 for c in ("auroc_loss", "auroc_source") for v in row["ours"][c]["values"])
     if script == "diagnostics.py":
         rates = record["gate_rates"]["smollm2-135m-instruct"]
         assert set(rates) == {"loss", "flip", "source"}
