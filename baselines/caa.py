@@ -10,7 +10,8 @@ activation at the letter token after layer l when the letter is the positive ans
 minus when it is the negative one. At inference it is added, times a multiplier, to
 the residual stream after layer l at every position from the last prompt token on
 (the original adds it at all positions after the user's instruction), generated tokens
-included.
+included. ``scale=`` in lm-eval's ``--model_args`` multiplies the multiplier at evaluation
+(``common.ScaledVector``).
 
 Deviations: the original sweeps layers and multipliers by hand on Llama 2; here the
 layer (among ~L/3, L/2, 2L/3) and the multiplier (0.5, 1, 2, 4, 8) are chosen on a
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
 from mari_eval import site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
@@ -79,8 +80,8 @@ def steering_vector(session: Session, pairs: list[tuple[str, str, str]], layer: 
 
 
 @register_method("caa")
-class CAA(Intervention):
-    """Tensors: ``vector`` [d]; config: site.layer, hyperparameters.multiplier."""
+class CAA(ScaledVector):
+    """Tensors: ``vector`` [d]; config: site.layer, hyperparameters.multiplier (times ``scale=`` at evaluation)."""
 
     hyperparameter_fields = {
         "multiplier": Float(),
@@ -97,8 +98,7 @@ class CAA(Intervention):
         return {"hidden_size": config["base_model"]["hidden_size"]}, {"vector": TensorSpec(("hidden_size",))}
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
-        hp = self.config["hyperparameters"]
-        return hidden + hp["multiplier"] * self.tensors_like(hidden)["vector"]
+        return hidden + self.strength() * self.tensors_like(hidden)["vector"]
 
     def applied(self, model: torch.nn.Module, positions: Positions,
                 variant_ids: torch.Tensor | None = None) -> AbstractContextManager:

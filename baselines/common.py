@@ -1,14 +1,17 @@
 """What the baselines share: the validation slice of D_train their hyperparameters are
-chosen on, and the task loss they are scored by there."""
+chosen on, the task loss they are scored by there, and the evaluation-time ``scale=`` of the
+vector methods (CAA, ITI, NL-ITI)."""
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from mari_eval import runner
+from mari_eval.methods import Intervention
+from mari_eval.options import Option
 from mari_eval.plan import VANILLA, Plan
 
 if TYPE_CHECKING:
@@ -40,3 +43,29 @@ def validation_loss(session: Session, examples: list[Example], plan: Plan = VANI
                                     max_tokens=session.max_tokens)
         losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
     return sum(losses) / len(losses)
+
+
+class ScaledVector(Intervention):
+    """A method that adds a trained vector (CAA's steering vector, ITI's head shifts): ``scale=``
+    in lm-eval's ``--model_args`` multiplies its trained strength at evaluation (CAA's
+    multiplier, ITI's alpha), the ablation of lm-eval's ``steered`` model (its
+    ``steering_coefficient``). 1 (the default) is the bundle as trained, 0 the untouched model,
+    a negative value the vector reversed; NaN and infinities are refused. The scale is recorded
+    in the diagnostics' summary (lm-eval's results: ``config.mari_diagnostics.scale``)."""
+
+    option_fields: ClassVar[dict[str, Option]] = {
+        "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True)}
+    strength_name: ClassVar[str] = "multiplier"  # the trained strength ``scale`` multiplies (hyperparameters)
+    scale: float = 1.0
+
+    def configure(self, scale: float = 1.0) -> None:
+        self.scale = float(scale)
+
+    def strength(self) -> float:
+        """The strength applied: the bundle's trained one times ``scale`` (at scale 1, the trained one exactly)."""
+        return float(self.config["hyperparameters"][self.strength_name]) * self.scale
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**super().summarize(records), "scale": self.scale,
+                self.strength_name: float(self.config["hyperparameters"][self.strength_name]),
+                f"applied_{self.strength_name}": self.strength()}

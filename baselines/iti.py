@@ -16,7 +16,8 @@ What ITI computes (as in the original):
    from the last prompt token on, generated tokens included (the original adds the
    shift at all positions it runs after the prompt). Shifting a head's output by s is
    adding W_o s to the attention output, which is what the hooks do (the original folds
-   the same vector into the projection's bias).
+   the same vector into the projection's bias). ``scale=`` in lm-eval's ``--model_args``
+   multiplies alpha at evaluation (``common.ScaledVector``).
 
 NL-ITI changes two things and nothing else (``NLITI``'s class attributes): the probes are
 MLPs (one hidden ReLU layer), and the head outputs are averaged over the last
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
 from mari_eval import devices, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
@@ -175,9 +176,11 @@ def rank_heads(accuracy: torch.Tensor) -> torch.Tensor:
 
 
 @register_method("iti")
-class ITI(Intervention):
+class ITI(ScaledVector):
     """Tensors: ``heads`` [K, 2] (layer, head), ``directions`` [K, head_dim] (unit), ``sigma`` [K];
-    config: hyperparameters.alpha."""
+    config: hyperparameters.alpha (times ``scale=`` at evaluation)."""
+
+    strength_name = "alpha"
 
     probe = "linear"  # NL-ITI: "mlp"
     tokens = 1  # continuation tokens averaged; NL-ITI: 4
@@ -201,8 +204,7 @@ class ITI(Intervention):
                        "sigma": TensorSpec(("num_heads",))}
 
     def shifts(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
-        alpha = float(self.config["hyperparameters"]["alpha"])
-        vectors = alpha * self.tensors["sigma"][:, None] * self.tensors["directions"]
+        vectors = self.strength() * self.tensors["sigma"][:, None] * self.tensors["directions"]
         return layer_shifts(model, self.tensors["heads"], vectors)
 
     def applied(self, model: torch.nn.Module, positions: Positions,

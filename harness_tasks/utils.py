@@ -13,9 +13,11 @@ The records come from ``$MARI_DATA_DIR`` when it is set (the local copy, see
 ``mari_eval.data`` reads them (each with its stable ``id``).
 
 Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, imported
-(not copied) so that the YAMLs can reference them as ``!function utils.<name>``. The one
-exception is SORRY-Bench, which lm-eval lacks: its responses are scored by an LLM judge
-(``mari_eval.judge``) in the ``sorry_agg_*`` aggregations.
+(not copied) so that the YAMLs can reference them as ``!function utils.<name>``. The
+exceptions: SORRY-Bench, which lm-eval lacks, whose responses are scored by an LLM judge
+(``mari_eval.judge``) in the ``sorry_agg_*`` aggregations; and BBQ's ``process_results``,
+lm-eval's less its NaN placeholders for the categories a document is not in, so that a
+category without documents (missing from the data) has no row in the results.
 """
 
 from __future__ import annotations
@@ -95,12 +97,36 @@ def _truthfulqa(source: str) -> tuple[dict, ...]:
     return tuple(mari_data.load_truthfulqa_mc())
 
 
+class _SkippedCategories(logging.Filter):
+    """Holds back ``mari_data.load_bbq``'s warning per category it skips (one line each), keeping
+    the reason, so that ``_bbq`` names the absent categories in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("BBQ category %s is not available") and len(record.args or ()) == 2:
+            self.reasons[str(record.args[0])] = str(record.args[1])
+            return False
+        return True
+
+
 @functools.lru_cache(maxsize=None)
 def _bbq(source: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
-    records, covered = mari_data.load_bbq(None)  # both contexts, like the built-in's "All" config
+    skipped = _SkippedCategories()
+    data_log = logging.getLogger(mari_data.__name__)
+    data_log.addFilter(skipped)
+    try:
+        records, covered = mari_data.load_bbq(None)  # both contexts, like the built-in's "All" config
+    finally:
+        data_log.removeFilter(skipped)
     absent = [c for c in mari_data.BBQ_CATEGORIES if c not in covered]
     if absent:  # once per process (cached): results on these tasks cover only these categories
-        log.warning("BBQ covers %d of 11 categories: %s (absent: %s)", len(covered), ", ".join(covered), ", ".join(absent))
+        why = next(iter(skipped.reasons.values()), None)
+        log.warning("BBQ: %d of 11 categories are missing and left out of the bbq tasks' results (no per-category "
+                    "bias scores for them; acc and the overall scores cover the other %d: %s): %s%s",
+                    len(absent), len(covered), ", ".join(covered), ", ".join(absent), f" ({why})" if why else "")
     return tuple(records), tuple(covered)
 
 
@@ -400,7 +426,26 @@ process_results_mc2 = truthfulqa_utils.process_results_mc2
 # BBQ (lm_eval/tasks/bbq/utils.py)
 bbq_process_docs = bbq_utils.process_docs
 bbq_process_docs_disambig = bbq_utils.process_docs_disambig
-bbq_process_results_multiple_choice = bbq_utils.process_results_multiple_choice
+
+
+def bbq_process_results_multiple_choice(doc: dict, results) -> dict:
+    """lm-eval's, less the placeholders it adds for the per-category bias scores of the other
+    categories (NaN items, which its aggregations skip): a category's scores then come from
+    its own documents alone, with the same values, and a category without documents (missing
+    from the data, or not reached under --limit) has no row instead of a NaN one. The metric
+    list keeps all 11 categories (bbq.yaml), so a category file added later is scored unchanged."""
+    metrics = bbq_utils.process_results_multiple_choice(doc, results)
+    return {name: value for name, value in metrics.items() if _bias_score_category(name) in (None, doc["category"])}
+
+
+def _bias_score_category(metric: str) -> str | None:
+    """The category of a per-category bias score (``disamb_bias_score_Age``: Age), None for another metric."""
+    for kind in ("amb_bias_score_", "disamb_bias_score_"):
+        if metric.startswith(kind):
+            return metric[len(kind):]
+    return None
+
+
 bbq_doc_to_target = bbq_utils.doc_to_target
 bbq_doc_to_choice = bbq_utils.doc_to_choice
 bbq_agg_accuracy_amb = bbq_utils.agg_accuracy_amb

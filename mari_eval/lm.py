@@ -19,14 +19,19 @@ the last prompt token:
 
 Model args beyond HFLM's: ``bundle`` (a directory or a Hub repository, at
 ``bundle_revision``: ``mari_eval.hub``), ``diagnostics`` (a JSON file of every choice the
-method made), ``allow_other_model``, and the evaluation options of the bundle's method
-(``Intervention.option_fields``; README: MARI, evaluation switches).
-Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
+method made, each record naming its task and ``doc_id`` as ``--log_samples`` does),
+``allow_other_model``, and the evaluation options of the bundle's method
+(``Intervention.option_fields``; README: MARI, evaluation switches; ``scale`` for CAA, ITI
+and NL-ITI). Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
+Under ``--use_cache``, results read from the cache never reach this class: the diagnostics
+say so (``ChoiceLog.use_cache``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,8 @@ from mari_eval.prefix_cache import PrefixCache, encode_prefix
 # A doc field (harness_tasks/utils.py, SORRY-Bench) holding the prompt as one chat user turn:
 # a generation context equal to it is rendered through the model's chat template.
 CHAT_TURN_FIELD = "chat_user_turn"
+
+log = logging.getLogger(__name__)
 
 
 @register_model("mari")
@@ -92,6 +99,8 @@ class MariLM(HFLM):
         self.choices = ChoiceLog(self.intervention, diagnostics)
         self._request_meta: list | None = None
         self._generation_task: str | None = None  # the task of the generation requests being answered
+        self._generation_docs: dict[str, deque] | None = None  # per prompt, its requests' (task, doc_id), in HFLM's order
+        self._batch_docs: list[tuple] = []  # (task, doc_id) of each row of the batch being generated
         self._splits_checked: set[tuple] = set()  # held-out splits found consistent with the bundle's
 
     def _enable_data_parallel_ranks(self) -> None:
@@ -236,18 +245,45 @@ class MariLM(HFLM):
             if isinstance(turn, str) and request.args[0] == turn:
                 asked[id(request)] = request.args
                 request.arguments = (self.chat_turn_prompt(turn), *request.args[1:])
-        # lm-eval sends every task's generation requests in one call and reorders them, so a
-        # generation record can name its task only when the call holds one task's requests.
+        # lm-eval sends every task's generation requests in one call and HFLM reorders them:
+        # each batch's rows are matched to their requests when HFLM encodes the batch
+        # (tok_batch_encode), so that every record names its task and doc_id. The call's task,
+        # when it holds one task's requests, also names the prompt in errors (FiniteLogits).
         tasks = {request.task_name for request in requests}
         self._generation_task = tasks.pop() if len(tasks) == 1 else None
+
+        def generate(unique):
+            self._generation_docs = generation_order(unique)
+            try:
+                return super(MariLM, self).generate_until(unique, disable_tqdm)
+            finally:
+                self._generation_docs, self._batch_docs = None, []
+
         try:
-            answers = self._once_per_request(requests, lambda unique: super(MariLM, self).generate_until(unique, disable_tqdm))
+            answers = self._once_per_request(requests, generate)
         finally:
             self._generation_task = None
         for request, answer in zip(requests, answers):  # HFLM cached it under the rendered prompt
             if id(request) in asked:
                 self.cache_hook.add_partial("generate_until", asked[id(request)], answer)
         return answers
+
+    def tok_batch_encode(self, strings, *args, **kwargs):
+        # HFLM's generate_until encodes each batch here, just before generating it: the rows'
+        # requests are named now (generation_order), so that their records carry their doc_id.
+        if self._generation_docs is not None:
+            self._batch_docs = [self._next_generation_doc(text) for text in strings]
+        return super().tok_batch_encode(strings, *args, **kwargs)
+
+    def _next_generation_doc(self, prompt: str) -> tuple:
+        queue = self._generation_docs.get(prompt)
+        if queue:
+            return queue.popleft()
+        # Not a prompt of this call (were lm-eval to encode its batches otherwise): the record
+        # says so (doc_id None) rather than naming another document.
+        log.warning("a generation batch holds a prompt not among this call's requests; its diagnostics record "
+                    "has doc_id None (prompt %r)", prompt[:80])
+        return self._generation_task, None
 
     def chat_turn_prompt(self, user: str) -> str:
         """The prompt of a task whose doc carries CHAT_TURN_FIELD (SORRY-Bench), as generated
@@ -335,9 +371,12 @@ class MariLM(HFLM):
         if kwargs.get("temperature", 0.0) == 0.0 and not kwargs.get("do_sample"):
             kwargs.pop("temperature", None)
             kwargs["do_sample"] = False
+        docs = self._batch_docs if len(self._batch_docs) == len(context) else [(self._generation_task, None)] * len(context)
+
         def choose(run: runner.VariantRun) -> tuple[int, dict]:
             chosen, record = self.plan.pick(run)
-            checks.refuse_nonfinite(run, record, self.intervention, f"task {self._generation_task}, prompt "
+            task, doc_id = docs[run.prompt]
+            checks.refuse_nonfinite(run, record, self.intervention, f"task {task}, document {doc_id}, prompt "
                                     f"{self._prompt_text(context[run.prompt], attention_mask[run.prompt])!r}")
             return chosen, record
 
@@ -347,10 +386,9 @@ class MariLM(HFLM):
             stopping_criteria=lambda rows, width: stop_sequences_criteria(self.tokenizer, stop, width, rows),
             **kwargs,
         )
-        for row, record in enumerate(records):
+        for row, ((task, doc_id), record) in enumerate(zip(docs, records)):
             prompt = context[row][attention_mask[row].bool()]
-            self.choices.add(prompt_order(self._generation_task, None, tuple(prompt.tolist())),
-                             {"task": self._generation_task, "doc_id": None, **record})
+            self.choices.add(prompt_order(task, doc_id, tuple(prompt.tolist())), {"task": task, "doc_id": doc_id, **record})
         return sequences
 
     def _prompt_text(self, ids: torch.Tensor, mask: torch.Tensor) -> str:
@@ -362,17 +400,22 @@ class MariLM(HFLM):
 
     def set_cache_hook(self, cache_hook) -> None:
         # CachingLM (--use_cache) keys requests on their text only: results computed
-        # under one bundle would be served for another. Allow it only when the cache
-        # file names this bundle's fingerprint.
+        # under one bundle (or under other options: scale=, rho=...) would be served for
+        # another. Allow it only when the cache file names this bundle and its options.
         db = getattr(cache_hook, "dbdict", None)
         if self.intervention is not None and db is not None:
-            fingerprint = self.intervention.fingerprint()
-            if fingerprint not in str(getattr(db, "filename", "")):
+            fingerprint = self.intervention.cache_fingerprint()
+            path = str(getattr(db, "filename", ""))
+            if fingerprint not in path:
+                given = ", ".join(f"{k}={v}" for k, v in sorted(self.intervention.options.items()))
+                what = f"this bundle with {given}" if given else "this bundle"
                 raise ValueError(
                     "--use_cache keys results on the request text only, so a cache shared between bundles "
-                    f"would return wrong results. Put this bundle's fingerprint in the cache path, e.g. "
-                    f"--use_cache cache/mari-{fingerprint}"
+                    "(or between evaluation options of one bundle) would return wrong results. Put the "
+                    f"fingerprint of {what} in the cache path, e.g. --use_cache cache/mari-{fingerprint}"
                 )
+            # Requests answered from the cache never reach this class: the diagnostics say so.
+            self.choices.use_cache(path, len(db), self.rank)
         super().set_cache_hook(cache_hook)
 
     def get_model_info(self) -> dict:
@@ -382,6 +425,21 @@ class MariLM(HFLM):
         if self.intervention is not None:
             info["mari_diagnostics"] = self.diagnostics_summary()
         return info
+
+
+def generation_order(requests) -> dict[str, deque]:
+    """Per prompt, the (task, doc_id) of the requests holding it, in the order HFLM's
+    ``generate_until`` generates them: its Collator groups the requests by generation
+    arguments (the groups in order of first appearance) and sorts each group stably by prompt,
+    so the requests that share a prompt come in this order (and ``tok_batch_encode`` pops them)."""
+    from lm_eval.models.utils import Collator
+
+    groups = Collator.group(list(enumerate(requests)), fn=lambda item: item[1].args[1], group_by="gen_kwargs")
+    order: dict[str, deque] = {}
+    for members in groups.values():
+        for _, request in members:
+            order.setdefault(request.args[0], deque()).append((request.task_name, request.doc_id))
+    return order
 
 
 def _cpu_ranks_under_a_launcher() -> None:

@@ -81,7 +81,16 @@ def method_names() -> list[str]:
 
 def option_names() -> set[str]:
     """Every evaluation option some method takes (lm-eval model args that are not HFLM's)."""
-    return {option for name in method_names() for option in method_class(name).option_fields}
+    return set(option_methods())
+
+
+def option_methods() -> dict[str, list[str]]:
+    """{evaluation option: the methods that take it}, over every known method."""
+    taken: dict[str, list[str]] = {}
+    for name in method_names():
+        for option in method_class(name).option_fields:
+            taken.setdefault(option, []).append(name)
+    return taken
 
 
 class Intervention(ABC):
@@ -98,6 +107,7 @@ class Intervention(ABC):
         self.config = config  # everything bundle.json records (model, site, hyperparameters, splits...)
         self.tensors = tensors  # as stored: float32 for trained parameters, on the CPU until used
         self._cast: dict[tuple[torch.device, torch.dtype], dict[str, torch.Tensor]] = {}
+        self.options: dict[str, Any] = {}  # the evaluation options given (``configure_from``), typed
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -215,10 +225,22 @@ class Intervention(ABC):
     option_fields: ClassVar[dict[str, Option]] = {}  # the options this method takes at evaluation
 
     def configure_from(self, values: dict[str, Any]) -> None:
-        """Apply evaluation options as lm-eval gives them: typed by ``option_fields``, unknown names refused."""
-        options = parse_options(self.method, self.option_fields, values)
+        """Apply evaluation options as lm-eval gives them: typed by ``option_fields``, unknown names refused
+        (naming the methods that take them, e.g. ``scale=`` for a MARI bundle)."""
+        taken_by = option_methods() if set(values) - set(self.option_fields) else None
+        options = parse_options(self.method, self.option_fields, values, taken_by)
         if options:
             self.configure(**options)
+        self.options = options
+
+    def cache_fingerprint(self) -> str:
+        """What a ``--use_cache`` path must hold: the bundle's fingerprint, or, with evaluation
+        options given (``scale=2``, ``rho=0.8``...), a digest of both, since the options change the
+        results a cache would serve."""
+        if not self.options:
+            return self.fingerprint()
+        given = json.dumps(sorted(self.options.items()), default=str)
+        return hashlib.sha256(f"{self.fingerprint()}:{given}".encode()).hexdigest()[:16]
 
     def configure(self, **options: Any) -> None:
         """Apply typed evaluation options (methods with ``option_fields`` override this)."""

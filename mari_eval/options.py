@@ -2,12 +2,14 @@
 each typed, parsed once and refused with its name when it does not fit.
 
 A method lists its options in ``Intervention.option_fields`` (MARI: ``gate``, ``rho``,
-``experts``); ``parse_options`` turns the strings lm-eval hands over into those types and
-refuses unknown names, so a method's ``configure`` receives checked values only.
+``experts``, ``labels``; CAA, ITI and NL-ITI: ``scale``); ``parse_options`` turns the strings
+lm-eval hands over into those types and refuses unknown names, naming the methods that do take
+them, so a method's ``configure`` receives checked values only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,15 +20,19 @@ class Option:
 
     kind: type
     example: str  # shown in errors, e.g. "rho=0.9"
+    finite: bool = False  # float options: refuse NaN and infinities
 
     def parse(self, name: str, value: Any) -> Any:
         if self.kind is bool:
             return as_bool(value, name)
         if self.kind is float:
             try:
-                return float(value)
+                number = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"{name}={value!r} in --model_args is not a number: e.g. {self.example}") from None
+            if self.finite and not math.isfinite(number):
+                raise ValueError(f"{name}={value!r} in --model_args is not a finite number: e.g. {self.example}")
+            return number
         if self.kind is int:
             try:
                 return int(value)
@@ -52,11 +58,15 @@ def given(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None and v != ""}
 
 
-def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` converted to the types of ``fields``; names the method does not take are refused."""
+def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any],
+                  taken_by: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """``values`` converted to the types of ``fields``; names the method does not take are refused,
+    with the methods that take them when ``taken_by`` ({option: [methods]}) names some."""
     unknown = sorted(set(values) - set(fields))
     if unknown:
         takes = f"its options are {', '.join(sorted(fields))}" if fields else "it takes none"
-        raise ValueError(f"{', '.join(unknown)} in --model_args: not an option of {method} bundles ({takes}); "
-                         "drop them from --model_args")
+        elsewhere = "".join(f"; {name} is an option of {', '.join(sorted(taken_by[name]))} bundles only"
+                            for name in unknown if (taken_by or {}).get(name))
+        raise ValueError(f"{', '.join(unknown)} in --model_args: not an option of {method} bundles ({takes}{elsewhere}); "
+                         f"drop {'it' if len(unknown) == 1 else 'them'} from --model_args")
     return {name: fields[name].parse(name, value) for name, value in values.items()}
