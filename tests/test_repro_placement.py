@@ -74,8 +74,9 @@ def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
 
 # The configurations every step was cached under before placements existed (repro/cache.py, Store):
 # the default placement must keep these keys, so that runs/ stays valid.
+# A baseline's key has carried no max_ctrl since issue 22 (only MARI reads D_ctrl).
 EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", "model": MODEL, "seed": 0, "max_train": 4,
-                  "max_ctrl": 2, "max_pca": 24, "hyperparameters": {}}
+                  "max_pca": 24, "hyperparameters": {}}
 EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", "limit": 2, "bundle": None, "model_args": "",
                       "gen_tokens": None, "split_seed": None}
 
@@ -137,3 +138,22 @@ def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
     assert path.stem.endswith(cache.config_key(stored["config"]))  # stored under its bf16 configuration's key...
     float32 = {k: v for k, v in stored["config"].items() if k != "placement"}
     assert not path.stem.endswith(cache.config_key(float32))  # ...not the float32 (default) request's
+
+
+def test_only_the_methods_reading_the_control_set_are_keyed_by_its_size(tmp_path, monkeypatch):
+    trained = []
+
+    def train(method, attribute, model, seed, out, **kwargs):  # records what it was asked, writes an empty bundle
+        trained.append((method, kwargs["max_ctrl"]))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "bundle.json").write_text('{"train_seconds": 1.0}')
+        return Path(out)
+
+    monkeypatch.setattr("mari_eval.train.train", train)
+    smoke = profiles.PROFILES["smoke"]
+    whole = profiles.Profile(**{**smoke.__dict__, "max_ctrl": None})
+    store = cache.Store(tmp_path, max_memory="1GiB")
+    names = {(m, p.max_ctrl): store.bundle(m, "truthfulqa", MODEL, 0, p).name for m in ("caa", "mari") for p in (smoke, whole)}
+    assert names[("caa", 2)] == names[("caa", None)]  # one CAA bundle: it never reads D_ctrl
+    assert names[("mari", 2)] != names[("mari", None)]  # MARI's gate is calibrated on it
+    assert trained == [("caa", None), ("mari", 2), ("mari", None)]
