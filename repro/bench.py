@@ -203,9 +203,13 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
 
 
 def table(results: dict, tokens: int) -> list[str]:
+    """The Markdown table of ``results`` (repro.tables.markdown_table), ratios to lm-eval's ``hf``."""
+    from repro.tables import markdown_table
+
     hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
-    lines = [f"| entry | TQA MC2 wall (s) | x hf | acc | first token (ms) | x hf | tokens/s | x hf | {tokens}-token latency (s) | x hf | gate rate (mc / gen) | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    headers = ["entry", "TQA MC2 wall (s)", "x hf", "acc", "first token (ms)", "x hf", "tokens/s", "x hf",
+               f"{tokens}-token latency (s)", "x hf", "gate rate (mc / gen)", "peak RSS (MiB)"]
+    rows = []
     for entry, r in results.items():
         mc, gen = r.get("mc"), r.get("gen")
         cells = [entry]
@@ -223,8 +227,8 @@ def table(results: dict, tokens: int) -> list[str]:
         rates = [(x or {}).get("gate_rate") for x in (mc, gen)]
         cells.append(" / ".join("-" if r is None else f"{r:.2f}" for r in rates))
         cells.append(f"{max(x.get('peak_rss_mib', 0) for x in (mc or {}, gen or {})):.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return markdown_table(headers, rows).split("\n")
 
 
 def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[dict[str, str], dict[str, str]]:
