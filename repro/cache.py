@@ -128,11 +128,10 @@ class Store:
             hp = {"single": True, **hp}  # the one-adapter ablation (Table 2) trained beside the experts
         # Only MARI reads D_ctrl (its gate's calibration): the baselines' keys leave the control
         # set's size out, so changing it retrains MARI alone.
-        max_ctrl = profile.max_ctrl if method in CONTROL_SET_METHODS else None
         config = {"kind": "bundle", "method": method, "attribute": attribute, "model": model, "seed": seed,
                   "max_train": profile.max_train.get(attribute), "max_pca": profile.max_pca, "hyperparameters": hp}
         if method in CONTROL_SET_METHODS:
-            config["max_ctrl"] = max_ctrl
+            config["max_ctrl"] = profile.max_ctrl
         config = _with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
@@ -146,7 +145,7 @@ class Store:
         tmp = partial_dir(final)
         _remove_abandoned(final.parent.glob(f"{final.name}.partial-*"))
         log.info("training %s on %s (%s, seed %d, %s)", method, attribute, model, seed, describe(self.placement))
-        train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=max_ctrl,
+        train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=config.get("max_ctrl"),
               max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
               placement=self.placement, max_memory=self.max_memory)
         atomic_write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})

@@ -42,17 +42,20 @@ def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list
         alphas: list[float]) -> dict:
     from tqdm import tqdm
 
+    from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
     from mari_eval.methods import load_bundle
 
     cells: dict = {}
-    points = [("K", k, f"K={k}", {"K": k}, "") for k in ks]
-    points += [("rho", r, rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
+    # Each point: (row label, hyperparameters it trains with, lm-eval model_args it evaluates with).
+    points = [(f"K={k}", {"K": k}, "") for k in ks]
+    points += [(rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
                for labels in labellings for r in rhos]
-    points += [("alpha", a, f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
+    points += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
     steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
-    for model, seed, _axis, _value, label, trained, model_args in tqdm(steps, desc="sensitivity", unit="point"):
-        # The defaults (K = 4, alpha_probe = 1) are the main table's bundle: the same cache key.
-        trained = {k: v for k, v in trained.items() if v != {"K": 4, "alpha_probe": 1.0}[k]}
+    defaults = {**MARI_DEFAULTS, **profile.hyperparameters}
+    for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity", unit="point"):
+        # A value equal to the default is the main table's bundle: leave it out of the cache key.
+        trained = {k: v for k, v in trained.items() if v != defaults[k]}
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, trained or None)
         scores = tables.add_gate_rates(cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle},
                                                    model_args), GATE_COLUMNS)
