@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
 from mari_eval import site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
@@ -87,11 +87,12 @@ class CAA(ScaledVector):
         "multiplier": Float(),
         "layers_tried": List(Int(0), optional=True), "multipliers_tried": List(Float(), optional=True),
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
-        "negative_for_generation": Str(optional=True),
+        "negative_for_generation": Str(optional=True), "recipe": RECIPE_FIELD,
     }
     label = "CAA"
     # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
-    training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True)}
+    training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True),
+                       "recipe": RECIPE_FIELD}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -112,6 +113,8 @@ class CAA(ScaledVector):
     def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
         hyperparameters = cls.training_hyperparameters(hyperparameters)
+        if recipe_of(hyperparameters) == "published":
+            return cls.fit_published(session, data, config, hyperparameters, seed)
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
         fit_examples, val_examples = validation_split(data.train, seed)
         L = session.num_layers
@@ -131,9 +134,10 @@ class CAA(ScaledVector):
         config = {
             **config,
             "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
-            "hyperparameters": {"multiplier": mult, "layers_tried": layers, "multipliers_tried": multipliers,
+            "hyperparameters": {"recipe": "adapted", "multiplier": mult, "layers_tried": layers, "multipliers_tried": multipliers,
                                 "validation_fraction": VALIDATION_FRACTION, "negative_for_generation": COMPLIANCE},
             "diagnostics": {"validation_loss": {f"{l}:{m}": v for (l, m), v in scores.items()},
+                            SELECTION_KEY: scores[layer, mult],
                             "validation_loss_base": base, "validation_ids": [ex.id for ex in val_examples]},
         }
         return cls(config, {"vector": vector.contiguous()})

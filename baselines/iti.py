@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .common import VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
 from mari_eval import devices, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
@@ -190,10 +190,11 @@ class ITI(ScaledVector):
         "num_heads": Int(1, optional=True), "probe": Str(optional=True, choices=("linear", "mlp")),
         "tokens": Int(1, optional=True), "head_fractions_tried": List(Float(0, 1, lo_open=True), optional=True),
         "alphas_tried": List(Float(), optional=True), "probe_steps": Int(1, optional=True),
-        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True), "recipe": RECIPE_FIELD,
     }
     label = "ITI"
-    training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True)}
+    training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
+                       "recipe": RECIPE_FIELD}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -233,6 +234,8 @@ class ITI(ScaledVector):
     def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
         hyperparameters = cls.training_hyperparameters(hyperparameters)
+        if recipe_of(hyperparameters) == "published":
+            return cls.fit_published(session, data, config, hyperparameters, seed)
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)
@@ -266,10 +269,11 @@ class ITI(ScaledVector):
             **config,
             "site": {**config["site"], "layer": int(heads[:, 0].min()),
                      "position": "attention heads' outputs, last prompt token and every later token"},
-            "hyperparameters": {"alpha": alpha, "num_heads": k, "probe": cls.probe, "tokens": cls.tokens,
+            "hyperparameters": {"recipe": "adapted", "alpha": alpha, "num_heads": k, "probe": cls.probe, "tokens": cls.tokens,
                                 "head_fractions_tried": fractions, "alphas_tried": alphas,
                                 "validation_fraction": VALIDATION_FRACTION, "probe_steps": PROBE_STEPS},
             "diagnostics": {"validation_loss": {f"{k_}:{a}": v for (k_, a), v in scores.items()},
+                            SELECTION_KEY: scores[k, alpha],
                             "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
                             "heads": heads.tolist(), "validation_ids": [ex.id for ex in val_examples]},
         }

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import VALIDATION_FRACTION, validation_loss, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
 from mari_eval import runner
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
@@ -75,11 +75,11 @@ class ReFT(Intervention):
         "first": Int(0), "last": Int(0),
         "rank": Int(1, optional=True), "lr": Float(0, lo_open=True, optional=True), "epochs": Int(1, optional=True),
         "batch": Int(1, optional=True), "epoch_kept": Int(1, optional=True), "init": Str(optional=True),
-        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True), "recipe": RECIPE_FIELD,
     }
 
     label = "ReFT"
-    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS}
+    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS or k == "recipe"}
     training_defaults = DEFAULTS
 
     @classmethod
@@ -102,6 +102,8 @@ class ReFT(Intervention):
     def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
         hp = cls.training_hyperparameters(hyperparameters)
+        if recipe_of(hp) == "published":
+            return cls.fit_published(session, data, config, hp, seed)
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
         free = torch.randn(hp["rank"], d, generator=gen).to(session.site_device)  # float32, as trained parameters stay
@@ -146,9 +148,9 @@ class ReFT(Intervention):
         tensors = {"R": orthonormal_rows(kept["free"]).contiguous(), "W": kept["W"].contiguous(), "b": kept["b"].contiguous()}
         config = copy.deepcopy(config)
         config["site"]["position"] = f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*)"
-        config["hyperparameters"] = {**hp, "epoch_kept": best_epoch, "validation_fraction": VALIDATION_FRACTION,
+        config["hyperparameters"] = {**hp, "recipe": "adapted", "epoch_kept": best_epoch, "validation_fraction": VALIDATION_FRACTION,
                                      "init": "R random orthonormal, W = R, b = 0"}
-        config["diagnostics"] = {"history": history, "validation_loss_base": base,
+        config["diagnostics"] = {"history": history, SELECTION_KEY: best[0], "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, tensors)
 

@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     from mari_eval.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho}
+    hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho, "recipe": args.recipe}
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pca", type=int, help="fit the PCA subspace on at most this many D_pca prompts (smoke runs)")
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
+    p.add_argument("--recipe", choices=["adapted", "published"],
+                   help="baselines: adapted (default; this suite's setting) or published (the authors' recipe); README: Baselines")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
     add_placement_arguments(p)
     p.add_argument("--max-memory", help="what training may keep of the frozen model's work, e.g. 40GiB (default: half "

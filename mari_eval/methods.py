@@ -265,6 +265,9 @@ class Intervention(ABC):
         types and ranges are refused here, before any model or data is loaded (``train.check_arguments``)
         and again at the start of ``fit``. ``max_pca``: the D_pca subset size, for methods that fit a
         subspace on it."""
+        if "recipe" in given and "recipe" not in cls.training_fields:
+            raise ValueError(f"{cls.label} has one training recipe; --recipe adapted|published chooses between the "
+                             "baselines' own settings and their authors' (caa, iti, nl_iti, reft): drop it")
         unknown = sorted(set(given) - set(cls.training_fields))
         if unknown:
             known = ", ".join(sorted(cls.training_fields)) or "none"
