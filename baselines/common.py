@@ -40,6 +40,22 @@ def recipe_of(hyperparameters: dict[str, Any]) -> str:
     return hyperparameters.get("recipe") or "adapted"
 
 
+def selection_loss(config: dict[str, Any]) -> float:
+    """A baseline bundle's ``validation_loss_selected`` (its config's diagnostics). A bundle of the
+    adapted recipe trained before the key existed records the same number another way: the best
+    cell of its validation grid (CAA, ITI, NL-ITI) or the validation loss of its best epoch (ReFT)."""
+    diagnostics = config.get("diagnostics") or {}
+    if SELECTION_KEY in diagnostics:
+        return float(diagnostics[SELECTION_KEY])
+    if recipe_of(config.get("hyperparameters") or {}) == "adapted":
+        if diagnostics.get("validation_loss"):
+            return min(float(v) for v in diagnostics["validation_loss"].values())
+        if diagnostics.get("history"):
+            return min(float(epoch["validation_loss"]) for epoch in diagnostics["history"])
+    raise ValueError(f"this {config.get('method')} bundle records no {SELECTION_KEY} (nor a validation grid or "
+                     "epoch history to read it from): retrain it with this version of mari-eval")
+
+
 def validation_split(examples: list[Example], seed: int) -> tuple[list[Example], list[Example]]:
     """(fit, validation) examples: a seeded 20% of D_train is held out for model selection.
 

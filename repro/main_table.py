@@ -5,12 +5,15 @@
     python repro/main_table.py --dtype bfloat16 # the embedded model in bf16 (cached apart from float32)
     python repro/main_table.py --model Qwen/Qwen2-7B-Instruct --profile paper
     python repro/main_table.py --smoke         # tiny subsets, a few minutes (tests)
+    python repro/main_table.py --recipe adapted # every baseline in its adapted (or: published) recipe
 
 For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI are trained on the
 TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train``) and
 evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
-ARC-Challenge (25-shot) under the TruthfulQA-trained intervention. Every bundle and
+ARC-Challenge (25-shot) under the TruthfulQA-trained intervention. Each baseline is
+trained under both recipes (adapted, published: README, Baselines) and the one with the lower
+task loss on the validation slice of D_train is scored (repro/recipes.py). Every bundle and
 every evaluation is cached under runs/ by its configuration (repro/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
 
@@ -25,26 +28,38 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, tables
+from repro import cache, profiles, recipes, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
 # Beside the judged refusal rate: the keyword rate (no judge needed), ours only.
 EXTRA = [("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")]
 
 
-def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA) -> dict:
-    """{model: {method: {column: {"values": [per seed], "n": docs}}}} for the profile."""
+def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
+        recipe: str = "chosen") -> tuple[dict, dict]:
+    """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
+
+    ``recipe``: the baselines' training recipe, ``chosen`` per bundle by validation loss
+    (repro/recipes.py), or ``adapted`` / ``published`` for every baseline."""
     from tqdm import tqdm
 
     steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
     cells: dict = {}
+    notes: dict = {}
     for model, seed, method in tqdm(steps, desc="main table", unit="method"):
         bundles = {}
-        if method != "vanilla":
-            for attribute in sorted({c[3] for c in columns}):
-                bundles[attribute] = store.bundle(method, attribute, model, seed, profile)
+        attributes = sorted({c[3] for c in columns}) if method != "vanilla" else []
+        if method in recipes.BASELINES and recipe == "chosen":
+            choices = {a: recipes.choose(store, method, a, model, seed, profile) for a in attributes}
+            bundles = {a: choice.bundle for a, choice in choices.items()}
+            notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipes.describe(choices)}")
+        elif method in recipes.BASELINES:
+            bundles = {a: recipes.recipe_bundle(store, method, a, model, seed, profile, recipe) for a in attributes}
+            notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe (--recipe)")
+        else:
+            bundles = {a: store.bundle(method, a, model, seed, profile) for a in attributes}
         tables.tally(cells, model, method, cache.score(store, profile, model, seed, columns, bundles))
-    return cells
+    return cells, notes
 
 
 def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
@@ -53,23 +68,31 @@ def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    methods_arg = lambda p: p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, methods_arg)
+    def options(parser):
+        parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+        parser.add_argument("--recipe", default="chosen", choices=["chosen", *recipes.RECIPES],
+                            help="the baselines' training recipe: chosen per bundle by validation loss (default), "
+                                 "or adapted / published for all")
+
+    args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, options)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     started = time.time()
     columns = profiles.select(BENCHMARKS + EXTRA, args.columns)
-    cells = run(profile, store, methods, columns)
+    cells, notes = run(profile, store, methods, columns, args.recipe)
     labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
+    notes = {model: {METHOD_LABELS[m]: lines for m, lines in by_method.items()} for model, by_method in notes.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
              "MMLU and ARC run under the TruthfulQA-trained intervention. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
-             "not the same model, not comparable in size.")
+             "not the same model, not comparable in size. Each baseline's training recipe (adapted: this suite's "
+             "setting; published: its authors'; README: Baselines) is listed under the table: chosen per attribute "
+             "by the task loss on the validation slice of D_train (no test data), unless --recipe fixes it.")
     tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
-                        [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store)
+                        [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store, notes)
     return 0
 
 

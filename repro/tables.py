@@ -126,11 +126,13 @@ def latex_table(headers: list[str], blocks: list[tuple[str | None, list[list[str
 
 
 def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
-                 profile: Profile, command: str, wall: float, store: Store) -> dict:
+                 profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None) -> dict:
     """results/<name>.{json,md,tex} from ``cells`` = {model: {row label: {column: {"values", "n"}}}}.
 
     ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
-    figures, shown in their own column beside ours and never mixed into them.
+    figures, shown in their own column beside ours and never mixed into them. ``notes`` =
+    {model: {row label: [lines]}}: what a row was made with (the baselines' recipes), listed
+    under the Markdown table and kept in the row's JSON ("notes").
     """
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
@@ -148,6 +150,8 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
         md_rows, tex_rows = [], []
         for label, by_column in rows.items():
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}
+            if (notes or {}).get(model, {}).get(label):
+                row["notes"] = notes[model][label]
             md_cells, tex_cells = [label], [label]
             for column in columns:
                 cell = by_column.get(column, {"values": [], "n": 0})
@@ -164,6 +168,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             tex_rows.append(tex_cells)
         md += [f"\n## {model} ({entry['dtype']}; paper column: {paper_model})\n",
                markdown_table(["row"] + [f"{c} ({who})" for c in columns for who in ("ours", "paper")], md_rows)]
+        md += [f"\n- {label}: {'; '.join(lines)}" for label, lines in (notes or {}).get(model, {}).items()]
         tex_blocks.append((model, tex_rows))
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")
