@@ -13,11 +13,38 @@ the residual stream after layer l at every position from the last prompt token o
 included. ``scale=`` in lm-eval's ``--model_args`` multiplies the multiplier at evaluation
 (``common.ScaledVector``).
 
-Deviations: the original sweeps layers and multipliers by hand on Llama 2; here the
-layer (among ~L/3, L/2, 2L/3) and the multiplier (0.5, 1, 2, 4, 8) are chosen on a
+Deviations of the adapted recipe (the default): the original sweeps layers and
+multipliers by hand on Llama 2; here the layer (among ~L/3, L/2, 2L/3) and the multiplier (0.5, 1, 2, 4, 8) are chosen on a
 validation slice (20%) of D_train by the task loss, and the vector is then recomputed
 on all of D_train. The A/B letters are balanced by alternating which letter holds the
 positive answer.
+
+Published recipe (``--recipe published``): what Rimsky et al. fix, taken from the paper
+(arXiv 2312.06681) and the final ``script.sh`` of github.com/nrimsky/CAA. The vector is
+the one above (their ``generate_vectors.py``: the chat-format A/B prompt, the residual
+stream after the layer at the answer letter, positive minus negative, averaged). The
+layer is fixed: 13 of Llama-2-7B-Chat's 32 decoder layers (14 of 13B-Chat's 40), picked
+from their layer sweep. Here it is carried over by relative depth, round(13 L / 32) with
+halves rounded up (12 of SmolLM2-135M's 30). The multiplier is fixed at +1, the strength
+their A/B evaluations steer with (``script.sh``: the layer sweeps at multipliers -1 and
+1, then -1..1 at layer 13; their TruthfulQA and MMLU runs sweep -2..2 with a behaviour's
+vector to measure side effects, not to tune). Their ``normalize_vectors.py`` rescales
+each behaviour's vector at a layer to the mean norm of the seven behaviours' vectors
+there, so that one multiplier means one strength for all of them; with one behaviour it
+is the identity, so the raw mean difference is kept. The vector is added at every
+position after the end of the user's instruction (``utils/helpers.py``,
+``add_vector_after_position``), which in their A/B scoring is the "(" whose logits give
+A or B: here the last prompt token p* and every later token, as in the adapted recipe.
+No grid: the vector of the 80% fit slice at that layer is scored on the validation slice
+(``diagnostics.validation_loss_selected``), then recomputed on all of D_train for the
+bundle.
+
+Where it still differs: the prompts scored are lm-eval's, not CAA's A/B prompts; the
+vector comes from the attribute's own D_train (their TruthfulQA runs used the sycophancy
+vector, extracted from Anthropic's A/B datasets); the model is not Llama 2, so the layer
+is a transfer by depth of a layer chosen for another model (their 13B choice, 14 of 40,
+is shallower than this rule's 16), and the chat template is the model's own (SmolLM2's
+adds its default system prompt; their Llama 2 prompts had none).
 """
 
 from __future__ import annotations
@@ -42,6 +69,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MULTIPLIERS = (0.5, 1.0, 2.0, 4.0, 8.0)
+# The published recipe's fixed settings (the module docstring gives their sources).
+PUBLISHED_LAYER, PUBLISHED_NUM_LAYERS = 13, 32  # Llama-2-7B-Chat
+PUBLISHED_MULTIPLIER = 1.0
+
+
+def published_layer(num_layers: int) -> int:
+    """CAA's layer 13 of 32 carried over to a model of ``num_layers`` layers by relative depth
+    (nearest layer, halves up)."""
+    return min(num_layers - 1, (2 * PUBLISHED_LAYER * num_layers + PUBLISHED_NUM_LAYERS) // (2 * PUBLISHED_NUM_LAYERS))
 
 
 def ab_prompt(session: Session, question: str, first: str, second: str, letter: str) -> list[int]:
@@ -88,6 +124,9 @@ class CAA(ScaledVector):
         "layers_tried": List(Int(0), optional=True), "multipliers_tried": List(Float(), optional=True),
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
         "negative_for_generation": Str(optional=True), "recipe": RECIPE_FIELD,
+        # published: the layer of the original it is carried over from (reference_layer of reference_num_layers).
+        "reference_layer": Int(0, optional=True), "reference_num_layers": Int(1, optional=True),
+        "vector_normalization": Str(optional=True, choices=("none",)),
     }
     label = "CAA"
     # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
@@ -139,6 +178,36 @@ class CAA(ScaledVector):
             "diagnostics": {"validation_loss": {f"{l}:{m}": v for (l, m), v in scores.items()},
                             SELECTION_KEY: scores[layer, mult],
                             "validation_loss_base": base, "validation_ids": [ex.id for ex in val_examples]},
+        }
+        return cls(config, {"vector": vector.contiguous()})
+
+    @classmethod
+    def fit_published(cls, session: Session, data: AttributeData, config: dict[str, Any],
+                      hyperparameters: dict[str, Any], seed: int) -> Intervention:
+        """The authors' fixed layer (by relative depth) and multiplier, no grid (module docstring)."""
+        grid = sorted(k for k in ("layers", "multipliers") if k in hyperparameters)
+        if grid:
+            raise ValueError(f"CAA's published recipe fixes the layer and the multiplier; drop --set {', '.join(grid)} "
+                             "or train with --recipe adapted to choose them on the validation slice")
+        pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
+        fit_examples, val_examples = validation_split(data.train, seed)
+        layer, mult = published_layer(session.num_layers), PUBLISHED_MULTIPLIER
+        session.prepare(val_examples, "CAA validation slice", lower=False)
+        # The selection loss is that of the vector of the fit slice alone, like every recipe's.
+        vector = steering_vector(session, [pairs[ex.id] for ex in fit_examples], layer)
+        selected = validation_loss(session, val_examples, _adding(session.model, layer, mult * vector))
+        base = validation_loss(session, val_examples)
+        log.info("CAA (published): layer %d of %d, multiplier %g: validation loss %.4f (base model %.4f)",
+                 layer, session.num_layers, mult, selected, base)
+        vector = steering_vector(session, list(pairs.values()), layer)
+        config = {
+            **config,
+            "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
+            "hyperparameters": {"recipe": "published", "multiplier": mult, "reference_layer": PUBLISHED_LAYER,
+                                "reference_num_layers": PUBLISHED_NUM_LAYERS, "vector_normalization": "none",
+                                "validation_fraction": VALIDATION_FRACTION, "negative_for_generation": COMPLIANCE},
+            "diagnostics": {SELECTION_KEY: selected, "validation_loss_base": base,
+                            "validation_ids": [ex.id for ex in val_examples]},
         }
         return cls(config, {"vector": vector.contiguous()})
 
