@@ -24,23 +24,47 @@ Deviations: one layer (l*, the site MARI edits) instead of several, rank 4 and
 learning rate 5e-3 (MARI's expert rank and rate) instead of the original's per-task
 grid, no dropout, and W = R, b = 0 at initialisation (the edit starts as the identity;
 the original initialises W at random).
+
+Published recipe (``--recipe published``, ``baselines.reft_published``): what the authors
+run for their multiple-choice-like benchmark, commonsense reasoning (stanfordnlp/pyreft,
+examples/loreft/README.md, whose commands reproduce the paper's runs, and
+scripts/commonsense_strict.sbatch): one LoReFT per layer at every layer ("-l all"), the same intervention at the
+first 7 and the last 7 prompt tokens ("f7+l7", ``--share_weights``; each count capped at
+half the prompt, as pyreft's ``get_intervention_locations``), rank 8, AdamW at 9e-4 with
+no weight decay, a linear schedule with 10% warm-up, effective batch 32 (16 x 2
+accumulation steps), gradients clipped to norm 1 (Hugging Face Trainer's default), 6
+epochs, the last one kept, dropout 0.00 on the intervention output (the option exists and
+is recorded; their GLUE runs use 0.05). W and b start as ``torch.nn.Linear``'s default
+(uniform in +-1/sqrt(d), pyreft's ``learned_source``), R random orthonormal. The loss is
+theirs: teacher-forced NLL of the answer tokens, averaged over the batch's tokens; here
+the answer is the gold option's continuation (multiple choice) or the target
+(generation). Still different: the prompts are lm-eval's (the evaluation prompts of
+every method), not their "the correct answer is" template, and the answer carries no
+end-of-sequence token (options are scored, not generated); the data are D_train's 80%,
+a few steps where they train for thousands; the model is far smaller than their LLaMA-7B;
+R is orthonormalised by QR rather than PyTorch's orthogonal parametrisation. A published
+bundle records its ``layers`` and holds one R, W, b per layer (tensors [layers, r, d]),
+applied at each of them through ``mari_eval.site.edit_site``; bundles without ``layers``
+are applied at l* alone, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
-from mari_eval import runner
-from mari_eval.plan import Plan
+from mari_eval import runner, site
+from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.epochs import EpochLoop
-from mari_eval.bundle_spec import Float, Int, Str, TensorSpec
+from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 
 if TYPE_CHECKING:
@@ -49,6 +73,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULTS = {"rank": 4, "first": 5, "last": 5, "lr": 5e-3, "epochs": 3, "batch": 8}
+# Settings only the published recipe reads (``baselines.reft_published``); the adapted fit refuses them.
+PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm")
 
 
 def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -57,8 +83,8 @@ def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -
 
 
 def orthonormal_rows(free: torch.Tensor) -> torch.Tensor:
-    """R with orthonormal rows spanning the row space of ``free`` ([r, d], r <= d)."""
-    return torch.linalg.qr(free.T).Q.T
+    """R with orthonormal rows spanning the row space of ``free`` ([r, d], r <= d; or [L, r, d], one R per layer)."""
+    return torch.linalg.qr(free.mT).Q.mT
 
 
 def first_and_last(length: int, first: int, last: int) -> list[int]:
@@ -67,43 +93,95 @@ def first_and_last(length: int, first: int, last: int) -> list[int]:
     return sorted(({*range(min(first, p_star))} | {*range(max(0, length - last), p_star)}))
 
 
+def pyreft_positions(length: int, first: int, last: int) -> list[int]:
+    """``first_and_last`` with each count capped at half the prompt, as pyreft's
+    get_intervention_locations does (a 9-token prompt under f7+l7 edits 4 + 4 tokens)."""
+    return first_and_last(length, min(length // 2, first), min(length // 2, last))
+
+
+@contextlib.contextmanager
+def edits_at_layers(model: torch.nn.Module, layers: Sequence[int], edit_at: Callable[[int, torch.Tensor], torch.Tensor],
+                    positions: Positions) -> Iterator[None]:
+    """Forward passes inside edit the states after each of ``layers`` at ``positions``:
+    ``edit_at(i, h)`` is the edit of ``layers[i]`` (one ``site.edit_site`` per layer)."""
+    with contextlib.ExitStack() as stack:
+        for i, layer in enumerate(layers):
+            stack.enter_context(site.edit_site(model, layer, lambda h, i=i: edit_at(i, h), positions))
+        yield
+
+
 @register_method("reft")
 class ReFT(Intervention):
-    """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last."""
+    """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last.
+    With hyperparameters.layers (the published recipe), one of each per layer: [len(layers), r, d] and [len(layers), r]."""
 
     hyperparameter_fields = {
         "first": Int(0), "last": Int(0),
         "rank": Int(1, optional=True), "lr": Float(0, lo_open=True, optional=True), "epochs": Int(1, optional=True),
         "batch": Int(1, optional=True), "epoch_kept": Int(1, optional=True), "init": Str(optional=True),
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True), "recipe": RECIPE_FIELD,
+        "layers": List(Int(0), optional=True), "dropout": Float(0, 1, hi_open=True, optional=True),
+        "warmup_ratio": Float(0, 1, optional=True), "weight_decay": Float(0, optional=True),
+        "max_grad_norm": Float(0, lo_open=True, optional=True), "loss": Str(optional=True),
+        "schedule": Str(optional=True), "positions": Str(optional=True),
     }
 
     label = "ReFT"
-    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS or k == "recipe"}
+    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS or k in PUBLISHED_ONLY or k == "recipe"}
     training_defaults = DEFAULTS
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
+        hp = config["hyperparameters"]
         sizes = {"hidden_size": config["base_model"]["hidden_size"]}
-        if "rank" in config["hyperparameters"]:
-            sizes["rank"] = config["hyperparameters"]["rank"]
-        return sizes, {"R": TensorSpec(("rank", "hidden_size")), "W": TensorSpec(("rank", "hidden_size")),
-                       "b": TensorSpec(("rank",))}
+        if "rank" in hp:
+            sizes["rank"] = hp["rank"]
+        if "layers" not in hp:
+            return sizes, {"R": TensorSpec(("rank", "hidden_size")), "W": TensorSpec(("rank", "hidden_size")),
+                           "b": TensorSpec(("rank",))}
+        sizes["layers"] = len(hp["layers"])
+        return sizes, {"R": TensorSpec(("layers", "rank", "hidden_size")), "W": TensorSpec(("layers", "rank", "hidden_size")),
+                       "b": TensorSpec(("layers", "rank"))}
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
+        if "layers" in self.config["hyperparameters"]:
+            raise ValueError("this ReFT bundle edits several layers (hyperparameters.layers): use edit_at(i, hidden) "
+                             "for the i-th of them, or applied() for all")
         t = self.tensors_like(hidden)
         return loreft(hidden, t["R"], t["W"], t["b"])
 
+    def edit_at(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The edit of the i-th layer of hyperparameters.layers (published bundles)."""
+        t = self.tensors_like(hidden)
+        return loreft(hidden, t["R"][i], t["W"][i], t["b"][i])
+
+    def applied(self, model: torch.nn.Module, positions: Positions,
+                variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
+        layers = self.config["hyperparameters"].get("layers")
+        if layers is None:  # one layer, l* (every bundle of the adapted recipe)
+            return super().applied(model, positions, variant_ids)
+
+        def edit_at(i: int, h: torch.Tensor) -> torch.Tensor:
+            edited = self.edit_at(i, h)
+            return edited if variant_ids is None else torch.where((variant_ids.to(h.device) >= 0)[:, None], edited, h)
+
+        return edits_at_layers(model, layers, edit_at, positions)
+
     def prompt_sites(self, length: int) -> list[int]:
         hp = self.config["hyperparameters"]
-        return first_and_last(length, int(hp["first"]), int(hp["last"]))
+        positions = pyreft_positions if recipe_of(hp) == "published" else first_and_last
+        return positions(length, int(hp["first"]), int(hp["last"]))
 
     @classmethod
     def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
+        if recipe_of(hyperparameters) == "published":  # its own defaults complete what was given
+            return cls.fit_published(session, data, config, hyperparameters, seed)
         hp = cls.training_hyperparameters(hyperparameters)
-        if recipe_of(hp) == "published":
-            return cls.fit_published(session, data, config, hp, seed)
+        published_only = sorted(k for k in PUBLISHED_ONLY if k in hp)
+        if published_only:
+            raise ValueError(f"ReFT's adapted recipe does not read {published_only} (settings of the published recipe): "
+                             "drop them or add --recipe published")
         gen = torch.Generator().manual_seed(seed)
         d = session.hidden_size
         free = torch.randn(hp["rank"], d, generator=gen).to(session.site_device)  # float32, as trained parameters stay
@@ -153,6 +231,15 @@ class ReFT(Intervention):
         config["diagnostics"] = {"history": history, SELECTION_KEY: best[0], "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, tensors)
+
+
+    @classmethod
+    def fit_published(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+                      seed: int) -> Intervention:
+        """The authors' recipe (module docstring, ``baselines.reft_published``)."""
+        from .reft_published import fit_published
+
+        return fit_published(cls, session, data, config, hyperparameters, seed)
 
 
 def _python_rng_state(saved: list) -> tuple:

@@ -1,0 +1,301 @@
+"""ReFT's published recipe: LoReFT trained as its authors train it for commonsense reasoning.
+
+The settings, their sources and what still differs are in ``baselines.reft``'s docstring
+("Published recipe"). In short: one intervention per layer at every layer, shared by the
+first 7 and last 7 prompt tokens, rank 8, W and b at ``torch.nn.Linear``'s default
+initialisation, AdamW at 9e-4 with a linear schedule after 10% warm-up, effective batch
+32, gradients clipped to norm 1, 6 epochs (the last one kept), and the language-modelling
+loss of the answer: the teacher-forced NLL of the gold option's (or the target's) tokens,
+averaged over the tokens of the batch.
+
+The model is run through the same path as evaluation (``prefix_cache.encode_prefix`` with
+the prompt's sites edited, then ``runner.score_variants`` over the answer), so what is
+trained is what lm-eval scores. The selection number (``common.SELECTION_KEY``) is the
+option task loss of the kept bundle on the validation slice, computed by the bundle itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import random
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from mari_eval import devices, runner
+from mari_eval.bundle_spec import check_hyperparameters
+from mari_eval.epochs import EpochLoop
+from mari_eval.plan import Plan
+from mari_eval.prefix_cache import Prefix, encode_prefix
+
+if TYPE_CHECKING:
+    from mari_eval.train import AttributeData, Example, Session
+
+    from .reft import ReFT
+
+log = logging.getLogger(__name__)
+
+# stanfordnlp/pyreft examples/loreft/README.md, "Commonsense reasoning tasks": -l all -r 8 -p f7+l7
+# -e 6 -lr 9e-4, batch 16 x 2 accumulation steps, --dropout 0.00, --share_weights, --warmup_ratio 0.1;
+# train.py's defaults: linear schedule, weight decay 0, adamw_torch; Trainer's max_grad_norm 1.0.
+# "layers" is absent: every layer of the model (their "-l all").
+PUBLISHED = {"rank": 8, "first": 7, "last": 7, "lr": 9e-4, "epochs": 6, "batch": 32, "dropout": 0.0,
+             "warmup_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0}
+
+
+def published_hyperparameters(cls: type[ReFT], given: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """``given`` (``mari-eval train`` flags and ``--set``) over the published settings, checked."""
+    hp = {**PUBLISHED, "layers": list(range(num_layers)),
+          **{k: v for k, v in given.items() if v is not None}, "recipe": "published"}
+    unknown = sorted(set(hp) - set(cls.training_fields))
+    if unknown:
+        raise ValueError(f"unknown ReFT hyperparameters {unknown}; known: {', '.join(sorted(cls.training_fields))} "
+                         "(`mari-eval train --set KEY=VALUE`)")
+    check_hyperparameters(cls, hp, "ReFT hyperparameters (published recipe)", cls.training_fields)
+    bad = [layer for layer in hp["layers"] if layer >= num_layers]
+    if not hp["layers"] or bad or len(set(hp["layers"])) != len(hp["layers"]):
+        raise ValueError(f"--set layers={hp['layers']}: give distinct layers in 0..{num_layers - 1} (the model has "
+                         f"{num_layers}), e.g. --set layers=[3,9,18,24]")
+    return hp
+
+
+def linear_init(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    """``torch.nn.Linear``'s default initialisation of a layer reading ``shape[-1]`` inputs, for its
+    weight and its bias alike: uniform in +-1/sqrt(fan_in) (kaiming_uniform with a = sqrt(5))."""
+    return (torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
+
+
+def linear_init_bias(generator: torch.Generator, fan_in: int, *shape: int) -> torch.Tensor:
+    """The bias of that layer: uniform in +-1/sqrt(fan_in)."""
+    return (torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(fan_in)
+
+
+def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
+    """The learning-rate factor of optimizer step ``step`` (0-based) of ``total``: Hugging Face's
+    linear schedule with ceil(warmup_ratio * total) warm-up steps (the first step runs at 0)."""
+    warmup = math.ceil(total * warmup_ratio)
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def dropped(hidden: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
+    """Inverted dropout of the edited states (pyreft's dropout on the intervention's output), its
+    mask drawn from ``generator`` so that a resumed run draws the same masks."""
+    if p == 0:
+        return hidden
+    keep = torch.rand(hidden.shape, generator=generator) >= p
+    return hidden * keep.to(hidden) / (1 - p)
+
+
+def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config: dict[str, Any],
+                  given: dict[str, Any], seed: int) -> ReFT:
+    from .reft import _python_rng_state, edits_at_layers, loreft, orthonormal_rows, pyreft_positions
+
+    hp = published_hyperparameters(cls, given, session.num_layers)
+    layers, rank, d = hp["layers"], hp["rank"], session.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randn(len(layers), rank, d, generator=gen)  # R = its orthonormalised rows, random orthonormal
+    params = {"free": free, "W": linear_init(gen, len(layers), rank, d), "b": linear_init_bias(gen, d, len(layers), rank)}
+    params = {k: v.to(session.site_device).requires_grad_(True) for k, v in params.items()}
+    fit_examples, val_examples = validation_split(data.train, seed)
+    session.prepare(data.train, "D_train", lower=False)  # the edited layers start below l*: no lower states
+    base = validation_loss(session, val_examples)
+    optimizer = torch.optim.AdamW(params.values(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+    loop = EpochLoop("reft_published", "ReFT (published)", hp["epochs"], params, optimizer, session.checkpoints,
+                     generator=gen)
+    order = random.Random(f"reft-published:{seed}")
+    steps_per_epoch = math.ceil(len(fit_examples) / hp["batch"])
+    total_steps = steps_per_epoch * hp["epochs"]
+    step = [0]
+
+    def batches(epoch: int) -> list[list[Example]]:
+        step[0] = epoch * steps_per_epoch  # also right after a resume
+        batch_order = list(fit_examples)
+        order.shuffle(batch_order)
+        return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
+
+    shared = shared_length(fit_examples, hp["first"], hp["last"]) if hp["dropout"] == 0 else 0
+
+    def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+        # The batch's token-mean NLL, as Hugging Face's causal-LM loss (``batch_gradient``);
+        # the returned value carries the batch's gradient, clipped to max_grad_norm, for
+        # EpochLoop's backward and step.
+        R = orthonormal_rows(params["free"])
+
+        def edit_at(i: int, h: torch.Tensor) -> torch.Tensor:
+            return dropped(loreft(h, R[i].to(h), params["W"][i].to(h), params["b"][i].to(h)), hp["dropout"], gen)
+
+        plan = Plan((0,), lambda variant_ids, positions: edits_at_layers(session.model, layers, edit_at, positions))
+        sites = lambda length: pyreft_positions(length, hp["first"], hp["last"])
+        total, grads = batch_gradient(session, batch, plan, sites, params, shared)
+        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads.values()))
+        scale = min(1.0, hp["max_grad_norm"] / (float(norm) + 1e-6))
+        for group in optimizer.param_groups:
+            group["lr"] = hp["lr"] * warmup_linear(step[0], total_steps, hp["warmup_ratio"])
+        step[0] += 1
+        surrogate = sum((p * (g * scale)).sum() for p, g in zip(params.values(), grads.values()))
+        value = surrogate - surrogate.detach() + total  # value: the loss; gradient: the clipped batch gradient
+        return value, {"loss": total, "grad_norm": float(norm)}
+
+    def end_epoch(epoch: int, parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+        n = sum(size for size, _ in parts)
+        record = {"train_loss": sum(logged["loss"] * size for size, logged in parts) / n,
+                  "grad_norm": max(logged["grad_norm"] for _, logged in parts)}
+        log.info("ReFT (published) epoch %d: train loss (token-mean answer NLL) %.4f", epoch + 1, record["train_loss"])
+        return record
+
+    def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:
+        order.setstate(_python_rng_state(state["order"]))
+
+    history = loop.run(batches, loss, end_epoch, restored=restored, state=lambda: {"order": order.getstate()})
+    with torch.no_grad():
+        tensors = {"R": orthonormal_rows(params["free"]).detach().cpu().contiguous(),
+                   "W": params["W"].detach().cpu().contiguous(), "b": params["b"].detach().cpu().contiguous()}
+    config = copy.deepcopy(config)
+    config["site"]["position"] = (f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*), "
+                                  f"at layers {_layer_span(layers)}")
+    config["hyperparameters"] = {**hp, "epoch_kept": hp["epochs"], "validation_fraction": VALIDATION_FRACTION,
+                                 "init": "R random orthonormal, W and b torch.nn.Linear's default",
+                                 "loss": "teacher-forced NLL of the answer tokens (token mean over the batch)",
+                                 "schedule": "linear, warm-up then decay to 0", "positions": f"f{hp['first']}+l{hp['last']}"}
+    fitted = cls(config, tensors)
+    selected = evaluation_loss(session, fitted, val_examples)
+    fitted.config["diagnostics"] = {"history": history, SELECTION_KEY: selected, "validation_loss_base": base,
+                                    "validation_ids": [ex.id for ex in val_examples]}
+    return fitted
+
+
+def answer_of(ex: Example) -> list[int]:
+    """The tokens trained on: the gold option's continuation, or the target (generation)."""
+    return ex.options[ex.gold if ex.gold is not None else 0]
+
+
+def shared_length(examples: list[Example], first: int, last: int) -> int:
+    """How many leading prompt tokens all ``examples`` share with the same edits, so that one
+    pass over them under the edit serves every example of a step: their common prefix, cut
+    before any example's last-token window and, where the first-token windows differ (prompts
+    capped at half their length), to the shortest of them. 0: nothing worth sharing."""
+    from mari_eval.prefix_cache import common_prefix
+
+    if len(examples) < 2:
+        return 0
+    n = len(common_prefix([ex.context[:-1] for ex in examples]))
+    windows = [(min(len(ex.context) // 2, first), min(len(ex.context) // 2, last), len(ex.context)) for ex in examples]
+    n = min([n] + [length - l for _, l, length in windows])
+    if len({min(f, n) for f, _, _ in windows}) > 1:
+        n = min(f for f, _, _ in windows)
+    return n if n > 1 else 0
+
+
+def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Callable[[int], list[int]],
+                   params: dict[str, torch.Tensor], shared: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """(token-mean NLL of the batch's answers, its gradient for ``params``) with ``plan``'s edits at
+    ``sites(prompt length)`` of each prompt and at p*.
+
+    Each example's graph is freed once its gradient is taken, so memory holds one example,
+    not the batch. The first ``shared`` prompt tokens (``shared_length``: the same tokens and
+    the same edits for every example, e.g. a few-shot preamble) run once per step: each example
+    reads their cache as leaf tensors, its gradients for them are summed, and one backward
+    pass takes the sum through the shared part. Same numbers as running each prompt whole.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    model, names = session.model, list(params)
+    tokens = sum(len(answer_of(ex)) for ex in batch)
+    grads = {k: torch.zeros_like(v) for k, v in params.items()}
+    head = leaves = None
+    if shared:
+        head = encode_prefix(model, batch[0].context[:shared], apply=plan.apply,
+                             sites=[p for p in sites(len(batch[0].context)) if p < shared])
+        if not all(type(layer) is DynamicLayer for layer in head.cache.layers):
+            head = None  # sliding-window layers: each prompt runs whole
+    if head is not None:
+        kv = [t for layer in head.cache.layers for t in (layer.keys, layer.values)]
+        # Keys and values below the lowest edited layer do not depend on the edit: they stay as they are.
+        carried = [t.detach().requires_grad_(True) if t.requires_grad else t for t in kv]
+        outputs = [t for t in kv if t.requires_grad]
+        leaves = [c for t, c in zip(kv, carried) if t.requires_grad]
+        leaf_head = Prefix(head.tokens, _with_tensors(head.cache, carried))
+        leaf_grads = [torch.zeros_like(t) for t in leaves]
+    total = 0.0
+    for ex in batch:
+        positions = sites(len(ex.context))
+        if head is None:
+            prefix = encode_prefix(model, ex.context[:-1], apply=plan.apply, sites=positions)
+        else:
+            prefix = _extended(model, leaf_head, ex.context[:-1], [p - shared for p in positions if p >= shared], plan)
+        answer = answer_of(ex)
+        run = runner.score_variants(model, prefix, ex.context[-1], [answer], plan, max_tokens=session.max_tokens)
+        part = -run.logprobs[0, 0] / tokens
+        inputs = list(params.values()) + (leaves or [])
+        # retain_graph: R's orthonormalisation (and the shared part) is shared by the batch's
+        # examples; the example's own graph is freed when ``part`` and ``run`` are rebound.
+        got = torch.autograd.grad(part, inputs, allow_unused=True, retain_graph=True)
+        for k, g in zip(names, got):
+            if g is not None:
+                grads[k] += g
+        for acc, g in zip(leaf_grads if leaves else [], got[len(names):]):
+            if g is not None:
+                acc += g
+        total += float(part.detach())
+    if head is not None and outputs:  # the shared part's share of the gradient, in one backward pass
+        got = torch.autograd.grad(outputs, list(params.values()), grad_outputs=leaf_grads, allow_unused=True)
+        for k, g in zip(names, got):
+            if g is not None:
+                grads[k] += g
+    return total, grads
+
+
+def _with_tensors(cache, tensors: list[torch.Tensor]):
+    """A copy of ``cache`` whose layers' keys and values are ``tensors`` (in layer order, keys first)."""
+    new = copy.copy(cache)
+    new.layers = []
+    for i, layer in enumerate(cache.layers):
+        layer = copy.copy(layer)
+        layer.keys, layer.values = tensors[2 * i], tensors[2 * i + 1]
+        new.layers.append(layer)
+    return new
+
+
+def _extended(model: torch.nn.Module, head: Prefix, tokens: list[int], cols: list[int], plan: Plan) -> Prefix:
+    """The cache of ``tokens`` from ``head``'s (a prefix of them), the rest run under ``plan``'s edits at
+    ``cols`` (positions counted from the end of ``head``); ``head`` itself is never written."""
+    from mari_eval.prefix_cache import broadcast_cache, cache_of, with_cache
+
+    rest = tokens[len(head.tokens):]
+    cache = broadcast_cache(head.cache, 1)
+    if not rest:
+        return Prefix(tuple(tokens), cache)
+    device = devices.input_device(model)
+    index = torch.tensor(cols, dtype=torch.long, device=device)
+    edit = plan.apply(None, (torch.zeros_like(index), index)) if cols else contextlib.nullcontext()
+    with edit:
+        out = model(input_ids=torch.tensor([rest], device=device), **with_cache(model, cache), use_cache=True,
+                    logits_to_keep=1)
+    return Prefix(tuple(tokens), cache_of(out))
+
+
+@torch.no_grad()
+def evaluation_loss(session: Session, bundle: ReFT, examples: list[Example]) -> float:
+    """Mean task loss (option cross-entropy, or target NLL) of ``examples`` under ``bundle`` as lm-eval
+    applies it (``MariLM``: the prompt computed under its edits, then the options scored)."""
+    from mari_eval.objectives import task_losses
+
+    plan = bundle.plan(session.model)
+    losses = []
+    for ex in examples:
+        prefix = encode_prefix(session.model, ex.context[:-1], apply=plan.apply, sites=plan.prompt_sites(len(ex.context)))
+        run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, plan, max_tokens=session.max_tokens)
+        losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
+    return sum(losses) / len(losses)
+
+
+def _layer_span(layers: list[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2 \
+        else ", ".join(map(str, layers))
+
