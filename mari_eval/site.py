@@ -202,9 +202,12 @@ def shift_attention_from_site(
     model: nn.Module,
     shifts: dict[int, torch.Tensor],
     positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    at_site: bool = True,
 ) -> Iterator[dict]:
     """Add ``shifts[layer]`` ([d]) to the output of ``layer``'s attention output projection,
-    at p* and every later position (as ``edit_from_site``).
+    at p* and every later position (as ``edit_from_site``); with ``at_site=False``, at the
+    positions after p* only (the continuation's tokens: ITI's published recipe shifts the
+    answer, not the prompt), and in generation from the first generated token on.
 
     A shift of the attention heads' outputs (the projection's input) by ``s`` is a shift
     of its output by ``W_o s``: this is how ITI moves selected heads.
@@ -214,23 +217,26 @@ def shift_attention_from_site(
         for layer, shift in shifts.items():
             check_layer(model, layer)
             edit = lambda h, shift=shift: h + shift.to(h)
-            states.append(stack.enter_context(_edit_output_from_site(attention_output(model, layer), edit, positions)))
+            states.append(stack.enter_context(_edit_output_from_site(attention_output(model, layer), edit, positions, at_site)))
         yield states[0] if states else {"calls": 0}
 
 
 @contextmanager
-def _edit_output_from_site(module: nn.Module, edit: Edit, positions) -> Iterator[dict]:
+def _edit_output_from_site(module: nn.Module, edit: Edit, positions, at_site: bool = True) -> Iterator[dict]:
     state = {"calls": 0}
 
     def hook(module, args, output):
         hidden = _hidden_of(output)
         batch, length = hidden.shape[:2]
         start = torch.zeros(batch, dtype=torch.long, device=hidden.device)
+        rows = cols = None
         if state["calls"] == 0:
             rows, cols = _site_index(hidden, positions)
             start = torch.full_like(start, length).scatter_reduce(0, rows, cols, reduce="amin")
         state["calls"] += 1
         after = torch.arange(length, device=hidden.device)[None, :] >= start[:, None]
+        if rows is not None and not at_site:  # each site itself stays (several per row in a packed sequence)
+            after = after.index_put((rows, cols), torch.zeros_like(rows, dtype=torch.bool))
         edited = edit(hidden.reshape(batch * length, -1)).reshape(hidden.shape).to(hidden.dtype)
         return _with_hidden(output, torch.where(after[..., None], edited, hidden))
 
