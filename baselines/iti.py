@@ -33,6 +33,17 @@ Deviations: probes are logistic regressions (or MLPs) trained with Adam on stand
 features, all heads in one batched tensor, with class-balanced weights (a question has
 one correct option and several wrong ones) and ranked by balanced accuracy; ITI used
 scikit-learn's logistic regression and plain accuracy.
+
+Published recipe (``--recipe published``, ``iti_published``; sources and remaining differences
+in its docstring). The authors' own pipeline: head outputs read on "Q: {question} A: {answer}"
+(NL-ITI: "Q: {question}\nA: {answer}") with no few-shot preamble, one L2 logistic regression
+(scikit-learn's C = 1, lbfgs) per head on raw outputs ranked by plain validation accuracy
+(NL-ITI: a width-16 MLP with BatchNorm, 10 epochs of Adam, its best epoch; probes on the
+answer's last 4 tokens, directions and sigmas on its last 6), mass-mean directions, sigma the
+population std of the projections of prompts ending with another question, and fixed K =
+48/1024 of the heads (13 of SmolLM2-135M's 270) and alpha = 15. ITI's shift starts at the
+answer's first token, not at p* (honest_llama's multiple-choice scoring): its bundle records
+``shift_from: answer``, which ``applied`` honours; NL-ITI's starts at p*, as the adapted one.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
+from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 from mari_eval import devices, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
@@ -184,6 +196,7 @@ class ITI(ScaledVector):
 
     probe = "linear"  # NL-ITI: "mlp"
     tokens = 1  # continuation tokens averaged; NL-ITI: 4
+    published: Recipe = ITI_RECIPE  # the authors' recipe (``--recipe published``); NL-ITI: NL_ITI_RECIPE
 
     hyperparameter_fields = {
         "alpha": Float(),
@@ -191,6 +204,13 @@ class ITI(ScaledVector):
         "tokens": Int(1, optional=True), "head_fractions_tried": List(Float(0, 1, lo_open=True), optional=True),
         "alphas_tried": List(Float(), optional=True), "probe_steps": Int(1, optional=True),
         "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True), "recipe": RECIPE_FIELD,
+        # The published recipe's settings (iti_published); shift_from absent: p* on, as before recipes.
+        "shift_from": Str(optional=True, choices=("last_prompt_token", "answer")),
+        "head_fraction": Float(0, 1, lo_open=True, optional=True), "probe_tokens": Int(1, optional=True),
+        "prompt_format": Str(optional=True), "sigma_format": Str(optional=True),
+        "probe_C": Float(0, lo_open=True, optional=True), "probe_max_iter": Int(1, optional=True),
+        "probe_width": Int(1, optional=True), "probe_epochs": Int(1, optional=True), "probe_lr": Float(0, lo_open=True, optional=True),
+        "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
     }
     label = "ITI"
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
@@ -210,7 +230,9 @@ class ITI(ScaledVector):
 
     def applied(self, model: torch.nn.Module, positions: Positions,
                 variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
-        return site.shift_attention_from_site(model, self.shifts(model), positions)
+        # ITI's published recipe shifts the answer's tokens only (after p*); other bundles from p* on.
+        at_site = self.config["hyperparameters"].get("shift_from", "last_prompt_token") == "last_prompt_token"
+        return site.shift_attention_from_site(model, self.shifts(model), positions, at_site=at_site)
 
     def check_compatible(self, model: torch.nn.Module, model_name: str, allow_other_model: bool = False) -> None:
         super().check_compatible(model, model_name, allow_other_model)
@@ -279,6 +301,12 @@ class ITI(ScaledVector):
         }
         return cls(config, {"heads": heads.contiguous(), "directions": theta.contiguous(), "sigma": sigma.contiguous()})
 
+    @classmethod
+    def fit_published(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+                      seed: int) -> Intervention:
+        """The authors' recipe, ``cls.published`` (``iti_published``)."""
+        return fit_published(cls, session, data, config, hyperparameters, seed)
+
 
 @register_method("nl_iti")
 class NLITI(ITI):
@@ -287,3 +315,4 @@ class NLITI(ITI):
     label = "NL-ITI"
     probe = "mlp"
     tokens = 4
+    published = NL_ITI_RECIPE

@@ -1,0 +1,346 @@
+"""The published training recipes of ITI and NL-ITI (``--recipe published``; ``iti.ITI.fit_published``).
+
+Published recipe. What the authors do, from their code:
+
+* ITI (Li et al., 2023; likenneth/honest_llama, ``utils.py`` and ``legacy/llama_validate_2fold.py``):
+  every (question, answer) pair of TruthfulQA is written "Q: {question} A: {answer}" with no
+  instruction or few-shot preamble (``format_truthfulqa``, ``tokenized_tqa``) and each head's
+  output is read at its last token. One scikit-learn ``LogisticRegression`` (default L2, C = 1,
+  lbfgs) per head is fitted on the raw outputs of 80% of the training questions and scored by
+  plain accuracy on the other 20% (``train_probes``); the heads are ranked by that accuracy
+  (``get_top_heads``). The direction of a head is the mass-mean difference true minus false over
+  the training and validation questions (``get_com_directions``, ``--use_center_of_mass``), unit
+  length; sigma is the population standard deviation (``np.std``) of the projections on it of
+  the "tuning" activations, read at the last token of "Q: {question} A: {answer} Q: {another
+  question}" (``tokenized_tqa_gen_end_q``, ``--activations_dataset tqa_gen_end_q``). K = 48 heads
+  of Llama-7B's 32 x 32 and alpha = 15 are fixed (the script's defaults, the released models'
+  settings). In multiple-choice scoring the shift is added from the answer's tokens on
+  (``tqa_run_probs``: ``start_edit_location`` skips the question and its "\\nA: "), so the first
+  answer token is scored by the unshifted model.
+* NL-ITI (Hoscilowicz et al., 2024; Samsung/NL-ITI, ``reproduce_table1_commands``): the same
+  pipeline with "Q: {question}\\nA: {answer}" (``prepare_dataset.format_qa``), the head outputs
+  averaged over the last tokens of the answer (``get_activations.py``: the target after "A:"),
+  4 of them for the probes and 6 for the direction and sigma; the probe is an MLP
+  head_dim-16-1 with BatchNorm and ReLU (``probes.MLP_S``) trained 10 epochs with Adam (lr 5e-4,
+  weight decay 1e-4, batches of 32, BCE), keeping each head's epoch of best validation accuracy
+  (``probing.train_model``); sigma from "Q: {question}\\nA: {answer}\\n\\nQ: {another question}",
+  averaged over the other question's last 6 tokens (``format_endq``, ``--activations_std_format
+  endq``). The shift starts at the token before the answer line (``intervention.intervene``:
+  ``start_edit_location = answer_starts_at_idx - 1``), i.e. at p* here. Its reported numbers
+  come from a grid of K in 16..96 and alpha in 5..30 whose best MC1 on the evaluation fold is
+  kept (``-ht``, ``common.HT_HEADS``/``HT_ALPHA``, ``utils.get_best_result``); no fixed pair is
+  published, so this recipe takes ``intervention.py``'s defaults, K = 48 and alpha = 15
+  (``--heads``, ``--alpha``), the same as ITI's, rather than choose on a test split.
+
+What this recipe does: the above on D_train; ITI's probes are scikit-learn's own estimator
+(``logistic_accuracy``), NL-ITI's MLPs one batched network over all heads (``mlp_accuracy``),
+and heads that tie are ranked by head index (``iti.rank_heads``). K scales
+with the model: 48 / 1024 of its heads (13 of SmolLM2-135M's 30 x 9), so that the share of
+the model moved is the authors'; alpha is in units of sigma and stays 15. The probes are fitted
+on the 80% of ``common.validation_split`` and ranked on its 20% (as the authors' split); the
+kept bundle's directions and sigmas come from all of D_train (as the authors' train + val), and
+``validation_loss_selected`` is the task loss on the 20% with directions and sigmas from the
+80% alone. ITI's bundle records ``shift_from: answer`` (``ITI.applied``).
+
+Where it must still differ: the probes and directions are read from the authors' own prompt,
+but every method is evaluated (and the selection loss computed) on lm-eval's prompts, the
+6-shot TruthfulQA preamble included; BBQ and SORRY-Bench examples use the same Q/A format
+(the question with BBQ's context; the refusal and compliance targets as answers); TruthfulQA
+MC1 gives one true answer per question where the authors probed MC2's several; sigma's
+prompts come from D_train alone, their "other question" a seeded draw from the fit slice
+(honest_llama reads them on all 817 questions, unlabelled); a fit slice smaller
+than one batch of 32 trains the MLPs on one batch; in generation, honest_llama's answer path
+also shifts the last prompt token (``start_edit_location='lt'``), which ``shift_from: answer``
+does not; and the model is SmolLM2-135M, not Llama-7B.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from mari_eval import site
+from mari_eval.objectives import COMPLIANCE_TARGET
+from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
+
+if TYPE_CHECKING:
+    from mari_eval.methods import Intervention
+    from mari_eval.train import AttributeData, Example, Session
+
+log = logging.getLogger(__name__)
+
+HEAD_FRACTION = 48 / 1024  # ITI's K = 48 of Llama-7B's 1024 heads, also NL-ITI's --heads default
+ALPHA = 15.0  # both repositories' default --alpha
+LOGISTIC_C = 1.0  # scikit-learn's default inverse regularisation strength
+LBFGS_ITERATIONS = 1000  # honest_llama's max_iter
+MLP = {"width": 16, "epochs": 10, "lr": 5e-4, "weight_decay": 1e-4, "batch_size": 32}  # NL-ITI's probes.MLP_S, probing.py
+BATCH_NORM_EPS, BATCH_NORM_MOMENTUM = 1e-5, 0.1  # torch.nn.BatchNorm1d's defaults
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one author's recipe sets: the prompt's separators, the probe and the token windows."""
+
+    answer_separator: str  # between the question and "A:"
+    question_separator: str  # between the answer and the other question (sigma's prompt)
+    probe: str  # "linear" (logistic regression) or "mlp"
+    probe_tokens: int  # answer tokens averaged for the probes
+    tokens: int  # answer (other question) tokens averaged for the direction (sigma)
+    shift_from: str  # "answer": after p*; "last_prompt_token": p* on
+
+    def qa(self, question: str, answer: str) -> tuple[str, str]:
+        """(text before the answer, the answer) in the recipe's format."""
+        return f"Q: {question}{self.answer_separator}A:", f" {answer}"
+
+    def end_q(self, question: str, answer: str, other: str) -> tuple[str, str]:
+        """(text before the other question, the other question): the prompt sigma is read from."""
+        return f"Q: {question}{self.answer_separator}A: {answer}{self.question_separator}Q:", f" {other}"
+
+    def formats(self) -> dict[str, str]:
+        return {"prompt_format": "".join(self.qa("{question}", "{answer}")),
+                "sigma_format": "".join(self.end_q("{question}", "{answer}", "{other question}"))}
+
+
+ITI_RECIPE = Recipe(" ", " ", "linear", 1, 1, "answer")
+NL_ITI_RECIPE = Recipe("\n", "\n\n", "mlp", 4, 6, "last_prompt_token")
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@torch.no_grad()
+def window_outputs(session: Session, texts: Sequence[tuple[str, str]], windows: Sequence[int]) -> list[torch.Tensor]:
+    """Per window w, [R, layers, heads * head_dim]: every head's output on ``before + target``
+    (tokenised whole, as the authors do), averaged over the last min(w, len(target)) tokens of
+    the target. The tokens the rows share (never a target's) run once, as a key/value cache."""
+    ids = [session.encode_prompt(before + target) for before, target in texts]
+    # The target's tokens: the whole text's beyond the text before it (NL-ITI's get_activations.py).
+    n_target = [max(1, len(full) - len(session.encode_prompt(before))) for full, (before, _) in zip(ids, texts)]
+    shared = min(len(common_prefix(ids)), *(len(t) - n for t, n in zip(ids, n_target)))
+    model, widest = session.model, max(windows)
+    prefix = encode_prefix(model, ids[0][:shared]) if shared else None
+    rows = [t[shared:] for t in ids]
+    width = max(map(len, rows))
+    batch = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=session.device)  # right padding: no mask
+    owner, cols, depth = [], [], []  # depth: 0 for a row's last token, 1 for the one before...
+    for r, (row, n) in enumerate(zip(rows, n_target)):
+        span = min(widest, n)
+        owner += [r] * span
+        cols += range(len(row) - span, len(row))
+        depth += range(span - 1, -1, -1)
+    owner_t, depth_t = torch.tensor(owner), torch.tensor(depth)
+    cache = broadcast_cache(prefix.cache, len(rows)) if prefix is not None else None
+    layers = range(session.num_layers)
+    with site.capture_attention_heads(model, layers, (owner_t.to(batch.device), torch.tensor(cols, device=batch.device))) as seen:
+        model(input_ids=batch, **with_cache(model, cache), use_cache=cache is not None, logits_to_keep=1)
+    states = torch.stack([seen[l].float().cpu() for l in layers], 1)  # [positions, layers, heads * head_dim]
+    out = []
+    for w in windows:
+        keep = depth_t < w
+        count = torch.bincount(owner_t[keep], minlength=len(rows)).float()
+        total = torch.zeros(len(rows), *states.shape[1:]).index_add_(0, owner_t[keep], states[keep])
+        out.append(total / count[:, None, None])
+    return out
+
+
+def contrast_texts(ex: Example) -> tuple[list[str], list[str]]:
+    """(true, false) answers: the correct option and the others, or the refusal and the compliance."""
+    if ex.gold is None:
+        return ex.choices[:1], [COMPLIANCE_TARGET]
+    return [ex.choices[ex.gold]], [c for i, c in enumerate(ex.choices) if i != ex.gold]
+
+
+def other_questions(examples: list[Example], pool: list[Example], seed: int) -> list[str]:
+    """A seeded question of ``pool`` for each example, never its own (the end of sigma's prompt)."""
+    rng = random.Random(f"iti-published:end_q:{seed}")
+    texts = sorted({ex.question for ex in pool})
+    out = []
+    for ex in examples:
+        candidates = [q for q in texts if q != ex.question] or texts
+        out.append(rng.choice(candidates))
+    return out
+
+
+def recipe_activations(session: Session, recipe: Recipe, examples: list[Example], others: list[str]) -> dict[str, torch.Tensor]:
+    """The recipe's activations of ``examples`` ([N, layers, heads, head_dim] each): ``probe``
+    and ``direction`` on the Q/A prompts (``labels``, ``owner``: the example's index), ``sigma``
+    on the prompts ending with another question (``sigma_owner``)."""
+    from tqdm import tqdm
+
+    n_heads, head_dim = site.attention_heads(session.model)
+    shape = lambda x: x.reshape(len(x), session.num_layers, n_heads, head_dim)
+    parts: dict[str, list] = {"probe": [], "direction": [], "sigma": [], "labels": [], "owner": [], "sigma_owner": []}
+    for i, (ex, other) in enumerate(tqdm(list(zip(examples, others)), desc="published recipe: head outputs", leave=False)):
+        true, false = contrast_texts(ex)
+        answers = true + false
+        qa = [recipe.qa(ex.question, a) for a in answers]
+        end_q = [recipe.end_q(ex.question, a, other) for a in answers]
+        # One pass for both prompts: they share "Q: {question} A:" (the probe window of the end_q rows is not used).
+        probe, direction = window_outputs(session, qa + end_q, (recipe.probe_tokens, recipe.tokens))
+        m = len(answers)
+        parts["probe"].append(shape(probe[:m]))
+        parts["direction"].append(shape(direction[:m]))
+        parts["sigma"].append(shape(direction[m:]))
+        parts["labels"] += [1.0] * len(true) + [0.0] * len(false)
+        parts["owner"] += [i] * len(answers)
+        parts["sigma_owner"] += [i] * len(answers)
+    return {k: torch.cat(v) if k in ("probe", "direction", "sigma") else torch.tensor(v) for k, v in parts.items()}
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def logistic_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+                      seed: int) -> torch.Tensor:
+    """Plain validation accuracy [G] of one scikit-learn ``LogisticRegression`` per head on the raw
+    outputs ``x`` [N, G, d]: ITI's own probe (``train_probes``: C = 1, lbfgs, max_iter 1000,
+    ``random_state=seed``), in float64 as the authors' float16 activations reach it. The
+    authors' estimator rather than a re-solve: the same optimum to lbfgs's tolerance, in about
+    two seconds for 270 heads (one torch L-BFGS over all heads at once, whose curvatures differ
+    by orders of magnitude, stopped short of it on some heads and took 30 times longer)."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+
+    fit_x, val_x = x_fit.double().numpy(), x_val.double().numpy()
+    fit_y, val_y = y_fit.numpy() > 0.5, y_val.numpy() > 0.5
+    accuracy, unconverged = [], 0
+    for g in range(fit_x.shape[1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)  # counted below, reported once
+            probe = LogisticRegression(C=LOGISTIC_C, solver="lbfgs", max_iter=LBFGS_ITERATIONS, random_state=seed)
+            probe.fit(fit_x[:, g], fit_y)
+        unconverged += int(probe.n_iter_[0] >= LBFGS_ITERATIONS)
+        accuracy.append(float((probe.predict(val_x[:, g]) == val_y).mean()))
+    if unconverged:
+        log.warning("ITI probes: lbfgs stopped at max_iter=%d on %d of %d heads (as it would in honest_llama)",
+                    LBFGS_ITERATIONS, unconverged, fit_x.shape[1])
+    return torch.tensor(accuracy)
+
+
+def mlp_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, seed: int) -> torch.Tensor:
+    """Validation accuracy [G] of each head's NL-ITI probe (Linear d-16, BatchNorm, ReLU, Linear
+    16-1, sigmoid; BCE, Adam), at the epoch of its best validation accuracy (the first best),
+    as ``probing.train_model`` keeps. All heads train as one batched network; every head starts
+    from the same initial weights, as every probe of the authors' runs is built after
+    ``set_seeds(seed)``, and sees the same batches: one ``randperm`` per epoch from a generator
+    seeded ``seed`` (their DataLoader's is seeded 0)."""
+    n, groups, dim = x_fit.shape
+    width = MLP["width"]
+    gen, orders = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    uniform = lambda shape, fan_in: (torch.rand(shape, generator=gen) * 2 - 1) / fan_in**0.5  # nn.Linear's initialisation
+    first = [uniform((dim, width), dim), uniform((width,), dim)]
+    second = [uniform((width,), width), uniform((), width)]
+    params = {"w1": first[0].expand(groups, dim, width), "b1": first[1].expand(groups, width),
+              "gamma": torch.ones(groups, width), "beta": torch.zeros(groups, width),
+              "w2": second[0].expand(groups, width), "b2": second[1].expand(groups)}
+    params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    running = {"mean": torch.zeros(groups, width), "var": torch.ones(groups, width)}
+
+    def logits(x: torch.Tensor, train: bool) -> torch.Tensor:
+        h = torch.einsum("ngd,gdm->ngm", x, params["w1"]) + params["b1"]
+        if train:
+            mean, var = h.mean(0), h.var(0, unbiased=False)
+            with torch.no_grad():
+                running["mean"].lerp_(mean, BATCH_NORM_MOMENTUM)
+                running["var"].lerp_(h.var(0, unbiased=True) if len(h) > 1 else var, BATCH_NORM_MOMENTUM)
+        else:
+            mean, var = running["mean"], running["var"]
+        h = torch.relu((h - mean) / (var + BATCH_NORM_EPS).sqrt() * params["gamma"] + params["beta"])
+        return torch.einsum("ngm,gm->ng", h, params["w2"]) + params["b2"]
+
+    opt = torch.optim.Adam(params.values(), lr=MLP["lr"], weight_decay=MLP["weight_decay"])
+    size = min(MLP["batch_size"], n)  # DataLoader(drop_last=True); a smaller fit slice is one batch
+    best = torch.full((groups,), -1.0)
+    gold = y_val[:, None] > 0.5
+    for _ in range(MLP["epochs"]):
+        order = torch.randperm(n, generator=orders)
+        with torch.enable_grad():
+            for start in range(0, n - size + 1, size):
+                batch = order[start : start + size]
+                opt.zero_grad()
+                out = logits(x_fit[batch], train=True)
+                # BCELoss averages over each head's batch; the heads' losses add, their gradients stay apart.
+                F.binary_cross_entropy_with_logits(out, y_fit[batch, None].expand_as(out), reduction="none").mean(0).sum().backward()
+                opt.step()
+        with torch.no_grad():
+            accuracy = ((logits(x_val, train=False) > 0) == gold).float().mean(0)
+            best = torch.where(accuracy > best, accuracy, best)
+    return best
+
+
+def direction_and_sigma(x: torch.Tensor, y: torch.Tensor, tuning: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit mass-mean directions (true minus false) of ``x`` [N, K, d] and the population standard
+    deviation (``np.std``) of ``tuning`` [M, K, d]'s projections on them, as get_interventions_dict."""
+    theta = x[y > 0.5].mean(0) - x[y <= 0.5].mean(0)
+    theta = theta / theta.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+    return theta, torch.einsum("mkd,kd->mk", tuning, theta).std(0, correction=0)
+
+
+def num_heads_for(total_heads: int) -> int:
+    """K: ITI's share of the heads (48 / 1024), at least one."""
+    return max(1, round(HEAD_FRACTION * total_heads))
+
+
+# ----------------------------------------------------------------------------- the fit
+
+
+def fit_published(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],
+                  hyperparameters: dict[str, Any], seed: int) -> Intervention:
+    """``cls`` (ITI or NL-ITI) trained by its authors' recipe, ``cls.published``."""
+    from .iti import rank_heads
+
+    recipe: Recipe = cls.published
+    fixed = sorted(set(hyperparameters) - {"recipe"})
+    if fixed:
+        raise ValueError(f"{cls.method}: the published recipe fixes K and alpha (the authors' 48/1024 of the heads and 15); "
+                         f"drop --set {', '.join(fixed)} or use --recipe adapted, which chooses them on the validation slice")
+    fit_examples, val_examples = validation_split(data.train, seed)
+    examples = fit_examples + val_examples
+    acts = recipe_activations(session, recipe, examples, other_questions(examples, fit_examples, seed))
+    n_layers, n_heads, head_dim = acts["probe"].shape[1:]
+    flat = {k: acts[k].reshape(len(acts[k]), n_layers * n_heads, head_dim) for k in ("probe", "direction", "sigma")}
+    y = acts["labels"]
+    is_fit, sigma_fit = acts["owner"] < len(fit_examples), acts["sigma_owner"] < len(fit_examples)
+    if y[~is_fit].min() == y[~is_fit].max():
+        raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
+    x_fit, x_val = flat["probe"][is_fit], flat["probe"][~is_fit]
+    if recipe.probe == "linear":
+        accuracy = logistic_accuracy(x_fit, y[is_fit], x_val, y[~is_fit], seed)
+    else:
+        accuracy = mlp_accuracy(x_fit, y[is_fit], x_val, y[~is_fit], seed)
+    k = num_heads_for(n_layers * n_heads)
+    top = rank_heads(accuracy)[:k]
+    heads = torch.stack([top // n_heads, top % n_heads], 1)
+
+    hp = {"recipe": "published", "alpha": ALPHA, "num_heads": k, "head_fraction": HEAD_FRACTION, "probe": recipe.probe,
+          "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
+          **recipe.formats(), "validation_fraction": VALIDATION_FRACTION}
+    hp.update({"probe_C": LOGISTIC_C, "probe_max_iter": LBFGS_ITERATIONS} if recipe.probe == "linear"
+              else {f"probe_{name}": value for name, value in MLP.items()})
+    position = ("attention heads' outputs, every token after the last prompt token (the answer's)" if recipe.shift_from == "answer"
+                else "attention heads' outputs, last prompt token and every later token")
+    site_config = {**config["site"], "layer": int(heads[:, 0].min()), "position": position}
+
+    def bundle(rows: torch.Tensor, sigma_rows: torch.Tensor, diagnostics: dict[str, Any]) -> Intervention:
+        theta, sigma = direction_and_sigma(flat["direction"][rows][:, top], y[rows], flat["sigma"][sigma_rows][:, top])
+        return cls({**config, "site": site_config, "hyperparameters": hp, "diagnostics": diagnostics},
+                   {"heads": heads.contiguous(), "directions": theta.contiguous(), "sigma": sigma.contiguous()})
+
+    # The selection loss: the kept heads with directions and sigmas of the fit slice alone, applied as evaluation applies them.
+    session.prepare(val_examples, f"{cls.method} validation slice", lower=False)
+    candidate = bundle(is_fit, sigma_fit, {})
+    selected = validation_loss(session, val_examples, candidate.plan(session.model))
+    base = validation_loss(session, val_examples)
+    log.info("%s (published): %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, ALPHA, selected, base)
+    everything = torch.ones_like(is_fit)
+    return bundle(everything, torch.ones_like(sigma_fit), {
+        SELECTION_KEY: selected, "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
+        "heads": heads.tolist(), "validation_ids": [ex.id for ex in val_examples]})
