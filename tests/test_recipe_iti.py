@@ -1,0 +1,270 @@
+"""ITI's and NL-ITI's published recipes (``baselines.iti_published``): what the fit records, the
+round trip of its bundle, and each piece the authors' recipe changes against an independent
+computation: scikit-learn's logistic regression, NL-ITI's probe as torch.nn modules trained
+head by head, numpy's mass mean and population std, the heads' outputs read from the whole
+sequence, and the answer-only shift against hooks on the heads themselves."""
+
+import numpy as np
+import pytest
+import torch
+
+from baselines import iti, iti_published
+from baselines.common import SELECTION_KEY
+from mari_eval import runner, site
+from mari_eval.prefix_cache import encode_prefix
+from mari_eval.train import AttributeData, Example
+
+from .test_baseline_reference import _chat_free_session
+from .tiny import reloaded, tiny_model
+
+
+def _examples(session, n=10):
+    """Multiple-choice examples whose prompts and options use the character tokenizer."""
+    out = []
+    for i in range(n):
+        question, choices = f"Is {i} odd or even, and why {i * 7}?", [f"option {i}-{j} says {j * i}" for j in range(3)]
+        out.append(Example(f"ex{i}", session.encode_prompt(f"Q: {question}\nA:"),
+                           [session.encode_prompt(" " + c) for c in choices], i % 3, question=question, choices=choices))
+    return out
+
+
+def _data(examples):
+    return AttributeData("truthfulqa", None, [], examples, [], [])
+
+
+def _config(model):
+    return {"base_model": {"name": "tiny", "hidden_size": model.config.hidden_size, "num_layers": site.num_layers(model)},
+            "site": {"layer": 1, "position": "last prompt token"}}
+
+
+@pytest.mark.parametrize("cls, probe, probe_tokens, tokens, shift_from", [
+    (iti.ITI, "linear", 1, 1, "answer"), (iti.NLITI, "mlp", 4, 6, "last_prompt_token")])
+def test_published_fit_records_its_recipe_and_round_trips(tmp_path, cls, probe, probe_tokens, tokens, shift_from):
+    model = tiny_model("llama")
+    session = _chat_free_session(model)
+    examples = _examples(session)
+    fitted = cls.fit(session, _data(examples), _config(model), {"recipe": "published"}, seed=0)
+    hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
+    assert (hp["recipe"], hp["alpha"], hp["probe"], hp["probe_tokens"], hp["tokens"], hp["shift_from"]) == \
+        ("published", 15.0, probe, probe_tokens, tokens, shift_from)
+    assert hp["num_heads"] == 1 and hp["head_fraction"] == 48 / 1024  # 48/1024 of 16 heads rounds to 1
+    assert hp["prompt_format"] == ("Q: {question} A: {answer}" if cls is iti.ITI else "Q: {question}\nA: {answer}")
+    assert np.isfinite(diag[SELECTION_KEY]) and np.isfinite(diag["validation_loss_base"])
+    assert diag[SELECTION_KEY] != diag["validation_loss_base"]  # the shift moves the validation loss
+    assert set(diag["validation_ids"]) < {ex.id for ex in examples} and len(diag["validation_ids"]) == 2
+    loaded = reloaded(fitted, tmp_path / cls.method)
+    assert loaded.config["hyperparameters"] == hp
+    prefix = encode_prefix(model, [5, 17, 33, 2])
+    runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (fitted, loaded)]
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+def test_published_recipe_refuses_the_adapted_grid():
+    model = tiny_model("llama")
+    session = _chat_free_session(model)
+    with pytest.raises(ValueError, match="published recipe fixes K and alpha.*drop --set alphas"):
+        iti.ITI.fit(session, _data(_examples(session)), _config(model), {"recipe": "published", "alphas": [1.0]}, seed=0)
+
+
+def test_k_is_itis_share_of_the_heads():
+    assert iti_published.num_heads_for(1024) == 48  # Llama-7B: the authors' K
+    assert iti_published.num_heads_for(30 * 9) == 13  # SmolLM2-135M
+    assert iti_published.num_heads_for(16) == 1
+
+
+def _newton_logistic(x: np.ndarray, y: np.ndarray, C: float = 1.0) -> tuple[np.ndarray, float]:
+    """argmin 0.5 |w|^2 + C sum log(1 + exp(-s (x w + b))), the intercept unpenalised, by Newton's method."""
+    X = np.hstack([x, np.ones((len(x), 1))])
+    reg = np.ones(X.shape[1])
+    reg[-1] = 0
+    theta = np.zeros(X.shape[1])
+    for _ in range(100):
+        p = 1 / (1 + np.exp(-X @ theta))
+        grad = C * X.T @ (p - y) + reg * theta
+        if np.abs(grad).max() < 1e-10:
+            break
+        theta -= np.linalg.solve(C * (X.T * (p * (1 - p))) @ X + np.diag(reg), grad)
+    return theta[:-1], theta[-1]
+
+
+def test_itis_probes_are_l2_logistic_regressions_on_raw_outputs_ranked_by_plain_accuracy():
+    g = torch.Generator().manual_seed(0)
+    n, heads, dim = 300, 6, 8
+    y = (torch.rand(n, generator=g) > 0.75).float()  # unbalanced, as one true answer among several
+    scale = torch.tensor([0.05, 0.3, 1.0, 3.0, 0.5, 10.0])  # raw head outputs differ in scale: nothing is standardised
+    x = torch.randn(n, heads, dim, generator=g) * scale[:, None] + 0.3 * y[:, None, None] * scale[:, None]
+    fit, val = slice(0, 220), slice(220, n)
+    ours = iti_published.logistic_accuracy(x[fit], y[fit], x[val], y[val], seed=0)
+    xs, ys = x.double().numpy(), y.numpy()
+    for h in range(heads):
+        # Li et al. (2023), honest_llama train_probes: LogisticRegression() (L2, C = 1), accuracy_score on the validation split.
+        w, b = _newton_logistic(xs[fit, h], ys[fit])
+        plain = ((xs[val, h] @ w + b > 0) == (ys[val] > 0.5)).mean()
+        assert ours[h].item() == pytest.approx(plain, abs=1e-6), h
+    # Plain, not balanced, accuracy: head 0's outputs are too small to move its probe off "false" (the
+    # majority), which scores the share of false answers (balanced accuracy would give it 0.5).
+    assert ours[0].item() == pytest.approx(float((y[val] < 0.5).float().mean()), abs=1e-6)
+
+
+def test_mlp_probes_are_nl_itis_probe_trained_head_by_head():
+    from torch import nn
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, dim, seed = 100, 3, 8, 5
+    y = (torch.rand(n, generator=g) > 0.5).float()
+    x = torch.randn(n, heads, dim, generator=g)
+    x[:, 1, :2] += 1.5 * (2 * y[:, None] - 1)  # head 1 carries the label
+    fit, val = slice(0, 80), slice(80, n)
+    ours = iti_published.mlp_accuracy(x[fit], y[fit], x[val], y[val], seed)
+
+    # NL-ITI (probes.MLP_S, probing.train_model): Linear-BatchNorm-ReLU-Linear-Sigmoid, BCELoss, Adam(5e-4, wd 1e-4),
+    # 10 epochs of shuffled batches of 32 (drop_last), the validation accuracy of the best epoch. Every head starts
+    # from the same weights (its seed) and sees the same batch order (one permutation per epoch from the seed).
+    init = torch.Generator().manual_seed(seed)
+    draw = lambda shape, fan_in: (torch.rand(shape, generator=init) * 2 - 1) / fan_in**0.5
+    w1, b1, w2, b2 = draw((dim, 16), dim), draw((16,), dim), draw((16,), 16), draw((), 16)
+    orders = torch.Generator().manual_seed(seed)
+    epochs = [torch.randperm(80, generator=orders) for _ in range(10)]
+    for h in range(heads):
+        probe = nn.Sequential(nn.Linear(dim, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid())
+        with torch.no_grad():
+            probe[0].weight.copy_(w1.T), probe[0].bias.copy_(b1), probe[3].weight.copy_(w2[None]), probe[3].bias.copy_(b2[None])
+        opt = torch.optim.Adam(probe.parameters(), lr=5e-4, weight_decay=1e-4)
+        best = -1.0
+        for order in epochs:
+            probe.train()
+            for start in range(0, 80 - 32 + 1, 32):
+                batch = order[start : start + 32]
+                opt.zero_grad()
+                nn.BCELoss()(probe(x[fit][batch, h]), y[fit][batch, None]).backward()
+                opt.step()
+            probe.eval()
+            with torch.no_grad():
+                accuracy = ((probe(x[val, h]) > 0.5).float()[:, 0] == y[val]).float().mean().item()
+            best = max(best, accuracy)
+        assert ours[h].item() == pytest.approx(best, abs=1e-6), h
+    assert int(ours.argmax()) == 1
+
+
+def test_direction_is_the_mass_mean_and_sigma_the_population_std_of_the_tuning_projections():
+    g = torch.Generator().manual_seed(0)
+    x, tuning = torch.randn(40, 3, 5, generator=g), torch.randn(25, 3, 5, generator=g)
+    y = (torch.arange(40) % 4 == 0).float()
+    theta, sigma = iti_published.direction_and_sigma(x, y, tuning)
+    xs, ts = x.numpy().astype(np.float64), tuning.numpy().astype(np.float64)
+    for k in range(3):  # honest_llama get_com_directions and get_interventions_dict, in numpy
+        direction = xs[y.numpy() == 1, k].mean(0) - xs[y.numpy() == 0, k].mean(0)
+        direction /= np.linalg.norm(direction)
+        np.testing.assert_allclose(theta[k].numpy(), direction, rtol=1e-5, atol=1e-6)
+        assert sigma[k].item() == pytest.approx(np.std(ts[:, k] @ direction), rel=1e-5)  # ddof 0
+
+
+@pytest.mark.parametrize("windows", [(1,), (4, 6)])
+def test_window_outputs_average_the_heads_over_the_targets_last_tokens(windows):
+    model = tiny_model("llama")
+    session = _chat_free_session(model)
+    texts = [("Q: Why?\nA:", " Because it is"), ("Q: Why?\nA:", " No"), ("Q: Why?\nA: No\n\nQ:", " Where is it?")]
+    got = iti_published.window_outputs(session, texts, windows)
+    for r, (before, target) in enumerate(texts):
+        ids = session.encode_prompt(before + target)
+        seen = {}
+        hooks = [layer.self_attn.o_proj.register_forward_hook(lambda mod, args, out, i=i, seen=seen: seen.__setitem__(i, args[0][0]))
+                 for i, layer in enumerate(model.model.layers)]
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+        for h in hooks:
+            h.remove()
+        for w, out in zip(windows, got):
+            span = min(w, len(target))  # never the text before the target (" No" has 3 tokens here)
+            expected = torch.stack([seen[i][len(ids) - span :].mean(0) for i in range(len(model.model.layers))])
+            torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-4)
+
+
+def _published_bundle(model, shift_from):
+    g = torch.Generator().manual_seed(0)
+    heads = torch.tensor([[1, 0], [2, 3]])
+    theta = torch.randn(2, 8, generator=g)
+    hp = {"alpha": 4.0, "recipe": "published", **({"shift_from": shift_from} if shift_from else {})}
+    config = {**_config(model), "hyperparameters": hp}
+    return iti.ITI(config, {"heads": heads, "directions": theta / theta.norm(dim=-1, keepdim=True),
+                            "sigma": torch.tensor([0.7, 1.3])})
+
+
+@pytest.mark.parametrize("shift_from, first", [("answer", 3), ("last_prompt_token", 2), (None, 2)])
+def test_the_shift_starts_where_the_bundle_says(shift_from, first):
+    """honest_llama adds ITI's shift to the heads' outputs from the answer's first token on; a bundle
+    without ``shift_from`` (older ones, NL-ITI) from p* on. Checked against a hook adding it to the heads."""
+    model = tiny_model("llama")
+    bundle = _published_bundle(model, shift_from)
+    n_heads, head_dim = site.attention_heads(model)
+    shift = {}
+    for (layer, head), theta, sigma in zip(bundle.tensors["heads"].tolist(), bundle.tensors["directions"], bundle.tensors["sigma"]):
+        shift.setdefault(layer, torch.zeros(n_heads * head_dim))[head * head_dim : (head + 1) * head_dim] += 4.0 * sigma * theta
+
+    def on_heads(layer):
+        def pre_hook(module, args):
+            heads = args[0].clone()
+            heads[:, first:] += shift[layer]
+            return (heads,)
+        return pre_hook
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])  # p* = 2: the prompt is 5 6 7, the answer 8 9 10
+    handles = [site.attention_output(model, l).register_forward_pre_hook(on_heads(l)) for l in shift]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for h in handles:
+        h.remove()
+    with torch.no_grad(), bundle.applied(model, torch.tensor([2])):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_answer_shift_leaves_each_options_first_token_to_the_untouched_model():
+    """In lm-eval scoring (packed options over the prompt's cache) the answer-only shift scores every
+    option's first token as the untouched model does, and the rest as the whole sequence under the shift."""
+    model = tiny_model("llama")
+    context, options = [5, 17, 33, 2, 41], [[3, 4, 6], [70, 71], [9]]
+    answer = _published_bundle(model, "answer")
+    with torch.no_grad():
+        prefix = encode_prefix(model, context[:-1])
+        plain = runner.score_variants(model, prefix, context[-1], options, _published_bundle(model, None).plan(model))
+        run = runner.score_variants(model, prefix, context[-1], options, answer.plan(model))
+        untouched = model(input_ids=torch.tensor([context])).logits[0, -1].log_softmax(-1)
+    for m, option in enumerate(options):
+        ids = torch.tensor([context + option])
+        with torch.no_grad(), answer.applied(model, torch.tensor([len(context) - 1])):
+            logprobs = model(ids).logits[0].log_softmax(-1)
+        want = untouched[option[0]] + sum(logprobs[len(context) - 1 + t, option[t]] for t in range(1, len(option)))
+        torch.testing.assert_close(run.logprobs[0, m], want, atol=1e-4, rtol=0)
+        if len(option) > 1:  # the p*-on shift (older bundles) moves the first token too
+            assert abs(float(plain.logprobs[0, m] - run.logprobs[0, m])) > 1e-4
+
+
+def test_in_generation_an_answer_shift_starts_with_the_first_generated_token():
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kwargs = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, **kwargs)
+        with _published_bundle(model, "answer").applied(model, None) as state:
+            shifted = model.generate(input_ids=ids, **kwargs)
+    assert state["calls"] == 3  # the prefill and two decode steps went through the hook
+    torch.testing.assert_close(shifted.logits[0], plain.logits[0])  # the prompt, p* included, is not shifted
+    assert not torch.allclose(shifted.logits[1], plain.logits[1])  # the first generated token is
+
+
+@pytest.mark.needs_data
+def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270():
+    from mari_eval.data import make_splits
+    from mari_eval.train import Session, attribute_data, provenance
+
+    session = Session("smollm2-135m-instruct")
+    data = attribute_data(session, "truthfulqa", seed=0, max_train=20, max_ctrl=1)
+    config = provenance(session, "truthfulqa", 0, make_splits("truthfulqa", 0), [ex.id for ex in data.train])
+    fitted = iti.ITI.fit(session, data, config, {"recipe": "published"}, seed=0)
+    hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
+    assert hp["num_heads"] == 13 and fitted.tensors["directions"].shape == (13, 64) and hp["shift_from"] == "answer"
+    assert len(set(map(tuple, diag["heads"]))) == 13
+    assert diag["probe_accuracy"] == sorted(diag["probe_accuracy"], reverse=True)
+    assert np.isfinite(diag[SELECTION_KEY]) and diag[SELECTION_KEY] != diag["validation_loss_base"]
+    assert (fitted.tensors["sigma"] > 0).all()
