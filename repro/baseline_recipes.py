@@ -1,6 +1,6 @@
 """Appendix table: every baseline under both training recipes on TruthfulQA (issue 24.4).
 
-    python repro/baseline_recipes.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2]
+    python repro/baseline_recipes.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2] [--methods caa,iti,nl_iti,reft]
 
 Rows: Vanilla, then CAA, ITI, NL-ITI and ReFT each trained on TruthfulQA's D_train with the
 adapted recipe (this suite's setting) and with the published one (its authors'; README,
@@ -23,14 +23,14 @@ from repro.profiles import BENCHMARKS, METHOD_LABELS
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
 
 
-def run(profile: profiles.Profile, store: cache.Store) -> tuple[dict, dict]:
+def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES) -> tuple[dict, dict]:
     from tqdm import tqdm
 
     from mari_eval.methods import load_bundle
 
     cells: dict = {}
     notes: dict = {}
-    steps = [(m, s, b) for m in profile.models for s in profile.seeds for b in ("vanilla", *recipes.BASELINES)]
+    steps = [(m, s, b) for m in profile.models for s in profile.seeds for b in ("vanilla", *methods)]
     for model, seed, method in tqdm(steps, desc="baseline recipes", unit="method"):
         if method == "vanilla":
             scores = cache.score(store, profile, model, seed, COLUMNS, {})
@@ -54,9 +54,16 @@ def run(profile: profiles.Profile, store: cache.Store) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = profiles.start(__doc__, "baseline_recipes.py", argv)
+    def options(parser):
+        parser.add_argument("--methods", default=",".join(recipes.BASELINES), help="a comma-separated subset of the baselines")
+
+    args, profile, store, command = profiles.start(__doc__, "baseline_recipes.py", argv, options)
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(recipes.BASELINES))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {','.join(recipes.BASELINES)}")
     started = time.time()
-    cells, notes = run(profile, store)
+    cells, notes = run(profile, store, methods)
     intro = ("Held-out TruthfulQA in %; n = test documents (val_loss: validation questions, from D_train). "
              "adapted: this suite's setting; published: the authors' recipe (README: Baselines). The recipe with "
              "the lower val_loss is the main table's. The paper reports neither.")
