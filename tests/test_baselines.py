@@ -7,6 +7,7 @@ from baselines import caa
 from mari_eval import runner, site
 from mari_eval.prefix_cache import encode_prefix
 
+from .iti_expect import head_shift, heads_shifted
 from .tiny import reloaded, tiny_model
 
 
@@ -85,24 +86,9 @@ def test_iti_moves_the_chosen_heads_outputs_by_alpha_sigma_theta():
     """ITI's hook on the projection's output equals shifting the heads' outputs themselves."""
     model = tiny_model("llama")
     bundle = _iti(model)
-    n_heads, head_dim = site.attention_heads(model)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    shift = {}
-    for (layer, head), theta, sigma in zip(bundle.tensors["heads"].tolist(), bundle.tensors["directions"], bundle.tensors["sigma"]):
-        shift.setdefault(layer, torch.zeros(n_heads * head_dim))[head * head_dim : (head + 1) * head_dim] += 4.0 * sigma * theta
-
-    def on_heads(layer):
-        def pre_hook(module, args):
-            heads = args[0].clone()
-            heads[:, 2:] += shift[layer]  # p* = 2 and every later position
-            return (heads,)
-        return pre_hook
-
-    handles = [site.attention_output(model, l).register_forward_pre_hook(on_heads(l)) for l in shift]
-    with torch.no_grad():
+    with torch.no_grad(), heads_shifted(model, head_shift(model, bundle, 4.0), first=2):  # p* = 2 and every later position
         want = model(input_ids=ids).logits
-    for h in handles:
-        h.remove()
     with torch.no_grad(), bundle.applied(model, torch.tensor([2])):
         got = model(input_ids=ids).logits
     with torch.no_grad():

@@ -15,6 +15,7 @@ from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import AttributeData, Example
 
 from .test_baseline_reference import _chat_free_session
+from .iti_expect import head_shift, heads_shifted
 from .tiny import reloaded, tiny_model
 
 
@@ -196,24 +197,9 @@ def test_the_shift_starts_where_the_bundle_says(shift_from, first):
     without ``shift_from`` (older ones, NL-ITI) from p* on. Checked against a hook adding it to the heads."""
     model = tiny_model("llama")
     bundle = _published_bundle(model, shift_from)
-    n_heads, head_dim = site.attention_heads(model)
-    shift = {}
-    for (layer, head), theta, sigma in zip(bundle.tensors["heads"].tolist(), bundle.tensors["directions"], bundle.tensors["sigma"]):
-        shift.setdefault(layer, torch.zeros(n_heads * head_dim))[head * head_dim : (head + 1) * head_dim] += 4.0 * sigma * theta
-
-    def on_heads(layer):
-        def pre_hook(module, args):
-            heads = args[0].clone()
-            heads[:, first:] += shift[layer]
-            return (heads,)
-        return pre_hook
-
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])  # p* = 2: the prompt is 5 6 7, the answer 8 9 10
-    handles = [site.attention_output(model, l).register_forward_pre_hook(on_heads(l)) for l in shift]
-    with torch.no_grad():
+    with torch.no_grad(), heads_shifted(model, head_shift(model, bundle, 4.0), first):
         want = model(input_ids=ids).logits
-    for h in handles:
-        h.remove()
     with torch.no_grad(), bundle.applied(model, torch.tensor([2])):
         got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
