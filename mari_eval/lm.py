@@ -17,10 +17,11 @@ the last prompt token:
   a plan with several variants runs them all for its routing window first
   (``mari_eval.generation``).
 
-Model args beyond HFLM's: ``bundle`` (a directory or a Hub repository, at
-``bundle_revision``: ``mari_eval.hub``), ``diagnostics`` (a JSON file of every choice the
-method made, each record naming its task and ``doc_id`` as ``--log_samples`` does),
-``allow_other_model``, and the evaluation options of the bundle's method
+Several methods' lm-eval runs can share the frozen model's log-likelihood work: from Python,
+``shared_pass=`` (``mari_eval.shared_pass.SharedPass``). Model args beyond HFLM's: ``bundle``
+(a directory or a Hub repository, at ``bundle_revision``: ``mari_eval.hub``), ``diagnostics``
+(a JSON file of every choice the method made, each record naming its task and ``doc_id`` as
+``--log_samples`` does), ``allow_other_model``, and the evaluation options of the bundle's method
 (``Intervention.option_fields``; README: MARI, evaluation switches; ``scale`` for CAA, ITI
 and NL-ITI). Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 Under ``--use_cache``, results read from the cache never reach this class: the diagnostics
@@ -44,7 +45,7 @@ from mari_eval import generation, hub, methods, options, runner
 from mari_eval import lm_checks as checks
 from mari_eval.choice_log import ChoiceLog, prompt_order
 from mari_eval.models import DEFAULT_MODEL, resolve_model
-from mari_eval.prefix_cache import PrefixCache, encode_prefix
+from mari_eval.shared_pass import OwnRuns, SharedPass, join_shared
 
 # A doc field (harness_tasks/utils.py, SORRY-Bench) holding the prompt as one chat user turn:
 # a generation context equal to it is rendered through the model's chat template.
@@ -64,6 +65,7 @@ class MariLM(HFLM):
         dtype: str = "auto",
         diagnostics: str | None = None,
         allow_other_model: bool | str | None = None,
+        shared_pass: SharedPass | None = None,
         **kwargs: Any,
     ) -> None:
         # The method's evaluation options (Intervention.option_fields) travel with HFLM's model args.
@@ -96,6 +98,7 @@ class MariLM(HFLM):
             self.intervention.check_compatible(self.model, self.model_name,
                                                options.as_bool(allow_other_model or False, "allow_other_model"))
             self.plan = self.intervention.plan(self.model)
+        self.shared = join_shared(shared_pass, self.model, self.plan, self.intervention)  # None: runs computed here
         self.choices = ChoiceLog(self.intervention, diagnostics)
         self._request_meta: list | None = None
         self._generation_task: str | None = None  # the task of the generation requests being answered
@@ -178,19 +181,14 @@ class MariLM(HFLM):
         plan, iv = self.plan, self.intervention
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        prefixes = PrefixCache(self.model)
+        runs = self.shared or OwnRuns(self.model, plan)
         # Sorted by context tokens, questions sharing a preamble are neighbours (PrefixCache).
         for (task, doc_id, context), idxs in sorted(groups.items(), key=lambda item: prompt_order(*item[0])):
             conts = [requests[i][2] for i in idxs]
             # Left-truncate like HFLM so that the longest row fits in max_length.
             context = context[-(self.max_length + 1 - max(map(len, conts))):]
-            sites = plan.prompt_sites(len(context))
-            if sites:  # the prompt itself is edited: nothing before p* can be shared
-                prefix = encode_prefix(self.model, context[:-1], apply=plan.apply, sites=sites)
-            else:
-                prefix = prefixes.encode(context[:-1])
             with torch.no_grad():
-                run = runner.score_variants(self.model, prefix, context[-1], conts, plan)
+                run = runs.run(context, conts)
             chosen, record = plan.pick(run)
             checks.refuse_nonfinite(run, record, iv, f"task {task}, document {doc_id}")
             row = run.row(chosen)

@@ -19,6 +19,7 @@ closed gate). Gradients flow when enabled, so training uses the same path as eva
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,7 +29,8 @@ from mari_eval import devices, site
 from mari_eval.plan import BASE, VANILLA, ApplyEdits, Plan, VariantRun, no_edit
 from mari_eval.prefix_cache import Prefix, broadcast_cache, with_cache
 
-__all__ = ["BASE", "VANILLA", "Plan", "VariantRun", "score_variants", "forward_rows", "lower_states", "packable"]
+__all__ = ["BASE", "VANILLA", "Plan", "VariantRun", "Untouched", "score_variants", "score_untouched", "forward_rows",
+           "lower_states", "packable"]
 
 
 def score_variants(
@@ -39,6 +41,7 @@ def score_variants(
     plan: Plan,
     max_tokens: int = 1024,
     lower: tuple[int, list[torch.Tensor]] | None = None,
+    untouched: Untouched | None = None,
 ) -> VariantRun:
     """Log-likelihood of every continuation after ``prefix + [last_token]`` under every variant of ``plan``.
 
@@ -47,6 +50,8 @@ def score_variants(
     gives the frozen model's states after ``layer`` for each option's row
     (``lower_states``): the layers up to ``layer`` are then not recomputed (valid when the
     edits are at ``layer`` or above; training reuses them across experts and epochs).
+    ``untouched`` (``score_untouched`` of the same rows) answers the BASE rows instead of
+    running them again (``mari_eval.shared_pass``: one untouched run for several methods).
 
     The rows run in three stages:
 
@@ -60,67 +65,123 @@ def score_variants(
        needed: MARI's closed gate answers with BASE, so its experts are never run and
        their log-likelihoods stay NaN.
     """
-    device = devices.input_device(model)
-    variants, apply, capture, site_only = plan.variants, plan.apply, plan.capture, plan.site_only
-    n_var, n_opt = len(variants), len(continuations)
-    scores: dict[tuple[int, int], torch.Tensor] = {}
-    flags: dict[tuple[int, int], bool] = {}
-    states: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in capture}
+    rows = _Rows(model, prefix, last_token, continuations, plan, max_tokens)
+    variants = plan.variants
+    base = [i for i, v in enumerate(variants) if v == BASE]
+    probes = [i for i, v in enumerate(variants) if v != BASE and v in plan.site_only]
+    answering = [i for i, v in enumerate(variants) if v != BASE and v not in plan.site_only]
+    keep_after = plan.edit_layer if lower is None and (probes or answering) and site.can_start_after(model) else None
+    if untouched is not None:
+        rows.take_untouched(base, untouched)
+        kept = untouched.below.get(keep_after)  # the frozen rows' states, whichever plan asked for them
+    else:
+        kept = rows.run(base, lower, () if keep_after is None else (keep_after,)).get(keep_after)
+    if kept is None and keep_after is not None and len(probes) + len(answering) > 1:
+        options = [[last_token] + list(c[:-1]) for c in continuations]  # no BASE rows to keep them from
+        if packable(model, len(prefix.tokens), max(map(len, options))):
+            kept = lower_states(model, prefix, options, keep_after)
+    if kept is not None:
+        lower = (keep_after, kept)
+    rows.run(probes, lower)
+    if answering and (plan.screen is None or plan.screen(rows.result())):
+        rows.run(answering, lower)
+    return rows.result()
 
-    def run_rows(layout: list[tuple[int, int | None]], keep_after: int | None = None) -> list[torch.Tensor] | None:
-        """Score the (variant index, option index or None) rows; states after ``keep_after`` per option."""
+
+@dataclass
+class Untouched:
+    """The frozen model's rows of one prompt's options, computed once for several plans
+    (``score_untouched``): its run (the one BASE row, with states at p* after ``run.site``'s
+    layers) and, per layer of ``below``, every option row's states after that layer (packed
+    path only: empty where the model's rows cannot be packed)."""
+
+    run: VariantRun
+    below: dict[int, list[torch.Tensor]]
+
+
+def score_untouched(
+    model: torch.nn.Module,
+    prefix: Prefix,
+    last_token: int,
+    continuations: Sequence[Sequence[int]],
+    capture: Sequence[int] = (),
+    keep: Sequence[int] = (),
+    max_tokens: int = 1024,
+) -> Untouched:
+    """The VANILLA run of the options, laid out as ``score_variants`` lays out BASE rows (so its
+    numbers are the same), with the states at p* after ``capture`` and every row's states after
+    ``keep``: what other plans' ``score_variants(untouched=...)`` read instead of recomputing."""
+    rows = _Rows(model, prefix, last_token, continuations, Plan(capture=tuple(capture)), max_tokens)
+    below = rows.run([0], None, tuple(keep))
+    return Untouched(rows.result(), below)
+
+
+class _Rows:
+    """One prompt's (variant, option) rows under ``plan``, scored in packed chunks; what every
+    row gave (its score, greedy flag, state at p*) is kept until ``result``."""
+
+    def __init__(self, model: torch.nn.Module, prefix: Prefix, last_token: int,
+                 continuations: Sequence[Sequence[int]], plan: Plan, max_tokens: int):
+        self.model, self.prefix, self.last_token, self.plan = model, prefix, last_token, plan
+        self.continuations, self.max_tokens = continuations, max_tokens
+        self.device = devices.input_device(model)
+        self.scores: dict[tuple[int, int], torch.Tensor] = {}
+        self.flags: dict[tuple[int, int], bool] = {}
+        self.states: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in plan.capture}
+
+    def run(self, of: list[int], lower: tuple[int, list[torch.Tensor]] | None,
+            keep: Sequence[int] = ()) -> dict[int, list[torch.Tensor]]:
+        """Score the rows of the variant indices ``of``; per layer of ``keep``, each option's states after it."""
+        variants, continuations, n_opt = self.plan.variants, self.continuations, len(self.continuations)
+        layout: list[tuple[int, int | None]] = []
+        for v_idx in of:
+            site_only = variants[v_idx] in self.plan.site_only
+            layout.extend([(v_idx, None)] if site_only else [(v_idx, m) for m in range(n_opt)])
         size = lambda row: 1 + (len(continuations[row[1]]) - 1 if row[1] is not None else 0)
-        kept: dict[int, torch.Tensor] = {}
-        for chunk in _chunks(layout, list(map(size, layout)), max_tokens):
-            rows = [[last_token] + (list(continuations[m][:-1]) if m is not None else []) for _, m in chunk]
-            variant_ids = torch.tensor([variants[v] for v, _ in chunk], device=device)
+        kept: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in keep}
+        for chunk in _chunks(layout, list(map(size, layout)), self.max_tokens):
+            rows = [[self.last_token] + (list(continuations[m][:-1]) if m is not None else []) for _, m in chunk]
+            variant_ids = torch.tensor([variants[v] for v, _ in chunk], device=self.device)
             start = None
             if lower is not None:
                 start = (lower[0], torch.cat([lower[1][m] if m is not None else lower[1][0][:1] for _, m in chunk]))
-            logits, seen, below = forward_rows(model, prefix, rows, variant_ids, apply, capture, start, keep_after)
+            logits, seen, below = forward_rows(self.model, self.prefix, rows, variant_ids, self.plan.apply,
+                                               self.plan.capture, start, keep)
             for j, (v, m) in enumerate(chunk):
                 for layer, h in seen.items():  # the state at p* is the same in all rows of a variant
-                    states[layer].setdefault(v, h[j])
+                    self.states[layer].setdefault(v, h[j])
                 if m is None:
                     continue
-                if below is not None:
-                    kept[m] = below[j]
+                for layer, states in below.items():
+                    kept[layer][m] = states[j]
                 target = torch.tensor(continuations[m], device=logits[j].device)
                 lp = F.log_softmax(logits[j].float(), dim=-1)
-                scores[v, m] = lp.gather(-1, target[:, None]).sum()
-                flags[v, m] = bool((lp.argmax(-1) == target).all())
-        return [kept[m] for m in range(n_opt)] if len(kept) == n_opt else None
+                self.scores[v, m] = lp.gather(-1, target[:, None]).sum()
+                self.flags[v, m] = bool((lp.argmax(-1) == target).all())
+        return {layer: [by_m[m] for m in range(n_opt)] for layer, by_m in kept.items() if len(by_m) == n_opt}
 
-    def run_so_far() -> VariantRun:
-        # Scores live where the output head computes (the last device of a device map).
-        nan = torch.tensor(float("nan"), device=next(iter(scores.values())).device if scores else device)
-        logprobs = torch.stack([torch.stack([scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
-        greedy = torch.tensor([[flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)], device=device)
-        site_states = {layer: _rows_of(by_v, n_var) for layer, by_v in states.items() if by_v}
-        scored = frozenset(variants[v] for v, _ in scores)
-        return VariantRun(list(variants), logprobs, greedy, site_states, scored=scored)
-
-    def layout(of: list[int]) -> list[tuple[int, int | None]]:
-        out = []
+    def take_untouched(self, of: list[int], untouched: Untouched) -> None:
+        """The BASE variant indices ``of`` answered from ``untouched`` rather than run."""
         for v_idx in of:
-            out.extend([(v_idx, None)] if variants[v_idx] in site_only else [(v_idx, m) for m in range(n_opt)])
-        return out
+            for m in range(len(self.continuations)):
+                self.scores[v_idx, m] = untouched.run.logprobs[0, m]
+                self.flags[v_idx, m] = bool(untouched.run.greedy[0, m])
+            for layer in self.states:
+                if layer not in untouched.run.site:
+                    raise ValueError(f"the untouched run holds no state at p* after layer {layer}, which this plan "
+                                     f"reads (plan.capture): compute it with score_untouched(capture=...) naming {layer}")
+                self.states[layer][v_idx] = untouched.run.site[layer][0]
 
-    base = [i for i, v in enumerate(variants) if v == BASE]
-    probes = [i for i, v in enumerate(variants) if v != BASE and v in site_only]
-    answering = [i for i, v in enumerate(variants) if v != BASE and v not in site_only]
-    keep_after = plan.edit_layer if lower is None and (probes or answering) and site.can_start_after(model) else None
-    kept = run_rows(layout(base), keep_after)
-    if kept is None and keep_after is not None and len(probes) + len(answering) > 1:
-        rows = [[last_token] + list(c[:-1]) for c in continuations]  # no BASE rows to keep them from
-        if packable(model, len(prefix.tokens), max(map(len, rows))):
-            kept = lower_states(model, prefix, rows, keep_after)
-    if kept is not None:
-        lower = (keep_after, kept)
-    run_rows(layout(probes))
-    if answering and (plan.screen is None or plan.screen(run_so_far())):
-        run_rows(layout(answering))
-    return run_so_far()
+    def result(self) -> VariantRun:
+        variants, n_var, n_opt = self.plan.variants, len(self.plan.variants), len(self.continuations)
+        # Scores live where the output head computes (the last device of a device map).
+        nan = torch.tensor(float("nan"), device=next(iter(self.scores.values())).device if self.scores else self.device)
+        logprobs = torch.stack([torch.stack([self.scores.get((v, m), nan) for m in range(n_opt)]) for v in range(n_var)])
+        greedy = torch.tensor([[self.flags.get((v, m), False) for m in range(n_opt)] for v in range(n_var)],
+                              device=self.device)
+        site_states = {layer: _rows_of(by_v, n_var) for layer, by_v in self.states.items() if by_v}
+        scored = frozenset(variants[v] for v, _ in self.scores)
+        return VariantRun(list(variants), logprobs, greedy, site_states, scored=scored)
 
 
 def _rows_of(by_variant: dict[int, torch.Tensor], n_var: int) -> torch.Tensor:
@@ -149,10 +210,10 @@ def forward_rows(
     apply: ApplyEdits,
     capture: Sequence[int] = (),
     start: tuple[int, torch.Tensor] | None = None,
-    keep_after: int | None = None,
-) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor] | None]:
+    keep: Sequence[int] = (),
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
     """Logits of every row (each after ``prefix``), hidden states at each row's first token,
-    and (with ``keep_after``, packed path only, else None) every token's state after that layer.
+    and, per layer of ``keep`` (packed path only, else none), every row's states after that layer.
 
     ``start = (layer, states [sum of row lengths, d])`` runs only the layers above
     ``layer`` (packed path of supported families; otherwise everything is recomputed).
@@ -166,8 +227,8 @@ def forward_rows(
     if bool((variant_ids == BASE).all()):  # nothing to edit: no hook at all, as in a vanilla run
         apply = no_edit
     if packable(model, len(prefix.tokens), max(map(len, rows))):
-        return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start, keep_after)
-    return (*_forward_batched(model, prefix, rows, variant_ids, apply, capture), None)
+        return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start, keep)
+    return (*_forward_batched(model, prefix, rows, variant_ids, apply, capture), {})
 
 
 def packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
@@ -213,7 +274,7 @@ def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], 
 
 def _forward_packed(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,
                     apply: ApplyEdits, capture: Sequence[int], start: tuple[int, torch.Tensor] | None = None,
-                    keep_after: int | None = None) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor] | None]:
+                    keep: Sequence[int] = ()) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
     inputs, starts, lengths = _packing(model, prefix, rows)
     sites = (torch.zeros_like(starts), starts)
     everywhere = _all_positions(inputs)
@@ -222,10 +283,10 @@ def _forward_packed(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
     with skip, apply(variant_ids, sites), site.capture_site(model, capture, sites) as seen, \
-            site.capture_site(model, [] if keep_after is None else [keep_after], everywhere) as below:
+            site.capture_site(model, keep, everywhere) as below:
         logits = model(**with_cache(model, cache), use_cache=cache is not None, **inputs).logits[0]
     split = lambda x: [x[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
-    return split(logits), dict(seen), split(below[keep_after]) if keep_after is not None else None
+    return split(logits), dict(seen), {layer: split(states) for layer, states in below.items()}
 
 
 def _forward_batched(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,

@@ -1,0 +1,185 @@
+"""The shared pass (mari_eval.shared_pass): several methods' lm-eval log-likelihood runs computed
+together give each method what its own MariLM run gives, while the frozen model encodes each
+question's prompt once for all of them. A tiny random Llama (tests/tiny.py's sizes, the
+SmolLM2 tokenizer's vocabulary, so that lm-eval's requests are real text) and tiny bundles of
+every method: vanilla, CAA, ITI (edits inside its site layer), MARI with its gate (reads the
+untouched rows) and without (experts only), ReFT (edits the prompt: its own prefix)."""
+
+import math
+
+import pytest
+import torch
+import transformers
+from lm_eval.api.instance import Instance
+
+from mari_eval import site
+from mari_eval.lm import MariLM
+from mari_eval.shared_pass import SharedPass
+
+PREAMBLE = ("Q: What is the boiling point of water at sea level?\nA: 100 degrees Celsius.\n\n"
+            "Q: Which planet is closest to the sun?\nA: Mercury.\n\n")
+QUESTIONS = [  # (question, mc1 options, mc2 options): truthfulqa_mc1 and _mc2 share each prompt
+    ("What colour is the sky on a clear day?", [" Blue.", " Green.", " Red."], [" Blue.", " It is blue.", " Green."]),
+    ("How many legs does a spider have?", [" Eight.", " Six."], [" Eight.", " Eight legs.", " Ten.", " Four."]),
+    ("What is the capital of France?", [" Paris.", " Lyon.", " Marseille."], [" Paris.", " Nice."]),
+]
+# (name, MariLM keyword arguments); bundles are written by the ``bundles`` fixture
+METHODS = [("vanilla", {}), ("caa", {}), ("iti", {}), ("mari", {}), ("mari", {"gate": "false"}), ("reft", {})]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    # tests/tiny.py's llama, with the tokenizer's vocabulary instead of its VOCAB ids
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def bundles(model, tmp_path_factory):
+    from baselines import reft
+
+    from .test_baselines import _caa, _iti
+    from .test_mari import _bundle
+
+    root = tmp_path_factory.mktemp("bundles")
+    d, layers = model.config.hidden_size, site.num_layers(model)
+    g = torch.Generator().manual_seed(0)
+    R = reft.orthonormal_rows(torch.randn(2, d, generator=g))
+    made = {
+        "caa": _caa(d=d, layers=layers, layer=2, multiplier=3.0),
+        "iti": _iti(model, heads=((2, 0), (2, 3), (3, 1)), alpha=6.0),
+        "mari": _bundle(K=3, d=d, layers=layers, layer=1),
+        "reft": reft.ReFT({"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": 2},
+                           "hyperparameters": {"first": 2, "last": 2}},
+                          {"R": R, "W": R + 0.5 * torch.randn(2, d, generator=g), "b": torch.randn(2, generator=g)}),
+    }
+    return {name: str(bundle.save(root / name)) for name, bundle in made.items()}
+
+
+def _lm(model, tokenizer, bundles, name, options, shared=None) -> MariLM:
+    bundle = bundles.get(name)
+    return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
+                  allow_other_model=True if bundle else None, shared_pass=shared, **options)
+
+
+def _requests(questions=QUESTIONS) -> list[Instance]:
+    out = []
+    for doc_id, (question, mc1, mc2) in enumerate(questions):
+        doc = {"mc1_targets": {"choices": mc1, "labels": [1] + [0] * (len(mc1) - 1)},
+               "mc2_targets": {"choices": mc2, "labels": [1, 1] + [0] * (len(mc2) - 2)}}
+        for task, options in (("truthfulqa_mc1", mc1), ("truthfulqa_mc2", mc2)):
+            for i, option in enumerate(options):
+                out.append(Instance("loglikelihood", doc, (f"{PREAMBLE}Q: {question}\nA:", option), i,
+                                    metadata=(task, doc_id, 1)))
+    return out
+
+
+class PrefixEncodings:
+    """Counts the model's forward passes that encode a prompt before p* (``encode_prefix`` asks
+    for the last position's logits only) and the tokens the first layer reads in all passes."""
+
+    def __init__(self, model):
+        self.prefixes = self.tokens = 0
+        self.hooks = [
+            model.register_forward_pre_hook(self._model_call, with_kwargs=True),
+            site.decoder_layers(model)[0].register_forward_pre_hook(self._layer_call, with_kwargs=True),
+        ]
+
+    def _model_call(self, module, args, kwargs):
+        self.prefixes += kwargs.get("logits_to_keep") == 1
+
+    def _layer_call(self, module, args, kwargs):
+        states = args[0] if args else kwargs["hidden_states"]
+        self.tokens += states.shape[0] * states.shape[1]
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _evaluate(lm: MariLM, requests, model) -> tuple[list, list, PrefixEncodings]:
+    counter = PrefixEncodings(model)
+    try:
+        answers = lm.loglikelihood(requests)
+    finally:
+        counter.remove()
+    return answers, list(lm.records), counter
+
+
+def _close(a, b, tol=1e-5) -> bool:
+    """Equal records: the same keys and values, numbers to ``tol``."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) and not isinstance(b, bool):
+        return math.isclose(a, b, abs_tol=tol) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def test_each_method_through_the_shared_pass_gets_its_own_runs_answers(model, tokenizer, bundles):
+    alone = [_evaluate(_lm(model, tokenizer, bundles, name, options), _requests(), model) for name, options in METHODS]
+
+    shared = SharedPass(model)
+    lms = [_lm(model, tokenizer, bundles, name, options, shared) for name, options in METHODS]  # all, before evaluating
+    together = [_evaluate(lm, _requests(), model) for lm in lms]
+
+    for (name, options), (answers, records, _), (got, got_records, _) in zip(METHODS, alone, together):
+        assert len(got) == len(answers) == len(_requests())
+        for (x, greedy), (y, greedy_shared) in zip(answers, got):
+            assert y == pytest.approx(x, abs=1e-5) and greedy_shared == greedy, (name, options)
+        assert (len(got_records), len(records)) == ((6, 6) if name != "vanilla" else (0, 0))
+        assert _close(got_records, records), (name, options, got_records, records)
+    # the bundles do something: each edited method's answers differ from the untouched model's
+    vanilla = [x for x, _ in alone[0][0]]
+    for answers, _, _ in alone[1:]:
+        assert max(abs(x - v) for (x, _), v in zip(answers, vanilla)) > 1e-3
+
+    # The first method's run computed every method's run of each of the 6 question groups (3
+    # prompts, each with the mc1 and the mc2 options); the others found theirs.
+    groups = 2 * len(QUESTIONS)
+    assert shared.stats["groups"] == groups and shared.stats["on_demand"] == 0
+    assert shared.stats["served"] == groups * (len(METHODS) - 1) and shared.pending() == 0
+    # The frozen prefixes were encoded as often as one method encodes them alone, plus ReFT's own
+    # (edited) prompts; the other methods encoded nothing.
+    frozen_once, reft_alone = alone[0][2].prefixes, alone[-1][2].prefixes
+    # mc1 and mc2 share each prompt: the frozen one is encoded once (PrefixCache), ReFT's edited one per group
+    assert frozen_once == len(QUESTIONS) and reft_alone == groups
+    assert together[0][2].prefixes == frozen_once + reft_alone
+    assert all(counts.prefixes == 0 for _, _, counts in together[1:])
+    assert sum(counts.prefixes for _, _, counts in alone) == 5 * frozen_once + reft_alone
+    # ... and the first layer read fewer tokens in all than the methods' own runs read together
+    assert sum(c.tokens for _, _, c in together) < sum(c.tokens for _, _, c in alone)
+
+
+def test_a_run_not_computed_ahead_is_computed_on_demand(model, tokenizer, bundles):
+    shared = SharedPass(model)
+    vanilla, caa, mari = (_lm(model, tokenizer, bundles, name, {}, shared) for name in ("vanilla", "caa", "mari"))
+    first, later = _requests(QUESTIONS[:2]), _requests(QUESTIONS)
+    vanilla.loglikelihood(first)
+    assert shared.stats["groups"] == 4 and shared.pending() == 8  # CAA's and MARI's runs, 4 groups each
+    got = caa.loglikelihood(later)  # 4 groups stored; the third question's 2 were never seen: computed now
+    assert shared.stats["served"] == 4 and shared.stats["groups"] == 6 and shared.pending() == 4 + 2
+    mine = _lm(model, tokenizer, bundles, "caa", {}).loglikelihood(later)
+    assert [x for x, _ in got] == pytest.approx([x for x, _ in mine], abs=1e-5)
+    # asked again, CAA's runs are no longer stored (it took them): computed for it alone
+    again = caa.loglikelihood(later)
+    assert shared.stats["on_demand"] == 6 and [x for x, _ in again] == pytest.approx([x for x, _ in got], abs=1e-5)
+    mari.loglikelihood(later)
+    assert shared.pending() == 0  # every stored run was taken by its method
+
+
+def test_the_shared_pass_is_refused_for_another_model_or_as_a_model_arg(model, tokenizer, bundles):
+    shared = SharedPass(model)
+    other = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    with pytest.raises(ValueError, match="shared pass's model"):
+        MariLM(pretrained=other, tokenizer=tokenizer, device="cpu", dtype="float32", shared_pass=shared)
+    with pytest.raises(TypeError, match="cannot be given in --model_args"):
+        MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", shared_pass="yes")
