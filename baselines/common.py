@@ -81,6 +81,22 @@ def validation_loss(session: Session, examples: list[Example], plan: Plan = VANI
     return sum(losses) / len(losses)
 
 
+@torch.no_grad()
+def validation_losses(session: Session, examples: list[Example], plan: Plan) -> list[float]:
+    """``validation_loss`` of every variant of ``plan`` (in ``plan.variants``' order), all of
+    them scored in one run per example: the prompt's prefix is read once and the variants'
+    rows share packed forward passes, instead of one pass per variant (a validation grid's
+    cells as variants). BASE rows run exactly as ``validation_loss`` runs them alone."""
+    from mari_eval.objectives import task_losses
+
+    totals = torch.zeros(len(plan.variants), dtype=torch.float64)
+    for ex in examples:
+        run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, plan,
+                                    max_tokens=session.max_tokens)
+        totals += task_losses(run.logprobs, ex.gold).double().cpu()
+    return (totals / len(examples)).tolist()
+
+
 class ScaledVector(Intervention):
     """A method that adds a trained vector (CAA's steering vector, ITI's head shifts): ``scale=``
     in lm-eval's ``--model_args`` multiplies its trained strength at evaluation (CAA's

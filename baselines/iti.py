@@ -49,16 +49,17 @@ answer's first token, not at p* (honest_llama's multiple-choice scoring): its bu
 from __future__ import annotations
 
 import logging
+import contextlib
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_losses, validation_split
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 from mari_eval import devices, site
-from mari_eval.plan import Plan, Positions
+from mari_eval.plan import BASE, Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
@@ -95,7 +96,9 @@ def head_outputs(session: Session, ex: Example, continuations: list[list[int]], 
     cache = broadcast_cache(session.prefix(ex).cache, len(rows))
     # Right padding: every read position comes before the pads, so no mask is needed.
     with site.capture_attention_heads(model, layers, (owner_t, torch.tensor(cols, device=ids.device))) as seen:
-        model(input_ids=ids, **with_cache(model, cache), use_cache=cache is not None)
+        # The heads' outputs are read on the way: the logits of one position are enough (no vocabulary-wide
+        # projection of every token, a fifth of the pass).
+        model(input_ids=ids, **with_cache(model, cache), use_cache=cache is not None, logits_to_keep=1)
     count = torch.bincount(owner_t, minlength=len(rows))[:, None].float()
     means = [torch.zeros(len(rows), seen[l].shape[-1]).index_add_(0, owner_t.cpu(), seen[l].float().cpu()) / count.cpu()
              for l in layers]
@@ -175,6 +178,60 @@ def layer_shifts(model: torch.nn.Module, heads: torch.Tensor, vectors: torch.Ten
         weight = devices.weight_of(model, site.attention_output(model, layer))  # also when offloaded
         shifts[layer] = F.linear(s.to(weight.device, torch.float32), weight.float())  # in float32; no bias: only the shift moves
     return shifts
+
+
+def _site_owner(shape: torch.Size, variant_ids: torch.Tensor | None, positions: Positions) -> torch.Tensor:
+    """[B, T]: the variant of the row each token belongs to, -1 before its row's site.
+
+    ``positions`` as the runner gives them: (rows, cols), one site per variant row (a packed
+    sequence: every row starts at its site), or a [B] column per batch row (padded rows);
+    ``variant_ids`` None: variant 0 at every site (``plan.ApplyEdits``)."""
+    batch, length = shape[:2]
+    if isinstance(positions, tuple):
+        rows, cols = (t.tolist() for t in positions)
+    else:
+        rows, cols = list(range(batch)), positions.tolist()
+    ids = [0] * len(rows) if variant_ids is None else variant_ids.tolist()
+    owner = torch.full((batch, length), -1, dtype=torch.long)
+    # A token belongs to the last site at or before it in its row (sites in column order).
+    for j in sorted(range(len(rows)), key=lambda j: (rows[j], cols[j])):
+        owner[rows[j], cols[j]:] = ids[j]
+    return owner
+
+
+@contextlib.contextmanager
+def shift_variants(model: torch.nn.Module, tables: dict[int, torch.Tensor], variant_ids: torch.Tensor,
+                   positions: Positions):
+    """Variant v's rows get ``tables[layer][v]`` added to ``layer``'s attention output from their
+    site on (``site.shift_attention_from_site`` for several shifts at once: one validation
+    pass scores every grid cell); BASE rows are left alone. tables: layer -> [V, d] (float32)."""
+    owners: dict[tuple, torch.Tensor] = {}  # per input shape: computed once, shared by the layers
+
+    def hook_for(table: torch.Tensor):
+        padded = torch.cat([torch.zeros_like(table[:1]), table])  # row 0: no shift (BASE rows, tokens before p*)
+
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            key = tuple(hidden.shape[:2])
+            if key not in owners:
+                owners[key] = _site_owner(hidden.shape, variant_ids, positions).to(hidden.device)
+            shifted = hidden + padded.to(hidden)[owners[key] + 1]
+            return (shifted, *output[1:]) if isinstance(output, tuple) else shifted
+        return hook
+
+    with contextlib.ExitStack() as stack:
+        for layer, table in tables.items():
+            stack.enter_context(site.forward_hook(site.attention_output(model, layer), hook_for(table)))
+        yield
+
+
+def grid_plan(model: torch.nn.Module, cells: list[dict[int, torch.Tensor]]) -> Plan:
+    """BASE and one variant per grid cell (its ``layer_shifts``), for ``common.validation_losses``."""
+    layers = sorted({layer for shifts in cells for layer in shifts})
+    width = next(v for shifts in cells for v in shifts.values()).shape[-1]
+    tables = {layer: torch.stack([shifts[layer].float().cpu() if layer in shifts else torch.zeros(width) for shifts in cells])
+              for layer in layers}
+    return Plan((BASE, *range(len(cells))), lambda ids, pos: shift_variants(model, tables, ids, pos))
 
 
 def rank_heads(accuracy: torch.Tensor) -> torch.Tensor:
@@ -270,18 +327,19 @@ class ITI(ScaledVector):
             raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
         accuracy = probe_accuracy(x[is_fit], y[is_fit], x[~is_fit], y[~is_fit], cls.probe, seed)
         ranked = rank_heads(accuracy)
-        base = validation_loss(session, val_examples)
-        scores = {}
+        cells: dict[tuple[int, float], dict[int, torch.Tensor]] = {}  # (K, alpha) -> the shifts, in grid order
         for fraction in fractions:
             k = max(1, round(fraction * n_layers * n_heads))
             top = ranked[:k]
             theta, sigma = mass_mean(x[is_fit][:, top], y[is_fit])
             heads = torch.stack([top // n_heads, top % n_heads], 1)
             for alpha in alphas:
-                shifts = layer_shifts(session.model, heads, alpha * sigma[:, None] * theta)
-                plan = Plan((0,), lambda ids, pos, shifts=shifts: site.shift_attention_from_site(session.model, shifts, pos))
-                scores[(k, alpha)] = validation_loss(session, val_examples, plan)
-                log.info("%s: %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, alpha, scores[k, alpha], base)
+                cells.setdefault((k, alpha), layer_shifts(session.model, heads, alpha * sigma[:, None] * theta))
+        # Every cell, and the base model, scored in one run per validation question (their rows packed together).
+        base, *losses = validation_losses(session, val_examples, grid_plan(session.model, list(cells.values())))
+        scores = dict(zip(cells, losses))
+        for (k, alpha), loss in scores.items():
+            log.info("%s: %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, alpha, loss, base)
         k, alpha = min(scores, key=scores.get)
         top = ranked[:k]
         theta, sigma = mass_mean(x[:, top], y)  # the chosen heads' directions from all of D_train
