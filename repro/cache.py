@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from mari_eval.files import atomic_write_json
+from repro.documents import check_against, document_scores
 from repro.profiles import PERCENT_COLUMNS, REPO, Profile, describe
 
+# Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
+# evaluations stored before documents were kept are evaluated again.
+DOCUMENTS_VERSION = 1
+LM_EVAL_BOOTSTRAP = 1000  # lm-eval's bootstrap iterations for its stderr of non-mean metrics
 CONTROL_SET_METHODS = ("mari",)  # the methods whose training reads D_ctrl (mari_eval.train.AttributeData.ctrl)
 
 log = logging.getLogger("repro")
@@ -178,7 +183,7 @@ class Store:
         for task in tasks:
             configs[task] = _with_placement(
                 {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
-                 "model_args": model_args, "gen_tokens": gen_tokens,
+                 "model_args": model_args, "gen_tokens": gen_tokens, "documents": DOCUMENTS_VERSION,
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
@@ -218,7 +223,7 @@ def _cached_bundle_config(final: Path, warn: bool = True) -> dict | None:
 
 
 # What every stored evaluation holds (``_evaluate``'s record), by type.
-_EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float)}
+_EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float), "documents": dict}
 
 
 def _cached_evaluation(path: Path) -> dict | None:
@@ -340,8 +345,10 @@ def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, p
         _ensure_judge()
     lm = _mari_lm(model, bundle, model_args, placement)
     started = time.time()
+    # Samples are logged for the per-document scores (repro/documents.py); the bootstrap iterations
+    # only give lm-eval's own standard errors (closed form for means), kept beside our intervals.
     out = simple_evaluate(
-        model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=0,
+        model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=LM_EVAL_BOOTSTRAP, log_samples=True,
         gen_kwargs=f"max_gen_toks={gen_tokens}" if gen_tokens else None,
         task_manager=TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": split_seed or 0}),
     )
@@ -353,7 +360,11 @@ def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, p
         if lm.intervention is not None:  # a group's records name its subtasks
             names = _task_names(out, task)
             diagnostics = lm.intervention.summarize([r for r in lm.records if r.get("task") in names])
+        names = sorted(_task_names(out, task))
+        scores = document_scores(out["samples"], names, task)
+        check_against(scores, metrics, task)
         results[task] = {"metrics": metrics, "n": _documents(out, task), "seconds": seconds, "tasks_run_together": list(tasks),
+                         "documents": scores,
                          "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
                          "diagnostics": diagnostics}
     return results
@@ -389,7 +400,23 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
     out = {}
     for column, task, metric, attribute in columns:
         result = evaluated[profile.task(task)]
+        scale = 100 if column in PERCENT_COLUMNS else 1
         value = result["metrics"].get(metric)
-        value = float("nan") if value is None else float(value) * (100 if column in PERCENT_COLUMNS else 1)
-        out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics")}
+        value = float("nan") if value is None else float(value) * scale
+        stderr = result["metrics"].get(metric.replace(",", "_stderr,", 1))
+        documents = {doc: None if v is None else v * scale for doc, v in result["documents"].get(metric, {}).items()}
+        out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics"), "documents": documents,
+                       "stderr": float(stderr) * scale if isinstance(stderr, (int, float)) else None}
     return out
+
+
+# A table row to score: the bundle of each attribute (none: the base model) and the lm-eval model_args.
+Row = tuple[dict[str, Path | None], str]
+
+
+def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
+               rows: dict[str, Row]) -> dict[str, dict[str, dict]]:
+    """``score`` for every row of a table on the same documents: {row label: {column: result}}."""
+    return {label: score(store, profile, model, seed, columns, bundles, model_args)
+            for label, (bundles, model_args) in rows.items()}
+

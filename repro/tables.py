@@ -14,6 +14,7 @@ from pathlib import Path
 from tabulate import LATEX_ESCAPE_RULES, tabulate
 
 from mari_eval.files import atomic_write, write_results_json
+from repro import intervals
 from repro.cache import Store, resolved_dtype
 from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
 
@@ -55,10 +56,15 @@ def add_gate_rates(scores: dict[str, dict], columns: dict[str, str]) -> dict[str
 
 
 def tally(cells: dict, model: str, label: str, scores: dict[str, dict]) -> None:
-    """Add one seed's ``score`` results to ``cells`` = {model: {row label: {column: {"values", "n"}}}}."""
+    """Add one seed's ``score`` results to ``cells`` = {model: {row label: {column: {"values", "n",
+    "documents", "stderr"}}}}: per seed, the figure, its per-document scores (None where the
+    column has none, e.g. a gate rate) and lm-eval's standard error (None where it has none)."""
     for column, result in scores.items():
-        cell = cells.setdefault(model, {}).setdefault(label, {}).setdefault(column, {"values": [], "n": result["n"]})
+        cell = cells.setdefault(model, {}).setdefault(label, {}).setdefault(
+            column, {"values": [], "n": result["n"], "documents": [], "stderr": []})
         cell["values"].append(result["value"])
+        cell["documents"].append(result.get("documents") or None)
+        cell["stderr"].append(result.get("stderr"))
 
 
 def save_figure(fig, path: Path) -> None:
@@ -125,10 +131,64 @@ def latex_table(headers: list[str], blocks: list[tuple[str | None, list[list[str
     return "\n".join(out + ["\\bottomrule", tail[1]]) + "\n"
 
 
-def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
-                 profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None) -> dict:
-    """results/<name>.{json,md,tex} from ``cells`` = {model: {row label: {column: {"values", "n"}}}}.
+def _documents(cell: dict) -> list | None:
+    """A cell's per-document scores per seed, or None unless every seed has them."""
+    docs = cell.get("documents") or []
+    return docs if docs and all(docs) and len(docs) == len(cell["values"]) else None
 
+
+def _interval_text(ci, digits: int) -> str:
+    return "" if ci is None else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def _differences(rows: dict, columns: list[str], reference: str | None) -> dict[tuple[str, str], dict]:
+    """{(row label, column): the paired difference from ``reference`` as JSON}, with Holm's
+    adjustment over every test of the table (one model)."""
+    if reference not in rows:
+        return {}
+    found: dict[tuple[str, str], intervals.Difference] = {}
+    for label, by_column in rows.items():
+        for column in columns if label != reference else []:
+            mine, theirs = _documents(by_column.get(column, {})), _documents(rows[reference].get(column, {}))
+            if mine is not None and theirs is not None:
+                difference = intervals.paired(mine, theirs)
+                if difference is not None:
+                    found[label, column] = difference
+    adjusted = dict(zip(found, intervals.holm([d.p for d in found.values()])))
+    return {key: {"reference": reference, "mean": d.mean, "ci": [d.interval.low, d.interval.high], "p": d.p,
+                  "p_holm": adjusted[key], "test": d.test, "pairs": d.pairs,
+                  "discordant": list(d.discordant) if d.discordant else None,
+                  "significant": d.p < intervals.ALPHA, "significant_holm": adjusted[key] < intervals.ALPHA}
+            for key, d in found.items()}
+
+
+def _difference_text(difference: dict | None, digits: int) -> str:
+    if difference is None:
+        return "n/a"
+    mark = "†" if difference["significant_holm"] else "*" if difference["significant"] else ""
+    return (f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} "
+            f"p={difference['p']:.3f}{mark}")
+
+
+def _digits(column: str) -> int:
+    return 2 if column in PERCENT_COLUMNS or column not in COLUMN_DIGITS else COLUMN_DIGITS[column]
+
+
+UNCERTAINTY = (f"Ours: the figure with its {intervals.LEVEL:.0%} bootstrap interval over documents in brackets "
+               f"({intervals.ITERATIONS} resamples, seed {intervals.SEED}; repro/intervals.py). Differences from "
+               "the reference row are paired on the same documents: McNemar's exact test for 0/1 scores, else the "
+               "paired bootstrap; * p < 0.05, † still < 0.05 after Holm's correction over every test of the table.")
+
+
+def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
+                 profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None,
+                 reference: str | None = "Vanilla") -> dict:
+    """results/<name>.{json,md,tex} (and <name>_differences.png) from ``cells`` =
+    {model: {row label: {column: {"values", "n", "documents", "stderr"}}}} (``tally``).
+
+    Every cell with per-document scores gets its bootstrap interval; every row but
+    ``reference`` (when the table has that row) its paired difference from it per column,
+    with the test's p and Holm's adjustment over the table (``_differences``).
     ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
     figures, shown in their own column beside ours and never mixed into them. ``notes`` =
     {model: {row label: [lines]}}: what a row was made with (the baselines' recipes), listed
@@ -136,42 +196,95 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     """
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
-              "placement": asdict(store.placement),
+              "placement": asdict(store.placement), "uncertainty": {
+                  "interval": f"{intervals.LEVEL:.0%} percentile bootstrap over documents, stratified by seed",
+                  "iterations": intervals.ITERATIONS, "seed": intervals.SEED, "alpha": intervals.ALPHA,
+                  "reference": reference},
               "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(), "computed_now": store.computed,
               "models": {}}
     md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}, "
           f"{describe(store.placement)}) in {wall:.0f} s; "
-          f"{cost(store)}. {intro}\n"]
-    tex_blocks = []
+          f"{cost(store)}. {intro} {UNCERTAINTY}\n"]
+    tex_blocks, tex_differences = [], []
     for model, rows in cells.items():
         paper_model, paper = paper_lookup(model)
         entry = record["models"][model] = {"paper_model": paper_model, "dtype": resolved_dtype(store.placement.dtype, model),
                                            "rows": []}
-        md_rows, tex_rows = [], []
+        differences = _differences(rows, columns, reference)
+        md_rows, tex_rows, md_diff_rows, tex_diff_rows = [], [], [], []
         for label, by_column in rows.items():
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}
             if (notes or {}).get(model, {}).get(label):
                 row["notes"] = notes[model][label]
-            md_cells, tex_cells = [label], [label]
+            md_cells, tex_cells, diff_cells = [label], [label], [label]
             for column in columns:
                 cell = by_column.get(column, {"values": [], "n": 0})
                 mean, std = mean_std([v for v in cell["values"] if v is not None and v == v])  # NaN, None: missing
+                documents = _documents(cell)
+                found = intervals.interval(documents) if documents is not None and mean == mean else None
+                ci = [found.low, found.high] if found is not None else None
+                difference = differences.get((label, column))
                 figure = paper.get(label, {}).get(column)
-                row["ours"][column] = {"mean": mean, "std": std, "values": cell["values"]}
+                row["ours"][column] = {"mean": mean, "std": std, "values": cell["values"], "ci": ci,
+                                       "lm_eval_stderr": cell.get("stderr") or [None] * len(cell["values"]),
+                                       "difference": difference}
                 row["n"][column] = cell["n"]
                 row["paper"][column] = float(figure) if figure not in (None, "") else None
-                digits = 2 if column in PERCENT_COLUMNS or column not in COLUMN_DIGITS else COLUMN_DIGITS[column]
-                md_cells += [f"{fmt(mean, std, digits)} (n={cell['n']})", figure or "-"]
-                tex_cells.append(fmt(mean, std, digits))
+                digits = _digits(column)
+                text = fmt(mean, std, digits) + ("" if mean != mean else _interval_text(ci, digits))
+                md_cells += [f"{text} (n={cell['n']})", figure or "-"]
+                tex_cells.append(text)
+                diff_cells.append(_difference_text(difference, digits))
             entry["rows"].append(row)
             md_rows.append(md_cells)
             tex_rows.append(tex_cells)
+            if label != reference and differences:
+                md_diff_rows.append(diff_cells)
         md += [f"\n## {model} ({entry['dtype']}; paper column: {paper_model})\n",
                markdown_table(["row"] + [f"{c} ({who})" for c in columns for who in ("ours", "paper")], md_rows)]
         md += [f"\n- {label}: {'; '.join(lines)}" for label, lines in (notes or {}).get(model, {}).items()]
+        if md_diff_rows:
+            md += [f"\n### {model}: difference from {reference} (paired, same documents)\n",
+                   markdown_table(["row"] + columns, md_diff_rows)]
+            tex_differences.append((f"{model}: difference from {reference}", md_diff_rows))
         tex_blocks.append((model, tex_rows))
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")
-    atomic_write(out / f"{name}.tex", latex_table(["Row"] + columns, tex_blocks))
+    tex = latex_table(["Row"] + columns, tex_blocks)
+    if tex_differences:
+        tex += "\n" + latex_table(["Row"] + columns, tex_differences)
+        plot_differences(record, columns, out / f"{name}_differences.png", title)
+    atomic_write(out / f"{name}.tex", tex)
     print("\n".join(md))
     return record
+
+
+def plot_differences(record: dict, columns: list[str], path: Path, title: str) -> None:
+    """One panel per column: each row's paired difference from the reference with its 95%
+    interval (filled marker: p < 0.05), per model; zero marked. The picture to read first."""
+    plt = pyplot()
+    shown = [c for c in columns if any((r["ours"][c].get("difference") for m in record["models"].values()
+                                         for r in m["rows"] if c in r["ours"]))]
+    if not shown:
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(2.6 * len(shown) + 1, 0.4 * 8 + 1.5), squeeze=False)
+    for ax, column in zip(axes[0], shown):
+        y = 0
+        labels = []
+        for model, entry in record["models"].items():
+            for row in entry["rows"]:
+                d = row["ours"][column].get("difference")
+                if d is None:
+                    continue
+                ax.errorbar(d["mean"], y, xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]], fmt="o",
+                            color="C0", mfc="C0" if d["significant"] else "white", capsize=3)
+                labels.append(row["row"] if len(record["models"]) == 1 else f"{row['row']} ({model})")
+                y += 1
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yticks(range(len(labels)), labels if column == shown[0] else [""] * len(labels))
+        ax.invert_yaxis()
+        ax.set_title(column, fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"{title}: difference from {record['uncertainty']['reference']} (95% CI; filled: p < 0.05)",
+                 fontsize=9)
+    save_figure(fig, path)
