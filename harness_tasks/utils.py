@@ -214,9 +214,23 @@ def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq_heldout", records)})
 
 
+def spread_over_categories(records: list[dict]) -> list[dict]:
+    """``records`` dealt round-robin by ``category`` (categories in order of first appearance,
+    each category's records in their own order): the same documents, ordered so that lm-eval's
+    ``--limit N`` (the first N documents) spreads N evenly over the categories instead of
+    taking the first one or two. A run over all documents scores exactly the same."""
+    by_category: dict[str, list[dict]] = {}
+    for record in records:
+        by_category.setdefault(str(record["category"]), []).append(record)
+    queues = list(by_category.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
-    """Exactly the test ids of ``make_splits("bbq", split_seed)`` (disambiguated contexts)."""
+    """Exactly the test ids of ``make_splits("bbq", split_seed)`` (disambiguated contexts),
+    spread over the categories (``spread_over_categories``)."""
     records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=True, task="bbq_disambig_heldout")
+    records = spread_over_categories(records)
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq_disambig_heldout", records)})
 
 
@@ -333,9 +347,11 @@ def load_sorry_bench(**metadata) -> datasets.DatasetDict:
 
 
 def load_sorry_bench_heldout(split_seed=0, **metadata) -> datasets.DatasetDict:
-    """Exactly the test ids of ``make_splits("sorry_bench", split_seed)``; needs a judge."""
+    """Exactly the test ids of ``make_splits("sorry_bench", split_seed)``, spread over the 45
+    categories (``spread_over_categories``); needs a judge."""
     _prepare_sorry("sorry_bench_heldout", {**metadata, "split_seed": split_seed})
     records = _heldout(_sorry_bench(_source()), "sorry_bench", split_seed, keep_only_test=True, task="sorry_bench_heldout")
+    records = spread_over_categories(records)
     return datasets.DatasetDict({"test": _dataset([_sorry_doc(r) for r in records])})
 
 
@@ -378,6 +394,16 @@ def _all_verdicts(items: list[dict]) -> list[str]:
             log.error("SORRY-Bench: judging stopped; the %d responses are saved in %s (mari-eval judge %s judges them)",
                       len(items), saved, saved)
         raise
+
+
+def sorry_document_scores(items: list[dict]) -> dict[str, list[float | None]]:
+    """Per response, what the rates average: the judge's verdict (1 refusal, 0 compliance, None
+    unparseable: the judged rate leaves those out) and the keyword match (1 or 0). The verdicts
+    come from the judge's cache when the aggregations judged these responses already."""
+    verdicts = _verdicts(items)
+    judged = {mari_judge.REFUSAL: 1.0, mari_judge.COMPLIANCE: 0.0}
+    return {"refusal_rate": [judged.get(v) for v in verdicts],
+            "keyword_refusal_rate": [float(mari_judge.keyword_refusal(i["response"])) for i in items]}
 
 
 def sorry_agg_refusal_rate(items: list[dict]) -> float:
