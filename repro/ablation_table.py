@@ -40,13 +40,11 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
     from tqdm import tqdm
 
     cells: dict = {}
-    steps = [(m, s, v) for m in profile.models for s in profile.seeds for v in VARIANTS]
-    for model, seed, label in tqdm(steps, desc="ablation", unit="row"):
-        model_args = VARIANTS[label]
-        bundles = {}
-        if model_args is not None:
-            bundles = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
-        tables.tally(cells, model, label, cache.score(store, profile, model, seed, columns, bundles, model_args or ""))
+    for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="ablation", unit="seed"):
+        trained = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
+        rows = {label: ({} if args is None else trained, args or "") for label, args in VARIANTS.items()}
+        for label, scores in cache.score_rows(store, profile, model, seed, columns, rows).items():
+            tables.tally(cells, model, label, scores)
     return cells
 
 

@@ -30,26 +30,27 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
 
     cells: dict = {}
     notes: dict = {}
-    steps = [(m, s, b) for m in profile.models for s in profile.seeds for b in ("vanilla", *methods)]
-    for model, seed, method in tqdm(steps, desc="baseline recipes", unit="method"):
-        if method == "vanilla":
-            scores = cache.score(store, profile, model, seed, COLUMNS, {})
-            # The base model's validation loss is recorded by every baseline bundle on the same slice.
-            bundle = recipes.recipe_bundle(store, "caa", "truthfulqa", model, seed, profile, "adapted")
-            base = load_bundle(bundle).config["diagnostics"]["validation_loss_base"]
-            scores["val_loss"] = {"value": float(base), "n": len(load_bundle(bundle).config["diagnostics"]["validation_ids"])}
-            tables.tally(cells, model, "Vanilla", scores)
-            continue
-        choice = recipes.choose(store, method, "truthfulqa", model, seed, profile)
-        for recipe in recipes.RECIPES:
-            bundle = recipes.recipe_bundle(store, method, "truthfulqa", model, seed, profile, recipe)
-            scores = cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle})
-            n_val = len(load_bundle(bundle).config["diagnostics"]["validation_ids"])
-            scores["val_loss"] = {"value": choice.losses[recipe], "n": n_val}
-            label = f"{METHOD_LABELS[method]} ({recipe})"
+    steps = [(m, s) for m in profile.models for s in profile.seeds]
+    for model, seed in tqdm(steps, desc="baseline recipes", unit="seed"):
+        rows: dict[str, cache.Row] = {"Vanilla": ({}, "")}
+        validation: dict[str, dict] = {}  # per row: {"value": validation loss, "n": questions}
+        for method in methods:
+            choice = recipes.choose(store, method, "truthfulqa", model, seed, profile)
+            for recipe in recipes.RECIPES:
+                bundle = recipes.recipe_bundle(store, method, "truthfulqa", model, seed, profile, recipe)
+                label = f"{METHOD_LABELS[method]} ({recipe})"
+                rows[label] = ({"truthfulqa": bundle}, "")
+                diagnostics = load_bundle(bundle).config["diagnostics"]
+                validation[label] = {"value": choice.losses[recipe], "n": len(diagnostics["validation_ids"])}
+                if "Vanilla" not in validation:  # every baseline bundle records the base model's loss on the same slice
+                    validation["Vanilla"] = {"value": float(diagnostics["validation_loss_base"]),
+                                             "n": len(diagnostics["validation_ids"])}
+                if recipe == choice.recipe:
+                    notes.setdefault(model, {}).setdefault(label, []).append(f"seed {seed}: kept for the main table")
+        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, rows).items():
+            if label in validation:
+                scores["val_loss"] = validation[label]
             tables.tally(cells, model, label, scores)
-            if recipe == choice.recipe:
-                notes.setdefault(model, {}).setdefault(label, []).append(f"seed {seed}: kept for the main table")
     return cells, notes
 
 

@@ -46,7 +46,8 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
     cells: dict = {}
     notes: dict = {}
-    for model, seed, method in tqdm(steps, desc="main table", unit="method"):
+    rows: dict[tuple, dict[str, cache.Row]] = {}  # per (model, seed), every method's bundles, scored together
+    for model, seed, method in tqdm(steps, desc="main table: training", unit="method"):
         bundles = {}
         attributes = sorted({c[3] for c in columns}) if method != "vanilla" else []
         if method in recipes.BASELINES and recipe == "chosen":
@@ -58,7 +59,10 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
             notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe (--recipe)")
         else:
             bundles = {a: store.bundle(method, a, model, seed, profile) for a in attributes}
-        tables.tally(cells, model, method, cache.score(store, profile, model, seed, columns, bundles))
+        rows.setdefault((model, seed), {})[method] = (bundles, "")
+    for (model, seed), by_method in rows.items():
+        for method, scores in cache.score_rows(store, profile, model, seed, columns, by_method).items():
+            tables.tally(cells, model, method, scores)
     return cells, notes
 
 

@@ -10,7 +10,7 @@ recomputed at each rho from the control energies non-applicable under each label
 (``rho=...,labels=...``: no retraining; mari_eval/gate_labels.py). alpha_probe: MARI
 trained on TruthfulQA with the probe trained and used at that strength (issue 22.3; the
 paper calls the probe's update "small", our default is 1), chosen on nothing: every value
-is shown. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the TruthfulQA
+is shown. A Vanilla row (the base model) is the reference of every paired test. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the TruthfulQA
 intervention), the fraction of TruthfulQA and MMLU documents on which the gate opened, and
 how well the bundle's energy separates applicable from non-applicable D_ctrl examples
 (AUROC over the whole control set, under the loss and the source labels). The paper
@@ -53,18 +53,23 @@ def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list
     points += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
     steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
     defaults = {**MARI_DEFAULTS, **profile.hyperparameters}
-    for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity", unit="point"):
+    rows: dict[tuple, dict[str, cache.Row]] = {}  # per (model, seed): every point's bundle, scored together
+    for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity: training", unit="point"):
         # A value equal to the default is the main table's bundle: leave it out of the cache key.
         trained = {k: v for k, v in trained.items() if v != defaults[k]}
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, trained or None)
-        scores = tables.add_gate_rates(cache.score(store, profile, model, seed, COLUMNS, {"truthfulqa": bundle},
-                                                   model_args), GATE_COLUMNS)
-        separation = load_bundle(bundle).control_separation()
-        for column, labels in AUROC_COLUMNS.items():
-            n = separation[labels]["n_applicable"] + separation[labels]["n_non_applicable"]
-            auroc = separation[labels]["auroc"]  # None where D_ctrl holds one class only
-            scores[column] = {"value": float("nan") if auroc is None else auroc, "n": n}
-        tables.tally(cells, model, label, scores)
+        # The Vanilla row (the base model on the same documents) is the reference of the paired tests.
+        rows.setdefault((model, seed), {"Vanilla": ({}, "")})[label] = ({"truthfulqa": bundle}, model_args)
+    for (model, seed), by_label in rows.items():
+        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, by_label).items():
+            if label != "Vanilla":
+                scores = tables.add_gate_rates(scores, GATE_COLUMNS)
+                separation = load_bundle(by_label[label][0]["truthfulqa"]).control_separation()
+                for column, labels in AUROC_COLUMNS.items():
+                    n = separation[labels]["n_applicable"] + separation[labels]["n_non_applicable"]
+                    auroc = separation[labels]["auroc"]  # None where D_ctrl holds one class only
+                    scores[column] = {"value": float("nan") if auroc is None else auroc, "n": n}
+            tables.tally(cells, model, label, scores)
     return cells
 
 

@@ -29,12 +29,11 @@ def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS)
     from tqdm import tqdm
 
     cells: dict = {}
-    rows = [("Vanilla", None)] + [(f"rho={rho:.2f}", f"rho={rho}") for rho in rhos]
-    steps = [(m, s, r) for m in profile.models for s in profile.seeds for r in rows]
-    for model, seed, (label, model_args) in tqdm(steps, desc="gsm8k transfer", unit="row"):
-        bundles = {} if model_args is None else {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
-        scores = cache.score(store, profile, model, seed, COLUMNS, bundles, model_args or "")
-        tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
+    for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="gsm8k transfer", unit="seed"):
+        bundles = {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
+        rows = {"Vanilla": ({}, ""), **{f"rho={rho:.2f}": (bundles, f"rho={rho}") for rho in rhos}}
+        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, rows).items():
+            tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
     for by_label in cells.values():  # the change from Vanilla, per seed
         base = by_label["Vanilla"]
         for by_column in by_label.values():
