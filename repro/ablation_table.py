@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, tables
+from repro import cache, profiles, scoring, tables
 from repro.profiles import BENCHMARKS
 
 def labels_args(labels: str) -> str:
@@ -43,7 +43,7 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="ablation", unit="seed"):
         trained = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
         rows = {label: ({} if args is None else trained, args or "") for label, args in VARIANTS.items()}
-        for label, scores in cache.score_rows(store, profile, model, seed, columns, rows).items():
+        for label, scores in scoring.score_rows(store, profile, model, seed, columns, rows).items():
             tables.tally(cells, model, label, scores)
     return cells
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, recipes, tables
+from repro import cache, profiles, scoring, recipes, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
@@ -32,7 +32,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
     notes: dict = {}
     steps = [(m, s) for m in profile.models for s in profile.seeds]
     for model, seed in tqdm(steps, desc="baseline recipes", unit="seed"):
-        rows: dict[str, cache.Row] = {"Vanilla": ({}, "")}
+        rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
         validation: dict[str, dict] = {}  # per row: {"value": validation loss, "n": questions}
         for method in methods:
             choice = recipes.choose(store, method, "truthfulqa", model, seed, profile)
@@ -47,7 +47,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
                                              "n": len(diagnostics["validation_ids"])}
                 if recipe == choice.recipe:
                     notes.setdefault(model, {}).setdefault(label, []).append(f"seed {seed}: kept for the main table")
-        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, rows).items():
+        for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, rows).items():
             if label in validation:
                 scores["val_loss"] = validation[label]
             tables.tally(cells, model, label, scores)

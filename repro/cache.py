@@ -14,8 +14,6 @@ own host judges whether it was abandoned.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import hashlib
 import json
 import logging
@@ -23,15 +21,13 @@ import os
 import re
 import shutil
 import socket
-import time
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from mari_eval.files import atomic_write_json
-from repro.documents import check_against, document_scores
-from repro.profiles import PERCENT_COLUMNS, REPO, Profile, describe
+from repro.profiles import Profile, describe
 
 # Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
 # evaluations stored before documents were kept are evaluated again.
@@ -170,10 +166,9 @@ class Store:
         self.step_seconds[final.name] = float(seconds) if isinstance(seconds, (int, float)) else 0.0
         return final
 
-    def evaluations(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
-                    model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> dict[str, dict]:
-        """lm-eval's results per task (each cached on its own): {"metrics", "n", "seconds", "diagnostics"}.
-        The tasks not stored yet are evaluated together, in one lm-eval run on one loaded model."""
+    def _evaluation_paths(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None,
+                          model_args: str, gen_tokens: int | None, split_seed: int) -> tuple[dict, dict]:
+        """({task: its file under evaluations/}, {task: its configuration}) of an evaluation."""
         fingerprint = None
         if bundle is not None:
             from mari_eval.methods import load_bundle
@@ -187,13 +182,30 @@ class Store:
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
+        return paths, configs
+
+    def missing(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
+                model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> list[str]:
+        """The tasks of this evaluation not stored yet (or to recompute under --force)."""
+        paths, _ = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
+        return [t for t in tasks if (self.force and paths[t].name not in self.computed) or _cached_evaluation(paths[t]) is None]
+
+    def evaluations(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
+                    model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0,
+                    lm=None) -> dict[str, dict]:
+        """lm-eval's results per task (each cached on its own): {"metrics", "n", "seconds", "diagnostics",
+        "documents"}. The tasks not stored yet are evaluated together, in one lm-eval run on one loaded
+        model (``lm``: a MariLM built for this bundle and model_args, e.g. joined to a shared pass)."""
+        paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
         stored = {t: _cached_evaluation(paths[t]) for t in tasks}
         missing = [t for t in tasks if stored[t] is None or (self.force and paths[t].name not in self.computed)]
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
                      f", {model_args}" if model_args else "", describe(self.placement))
-            for task, result in _evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
-                                          self.placement).items():
+            from repro.scoring import evaluate
+
+            for task, result in evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
+                                         self.placement, lm).items():
                 stored[task] = {"config": configs[task], "placement_used": asdict(self.placement), **result}
                 atomic_write_json(paths[task], stored[task])
                 self.computed.append(paths[task].name)
@@ -222,7 +234,7 @@ def _cached_bundle_config(final: Path, warn: bool = True) -> dict | None:
     return None
 
 
-# What every stored evaluation holds (``_evaluate``'s record), by type.
+# What every stored evaluation holds (``repro.scoring.evaluate``'s record), by type.
 _EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float), "documents": dict}
 
 
@@ -307,116 +319,3 @@ def _remove_abandoned(partials) -> None:
         if not alive:
             log.info("%s: abandoned by process %d, which is gone; removed", path.name, pid)
             shutil.rmtree(path, ignore_errors=True)
-
-
-_BASE_MODELS: dict[tuple, tuple] = {}  # (model name, placement) -> (frozen model, tokenizer), loaded once per process
-
-
-def _mari_lm(model: str, bundle: Path | None, model_args: str, placement=None):
-    from lm_eval.utils import simple_parse_args_string
-
-    from mari_eval.lm import MariLM
-    from mari_eval.devices import Placement
-
-    placement = placement or Placement()
-    if (model, placement) not in _BASE_MODELS:  # loaded in the placement; the later MariLMs share the loaded model
-        first = MariLM(pretrained=model, **placement.model_args())
-        _BASE_MODELS[(model, placement)] = (first.model, first.tokenizer)
-    frozen, tokenizer = _BASE_MODELS[(model, placement)]
-    kwargs = simple_parse_args_string(model_args) if model_args else {}
-    return MariLM(pretrained=frozen, tokenizer=tokenizer, bundle=str(bundle) if bundle else None, **kwargs)
-
-
-def _task_names(out: dict, name: str) -> set[str]:
-    """A task's name and, for a group (MMLU), the names of all its subtasks, at any depth."""
-    return {name}.union(*(_task_names(out, sub) for sub in out.get("group_subtasks", {}).get(name, [])))
-
-
-def _documents(out: dict, name: str) -> int:
-    """Documents evaluated for a task or, for a group, summed over its subtasks."""
-    return sum(out["n-samples"][t]["effective"] for t in _task_names(out, name) if t in out["n-samples"])
-
-
-def _evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement=None) -> dict[str, dict]:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    if any(t.startswith("sorry") for t in tasks):
-        _ensure_judge()
-    lm = _mari_lm(model, bundle, model_args, placement)
-    started = time.time()
-    # Samples are logged for the per-document scores (repro/documents.py); the bootstrap iterations
-    # only give lm-eval's own standard errors (closed form for means), kept beside our intervals.
-    out = simple_evaluate(
-        model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=LM_EVAL_BOOTSTRAP, log_samples=True,
-        gen_kwargs=f"max_gen_toks={gen_tokens}" if gen_tokens else None,
-        task_manager=TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": split_seed or 0}),
-    )
-    seconds = round(time.time() - started, 1)
-    results = {}
-    for task in tasks:
-        metrics = {k: v for k, v in out["results"][task].items() if isinstance(v, (int, float)) or v is None}
-        diagnostics = None
-        if lm.intervention is not None:  # a group's records name its subtasks
-            names = _task_names(out, task)
-            diagnostics = lm.intervention.summarize([r for r in lm.records if r.get("task") in names])
-        names = sorted(_task_names(out, task))
-        scores = document_scores(out["samples"], names, task)
-        check_against(scores, metrics, task)
-        results[task] = {"metrics": metrics, "n": _documents(out, task), "seconds": seconds, "tasks_run_together": list(tasks),
-                         "documents": scores,
-                         "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
-                         "diagnostics": diagnostics}
-    return results
-
-
-_JUDGE = contextlib.ExitStack()
-
-
-def _ensure_judge() -> None:
-    """SORRY-Bench tasks need a judge: the configured one (MARI_JUDGE_*), else the embedded one,
-    started once for this process and stopped at its exit (mari_eval.judge.judge_environment)."""
-    from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
-
-    if os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL):
-        return
-    os.environ.update(_JUDGE.enter_context(judge_environment()))
-    atexit.register(_JUDGE.close)
-
-
-def score(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple], bundles: dict[str, Path | None],
-          model_args: str = "") -> dict[str, dict]:
-    """{column: {"value", "n", "diagnostics"}} for ``columns`` (BENCHMARKS-like tuples), each task
-    evaluated under the bundle of its attribute (none: the base model); tasks that share a bundle,
-    a document limit and a generation length run together."""
-    groups: dict[tuple, list[str]] = {}
-    for column, task, metric, attribute in columns:
-        key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task))
-        if profile.task(task) not in groups.setdefault(key, []):
-            groups[key].append(profile.task(task))
-    evaluated: dict[str, dict] = {}
-    for (attribute, limit, gen_tokens), tasks in groups.items():
-        evaluated.update(store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed))
-    out = {}
-    for column, task, metric, attribute in columns:
-        result = evaluated[profile.task(task)]
-        scale = 100 if column in PERCENT_COLUMNS else 1
-        value = result["metrics"].get(metric)
-        value = float("nan") if value is None else float(value) * scale
-        stderr = result["metrics"].get(metric.replace(",", "_stderr,", 1))
-        documents = {doc: None if v is None else v * scale for doc, v in result["documents"].get(metric, {}).items()}
-        out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics"), "documents": documents,
-                       "stderr": float(stderr) * scale if isinstance(stderr, (int, float)) else None}
-    return out
-
-
-# A table row to score: the bundle of each attribute (none: the base model) and the lm-eval model_args.
-Row = tuple[dict[str, Path | None], str]
-
-
-def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
-               rows: dict[str, Row]) -> dict[str, dict[str, dict]]:
-    """``score`` for every row of a table on the same documents: {row label: {column: result}}."""
-    return {label: score(store, profile, model, seed, columns, bundles, model_args)
-            for label, (bundles, model_args) in rows.items()}
-

@@ -26,7 +26,7 @@ from pathlib import Path
 from mari_eval.files import atomic_write, write_results_json
 from mari_eval.gate_labels import LABELINGS
 from mari_eval.mari_equations import energy_threshold
-from repro import cache, profiles, tables
+from repro import cache, profiles, scoring, tables
 from repro.ablation_table import labels_args
 from repro.profiles import BENCHMARKS
 
@@ -47,8 +47,8 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
         bundle_dir = store.bundle("mari", attribute, model, seed, profile)
         bundle = load_bundle(bundle_dir)
         column = TASKS[attribute]
-        gated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir})[column[0]]
-        ungated = cache.score(store, profile, model, seed, [column], {attribute: bundle_dir}, "gate=false")[column[0]]
+        gated = scoring.score(store, profile, model, seed, [column], {attribute: bundle_dir})[column[0]]
+        ungated = scoring.score(store, profile, model, seed, [column], {attribute: bundle_dir}, "gate=false")[column[0]]
         separation = bundle.control_separation()  # the labellings this bundle holds
         labels = {name: bundle.applicable(name) for name in separation}
         taus = {name: energy_threshold(bundle.tensors["ctrl_energy"], applicable, bundle.rho)
@@ -65,7 +65,7 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> di
         for seed in profile.seeds:
             bundles = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
             for name in LABELINGS:  # the ablation's EG-MARI rows: the same evaluations
-                scores = cache.score(store, profile, model, seed, columns, bundles, labels_args(name))
+                scores = scoring.score(store, profile, model, seed, columns, bundles, labels_args(name))
                 tables.tally(gate_rates, model, name, {column: {"value": (r["diagnostics"] or {}).get("gate_rate"),
                                                                 "n": r["n"]} for column, r in scores.items()})
     return {"bundles": out, "gate_rates": gate_rates}

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, recipes, tables
+from repro import cache, profiles, scoring, recipes, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
 # Beside the judged refusal rate: the keyword rate (no judge needed), ours only.
@@ -46,7 +46,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
     cells: dict = {}
     notes: dict = {}
-    rows: dict[tuple, dict[str, cache.Row]] = {}  # per (model, seed), every method's bundles, scored together
+    rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed), every method's bundles, scored together
     for model, seed, method in tqdm(steps, desc="main table: training", unit="method"):
         bundles = {}
         attributes = sorted({c[3] for c in columns}) if method != "vanilla" else []
@@ -61,7 +61,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
             bundles = {a: store.bundle(method, a, model, seed, profile) for a in attributes}
         rows.setdefault((model, seed), {})[method] = (bundles, "")
     for (model, seed), by_method in rows.items():
-        for method, scores in cache.score_rows(store, profile, model, seed, columns, by_method).items():
+        for method, scores in scoring.score_rows(store, profile, model, seed, columns, by_method).items():
             tables.tally(cells, model, method, scores)
     return cells, notes
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, tables
+from repro import cache, profiles, scoring, tables
 from repro.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
@@ -53,7 +53,7 @@ def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list
     points += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
     steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
     defaults = {**MARI_DEFAULTS, **profile.hyperparameters}
-    rows: dict[tuple, dict[str, cache.Row]] = {}  # per (model, seed): every point's bundle, scored together
+    rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed): every point's bundle, scored together
     for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity: training", unit="point"):
         # A value equal to the default is the main table's bundle: leave it out of the cache key.
         trained = {k: v for k, v in trained.items() if v != defaults[k]}
@@ -61,7 +61,7 @@ def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list
         # The Vanilla row (the base model on the same documents) is the reference of the paired tests.
         rows.setdefault((model, seed), {"Vanilla": ({}, "")})[label] = ({"truthfulqa": bundle}, model_args)
     for (model, seed), by_label in rows.items():
-        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, by_label).items():
+        for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, by_label).items():
             if label != "Vanilla":
                 scores = tables.add_gate_rates(scores, GATE_COLUMNS)
                 separation = load_bundle(by_label[label][0]["truthfulqa"]).control_separation()

@@ -211,7 +211,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
         entry = record["models"][model] = {"paper_model": paper_model, "dtype": resolved_dtype(store.placement.dtype, model),
                                            "rows": []}
         differences = _differences(rows, columns, reference)
-        md_rows, tex_rows, md_diff_rows, tex_diff_rows = [], [], [], []
+        md_rows, tex_rows, md_diff_rows = [], [], []
         for label, by_column in rows.items():
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}
             if (notes or {}).get(model, {}).get(label):

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, tables
+from repro import cache, profiles, scoring, tables
 
 RHOS = [0.5, 0.7, 0.9, 1.0]
 COLUMNS = [("tqa_mc1", "truthfulqa_mc1_heldout", "acc,none", "truthfulqa"),
@@ -32,7 +32,7 @@ def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS)
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="gsm8k transfer", unit="seed"):
         bundles = {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
         rows = {"Vanilla": ({}, ""), **{f"rho={rho:.2f}": (bundles, f"rho={rho}") for rho in rhos}}
-        for label, scores in cache.score_rows(store, profile, model, seed, COLUMNS, rows).items():
+        for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, rows).items():
             tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
     for by_label in cells.values():  # the change from Vanilla, per seed
         base = by_label["Vanilla"]

@@ -9,7 +9,7 @@ import pytest
 
 from mari_eval.devices import Placement
 
-from repro import cache, profiles
+from repro import cache, profiles, scoring
 
 from .test_repro import _repro
 
@@ -77,8 +77,9 @@ def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
 # A baseline's key has carried no max_ctrl since issue 22 (only MARI reads D_ctrl).
 EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", "model": MODEL, "seed": 0, "max_train": 4,
                   "max_pca": 24, "hyperparameters": {}}
+# The float32 key without a placement entry (the evaluations since per-document scores were kept).
 EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", "limit": 2, "bundle": None, "model_args": "",
-                      "gen_tokens": None, "split_seed": None}
+                      "gen_tokens": None, "documents": cache.DOCUMENTS_VERSION, "split_seed": None}
 
 
 def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, monkeypatch):
@@ -108,11 +109,12 @@ def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, m
 def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, monkeypatch):
     calls = []
 
-    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement):
+    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
         calls.append(placement)
-        return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "model_dtype": placement.dtype} for t in tasks}
+        return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "model_dtype": placement.dtype, "documents": {}}
+                for t in tasks}
 
-    monkeypatch.setattr(cache, "_evaluate", evaluate)
+    monkeypatch.setattr(scoring, "evaluate", evaluate)
     files = {}
     for name, placement in {"default": Placement(), "float32": Placement(dtype="float32"),
                             "bf16": Placement(dtype="bfloat16")}.items():
