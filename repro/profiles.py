@@ -86,11 +86,16 @@ PROFILES = {
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
-    # The embedded model on 2 CPU cores within the hour: seeded subsets, first-N test documents.
-    # D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / 100 BBQ / 45 SORRY-Bench hold-outs, each with 100 ARC-Easy.
-    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, None,
-                     {"truthfulqa_mc1_heldout": 30, "truthfulqa_mc2_heldout": 30, "bbq_disambig_heldout": 30,
-                      "sorry_bench_heldout": 8, "mmlu": 1, "arc_easy": 10, "arc_challenge": 10, "gsm8k": 20},
+    # The embedded model on 2 CPU cores: sizes that can show an effect (issue 26.2): every held-out
+    # TruthfulQA question (535 for seed 0), 504 BBQ disambiguated questions (72 in each of its 7 local
+    # categories: the held-out task deals them round-robin), 10 questions per MMLU subject (570), 200
+    # ARC-Easy and 200 ARC-Challenge test questions, 90 SORRY-Bench prompts (2 per category), 50 GSM8K.
+    # Training: TruthfulQA's whole D_train (100), a seeded 100 of BBQ's 882, SORRY-Bench's whole D_train (45);
+    # D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / 100 BBQ / 45 SORRY-Bench hold-outs,
+    # each with 100 ARC-Easy.
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 100, "bbq": 100, "sorry_bench": 45}, None,
+                     {"truthfulqa_mc1_heldout": None, "truthfulqa_mc2_heldout": None, "bbq_disambig_heldout": 504,
+                      "sorry_bench_heldout": 90, "mmlu": 10, "arc_easy": 200, "arc_challenge": 200, "gsm8k": 50},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
