@@ -129,15 +129,18 @@ def probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor
     """Balanced validation accuracy of one probe per head; x: [N, G, head_dim] -> [G]."""
     gen = torch.Generator().manual_seed(seed)
     mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
-    x_fit, x_val = (x_fit - mean) / std, (x_val - mean) / std
-    groups, dim = x_fit.shape[1:]
+    # Head-major [G, N, d], made contiguous once: every step's batched products then read the
+    # features as they lie (an einsum over [N, G, d] copied them into this layout at each call).
+    x_fit, x_val = (((x - mean) / std).transpose(0, 1).contiguous() for x in (x_fit, x_val))
+    groups, _, dim = x_fit.shape
     if kind == "linear":
         params = [torch.zeros(groups, dim), torch.zeros(groups)]
-        logits = lambda x, w, b: torch.einsum("ngd,gd->ng", x, w) + b
+        logits = lambda x, w, b: (torch.bmm(x, w[:, :, None])[..., 0] + b[:, None]).T
     elif kind == "mlp":
         params = [torch.randn(groups, dim, MLP_WIDTH, generator=gen) / dim**0.5, torch.zeros(groups, MLP_WIDTH),
                   torch.randn(groups, MLP_WIDTH, generator=gen) / MLP_WIDTH**0.5, torch.zeros(groups)]
-        logits = lambda x, w1, b1, w2, b2: torch.einsum("ngm,gm->ng", torch.relu(torch.einsum("ngd,gdm->ngm", x, w1) + b1), w2) + b2
+        logits = lambda x, w1, b1, w2, b2: (torch.bmm(torch.relu(torch.bmm(x, w1) + b1[:, None]), w2[:, :, None])[..., 0]
+                                            + b2[:, None]).T
     else:
         raise ValueError(f"probe kind {kind!r}: use 'linear' or 'mlp'")
     for p in params:

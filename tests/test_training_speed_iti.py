@@ -121,3 +121,47 @@ def test_grid_variants_in_one_run_equal_each_cells_shift_alone(family):
         alone.append(runner.score_variants(model, prefix, 41, options, plan).logprobs[0])
     torch.testing.assert_close(together.logprobs, torch.stack(alone), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(together.logprobs[1], together.logprobs[0])  # the shifts move the scores
+
+
+def _reference_probe_accuracy(x_fit, y_fit, x_val, y_val, kind, seed):
+    """``iti.probe_accuracy`` as it was: einsums over [N, G, d] features."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
+    x_fit, x_val = (x_fit - mean) / std, (x_val - mean) / std
+    groups, dim = x_fit.shape[1:]
+    if kind == "linear":
+        params = [torch.zeros(groups, dim), torch.zeros(groups)]
+        logits = lambda x, w, b: torch.einsum("ngd,gd->ng", x, w) + b
+    else:
+        params = [torch.randn(groups, dim, iti.MLP_WIDTH, generator=gen) / dim**0.5, torch.zeros(groups, iti.MLP_WIDTH),
+                  torch.randn(groups, iti.MLP_WIDTH, generator=gen) / iti.MLP_WIDTH**0.5, torch.zeros(groups)]
+        logits = lambda x, w1, b1, w2, b2: torch.einsum("ngm,gm->ng", torch.relu(torch.einsum("ngd,gdm->ngm", x, w1) + b1), w2) + b2
+    for p in params:
+        p.requires_grad_(True)
+    pos = y_fit.mean().clamp(1e-3, 1 - 1e-3)
+    weight = torch.where(y_fit > 0.5, 0.5 / pos, 0.5 / (1 - pos))[:, None].expand(-1, groups)
+    opt = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+    for _ in range(iti.PROBE_STEPS):
+        opt.zero_grad()
+        out = logits(x_fit, *params)
+        F.binary_cross_entropy_with_logits(out, y_fit[:, None].expand_as(out), weight=weight).backward()
+        opt.step()
+    with torch.no_grad():
+        hit = (logits(x_val, *params) > 0) == (y_val[:, None] > 0.5)
+        pos_val = y_val > 0.5
+        return 0.5 * (hit[pos_val].float().mean(0) + hit[~pos_val].float().mean(0))
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_head_major_probes_equal_the_einsum_probes(kind, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 12, 8, generator=gen) * torch.rand(12, 8, generator=gen) * 3
+    y = torch.arange(60) % 4 == 0
+    x[y, :, 0] += 1.0  # a signal the probes can find
+    monkeypatch.setattr(iti, "PROBE_STEPS", 40)
+    expected = _reference_probe_accuracy(x[:40], y[:40].float(), x[40:], y[40:].float(), kind, 0)
+    got = iti.probe_accuracy(x[:40], y[:40].float(), x[40:], y[40:].float(), kind, 0)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert float(got.max()) > 0.5  # the probes learnt something
