@@ -38,7 +38,7 @@ import torch
 from mari_eval import data, devices, memory, runner, site
 from mari_eval.devices import Placement
 from mari_eval.plan import Plan, VariantEdit, VariantRun
-from mari_eval.prefix_cache import Prefix, encode_prefix, joined, own_part
+from mari_eval.prefix_cache import Prefix, broadcast_cache, common_prefix, encode_prefix, joined, own_part, with_cache
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
@@ -185,13 +185,27 @@ class Session:
             return joined(ex.shared, ex.own)
         return encode_prefix(self.model, ex.context[:-1], base=ex.shared)
 
+    @torch.no_grad()
     def hidden_of_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
-        """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca."""
+        """h^{(l*)} at the last token of each prompt ([N, d]), e.g. for the PCA basis of D_pca.
+
+        The tokens all prompts share (TruthfulQA's few-shot preamble: most of each prompt) are
+        encoded once; the rest of each prompt runs over that cache, right-padded in batches of
+        at most ``max_tokens`` tokens (causal attention: no real token sees a pad), up to l* only.
+        """
+        shared: tuple[int, ...] = ()
+        if len(prompts) > 1:  # at least one token of every prompt stays its own: its last one is read
+            shared = common_prefix(prompts)[: min(map(len, prompts)) - 1]
+        prefix = encode_prefix(self.model, shared)
         states = []
-        for tokens in prompts:
-            ids = torch.tensor([tokens], device=self.device)
-            states.append(site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0].float())
-        return torch.stack(states)
+        for chunk in _token_batches([list(p[len(shared):]) for p in prompts], self.max_tokens):
+            width = max(map(len, chunk))
+            ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in chunk], device=self.device)
+            last = torch.tensor([len(r) - 1 for r in chunk], device=self.device)
+            cache = broadcast_cache(prefix.cache, len(chunk))
+            states.append(site.states_after(self.model, self.layer, last, input_ids=ids, use_cache=cache is not None,
+                                            **with_cache(self.model, cache)).float())
+        return torch.cat(states)
 
     # ------------------------------------------------------------------ runner
 
@@ -212,6 +226,17 @@ class Session:
         return runner.score_variants(self.model, self.prefix(ex), ex.context[-1], ex.options, plan,
                                      max_tokens=self.max_tokens,
                                      lower=(self.layer, ex.lower) if ex.lower is not None else None)
+
+
+def _token_batches(rows: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    """``rows`` in order, cut into batches whose padded size (rows x the longest) stays within ``max_tokens``."""
+    batches: list[list[list[int]]] = []
+    for row in rows:
+        if batches and (len(batches[-1]) + 1) * max(len(row), *map(len, batches[-1])) <= max_tokens:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
 
 
 # ----------------------------------------------------------------------------- data
