@@ -29,8 +29,8 @@ from mari_eval import devices, site
 from mari_eval.plan import BASE, VANILLA, ApplyEdits, Plan, VariantRun, no_edit
 from mari_eval.prefix_cache import Prefix, broadcast_cache, with_cache
 
-__all__ = ["BASE", "VANILLA", "Plan", "VariantRun", "Untouched", "score_variants", "score_untouched", "forward_rows",
-           "lower_states", "packable"]
+__all__ = ["BASE", "VANILLA", "Plan", "Untouched", "VariantRun", "forward_rows", "lower_states", "packable",
+           "score_untouched", "score_variants"]
 
 
 def score_variants(

@@ -23,9 +23,13 @@ run (``plan.pick``, the non-finite checks, diagnostics, lm-eval's cache hook) st
 ``MariLM``, so each method's lm-eval run is unchanged except where the compute happens.
 
 Methods are meant to be evaluated one after the other: runs are computed ahead only for the
-methods that have asked nothing yet, so a finished method's runs never pile up. A request
-whose run is not stored (one the earlier methods never saw, or one asked twice) is computed
-on demand, for the asker (and the methods still to come), never taken from another request.
+methods that have asked nothing yet, so a finished method's runs never pile up. The runs kept
+ahead wait on the CPU until their method's evaluation: a few numbers per option for most
+methods, but MARI's hold its states at p* after every layer from l* up, so evaluate MARI first
+on long task lists (MMLU) to keep the others' runs only. A request
+whose run is not stored (one the earlier methods never saw, or one asked again later) is
+computed on demand, for the asker (and the methods still to come), never taken from another
+request; one asked again at once (the same context and options) gets the same run again.
 Generation (``generate_until``) is not shared: each method generates in its own run.
 
 Usage (all ``MariLM``s built on the same loaded model, all before the first evaluation)::
@@ -42,14 +46,15 @@ import dataclasses
 import logging
 from array import array
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan, VariantRun
-from mari_eval.prefix_cache import PrefixCache, encode_prefix
+from mari_eval.prefix_cache import Prefix, PrefixCache, encode_prefix
 
 if TYPE_CHECKING:
     from mari_eval.methods import Intervention
@@ -63,27 +68,46 @@ class OwnRuns:
     def __init__(self, model: torch.nn.Module, plan: Plan, max_tokens: int = 1024):
         self.model, self.plan, self.max_tokens = model, plan, max_tokens
         self.prefixes = PrefixCache(model)
+        self.edited = EditedPrefix(model, plan)
 
     def run(self, context: Sequence[int], continuations: Sequence[Sequence[int]]) -> VariantRun:
         """The plan's run of ``continuations`` after ``context`` (p* is its last token)."""
-        sites = self.plan.prompt_sites(len(context))
-        if sites:  # the prompt itself is edited: nothing before p* can be shared
-            prefix = encode_prefix(self.model, context[:-1], apply=self.plan.apply, sites=sites)
+        if self.plan.prompt_sites(len(context)):  # the prompt itself is edited: nothing before p* is the frozen model's
+            prefix = self.edited.encode(context)
         else:
             prefix = self.prefixes.encode(context[:-1])
         return runner.score_variants(self.model, prefix, context[-1], continuations, self.plan, self.max_tokens)
+
+
+class EditedPrefix:
+    """The prompt before p* under a plan that edits it (``plan.prompt_sites``: ReFT), computed
+    per prompt; the same prompt again at once (TruthfulQA's mc1 and mc2 of a doc) is not recomputed."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan):
+        self.model, self.plan = model, plan
+        self.last: Prefix | None = None
+
+    def encode(self, context: Sequence[int]) -> Prefix:
+        tokens = tuple(context[:-1])
+        if self.last is None or self.last.tokens != tokens:  # the sites depend on the prompt's length only
+            sites = self.plan.prompt_sites(len(context))
+            self.last = encode_prefix(self.model, tokens, apply=self.plan.apply, sites=sites)
+        return self.last
 
 
 @dataclass(eq=False)
 class Member:
     """One joined method, as its ``MariLM`` asks for its runs."""
 
-    shared: "SharedPass"
+    shared: SharedPass
     index: int
     plan: Plan
     below: int | None  # the highest layer whose output the method never edits (None: every layer may be)
-    name: str
+    edited: EditedPrefix  # a method that edits the prompt (ReFT): its own prefixes
     started: bool = False  # whether it has asked for a run (its evaluation has begun)
+    # Its last question group and run: a group asked again at once (TruthfulQA's mc1 and mc2 of a
+    # doc whose two option lists are the same: MariLM visits them one after the other) is not recomputed.
+    last: tuple[bytes, VariantRun] | None = None
 
     def run(self, context: Sequence[int], continuations: Sequence[Sequence[int]]) -> VariantRun:
         return self.shared.run(self, context, continuations)
@@ -99,10 +123,10 @@ class SharedPass:
         self._stored: dict[bytes, dict[int, _Kept]] = {}  # question group -> member index -> its run, on the CPU
         # groups: question groups computed for several methods together; untouched: untouched runs;
         # runs: method runs computed; served: runs handed out from the store; on_demand: runs computed
-        # when asked, not found in the store
+        # when asked, not found in the store; repeated: a method's group asked again at once
         self.stats: Counter = Counter()
 
-    def join(self, model: torch.nn.Module, plan: Plan, intervention: "Intervention | None") -> Member:
+    def join(self, model: torch.nn.Module, plan: Plan, intervention: Intervention | None) -> Member:
         """Add the method ``MariLM`` scores with ``plan`` (``intervention``; None: vanilla); its handle."""
         if model is not self.model:
             raise ValueError("a MariLM given shared_pass= must score with the shared pass's model: build it with "
@@ -110,8 +134,7 @@ class SharedPass:
         if any(m.started for m in self.members):
             log.warning("a method joined the shared pass after another began its evaluation: its runs of the "
                         "questions already computed are computed on demand; build every MariLM before evaluating")
-        name = "vanilla" if intervention is None else f"{intervention.method} {intervention.cache_fingerprint()}"
-        member = Member(self, len(self.members), plan, _untouched_below(plan, intervention), name)
+        member = Member(self, len(self.members), plan, _untouched_below(plan, intervention), EditedPrefix(model, plan))
         self.members.append(member)
         return member
 
@@ -123,19 +146,23 @@ class SharedPass:
         """``member``'s run of ``continuations`` after ``context``: stored, else computed now."""
         member.started = True
         key = _key(context, continuations)
+        if member.last is not None and member.last[0] == key:
+            self.stats["repeated"] += 1
+            return member.last[1]
         waiting = self._stored.get(key, {})
         if member.index in waiting:
-            run = waiting.pop(member.index)
+            mine = waiting.pop(member.index).restored()
             if not waiting:
                 del self._stored[key]  # every method has taken its run of this group
             self.stats["served"] += 1
-            return run.restored()
-        ahead = [m for m in self.members if not m.started and m.index not in waiting]
-        self.stats["groups" if ahead else "on_demand"] += 1
-        runs = self._compute(context, continuations, [member, *ahead])
-        mine = runs.pop(member.index)
-        if runs:  # kept on the CPU: a later method takes them only after this one's whole evaluation
-            self._stored.setdefault(key, {}).update({i: _Kept.of(run) for i, run in runs.items()})
+        else:
+            ahead = [m for m in self.members if not m.started and m.index not in waiting]
+            self.stats["groups" if ahead else "on_demand"] += 1
+            runs = self._compute(context, continuations, [member, *ahead])
+            mine = runs.pop(member.index)
+            if runs:  # kept on the CPU: a later method takes them only after this one's whole evaluation
+                self._stored.setdefault(key, {}).update({i: _Kept.of(run) for i, run in runs.items()})
+        member.last = (key, mine)
         return mine
 
     def _compute(self, context: Sequence[int], continuations: Sequence[Sequence[int]],
@@ -147,8 +174,7 @@ class SharedPass:
         self.stats["runs"] += len(members)
         with torch.no_grad():
             for m in own:  # the prompt itself is edited: its prefix is the method's own
-                sites = m.plan.prompt_sites(len(context))
-                prefix = encode_prefix(self.model, context[:-1], apply=m.plan.apply, sites=sites)
+                prefix = m.edited.encode(context)
                 runs[m.index] = runner.score_variants(self.model, prefix, last, continuations, m.plan, self.max_tokens)
             if not sharing:
                 return runs
@@ -172,7 +198,7 @@ class SharedPass:
 
 
 def join_shared(shared: SharedPass | None, model: torch.nn.Module, plan: Plan,
-                intervention: "Intervention | None") -> Member | None:
+                intervention: Intervention | None) -> Member | None:
     """``MariLM``'s ``shared_pass=``: the method's handle in ``shared``, or None without one."""
     if shared is None:
         return None
@@ -182,7 +208,7 @@ def join_shared(shared: SharedPass | None, model: torch.nn.Module, plan: Plan,
     return shared.join(model, plan, intervention)
 
 
-def _untouched_below(plan: Plan, intervention: "Intervention | None") -> int | None:
+def _untouched_below(plan: Plan, intervention: Intervention | None) -> int | None:
     """The highest layer whose output ``plan`` never edits, or None.
 
     ``plan.edit_layer`` says it when set (every edit at that layer's output or above). A
@@ -213,7 +239,7 @@ class _Kept:
     devices: dict[str, torch.device]
 
     @classmethod
-    def of(cls, run: VariantRun) -> "_Kept":
+    def of(cls, run: VariantRun) -> _Kept:
         devices = {name: t.device for name, t in _tensors(run).items()}
         return cls(_moved(run, lambda name, t: t.to("cpu")), devices)
 

@@ -18,11 +18,14 @@ from mari_eval.shared_pass import SharedPass
 
 PREAMBLE = ("Q: What is the boiling point of water at sea level?\nA: 100 degrees Celsius.\n\n"
             "Q: Which planet is closest to the sun?\nA: Mercury.\n\n")
-QUESTIONS = [  # (question, mc1 options, mc2 options): truthfulqa_mc1 and _mc2 share each prompt
+# (question, mc1 options, mc2 options): truthfulqa_mc1 and _mc2 share each prompt; the second
+# question's two tasks have the same options too (as some TruthfulQA docs do): one group twice
+QUESTIONS = [
     ("What colour is the sky on a clear day?", [" Blue.", " Green.", " Red."], [" Blue.", " It is blue.", " Green."]),
-    ("How many legs does a spider have?", [" Eight.", " Six."], [" Eight.", " Eight legs.", " Ten.", " Four."]),
+    ("How many legs does a spider have?", [" Eight.", " Six.", " Ten."], [" Eight.", " Six.", " Ten."]),
     ("What is the capital of France?", [" Paris.", " Lyon.", " Marseille."], [" Paris.", " Nice."]),
 ]
+DISTINCT_GROUPS = 5  # (context, options) pairs among the 6 lm-eval groups (3 questions, mc1 and mc2)
 # (name, MariLM keyword arguments); bundles are written by the ``bundles`` fixture
 METHODS = [("vanilla", {}), ("caa", {}), ("iti", {}), ("mari", {}), ("mari", {"gate": "false"}), ("reft", {})]
 
@@ -73,7 +76,7 @@ def _requests(questions=QUESTIONS) -> list[Instance]:
     out = []
     for doc_id, (question, mc1, mc2) in enumerate(questions):
         doc = {"mc1_targets": {"choices": mc1, "labels": [1] + [0] * (len(mc1) - 1)},
-               "mc2_targets": {"choices": mc2, "labels": [1, 1] + [0] * (len(mc2) - 2)}}
+               "mc2_targets": {"choices": mc2, "labels": [1, 0 if mc2 == mc1 else 1] + [0] * (len(mc2) - 2)}}
         for task, options in (("truthfulqa_mc1", mc1), ("truthfulqa_mc2", mc2)):
             for i, option in enumerate(options):
                 out.append(Instance("loglikelihood", doc, (f"{PREAMBLE}Q: {question}\nA:", option), i,
@@ -142,19 +145,15 @@ def test_each_method_through_the_shared_pass_gets_its_own_runs_answers(model, to
     for answers, _, _ in alone[1:]:
         assert max(abs(x - v) for (x, _), v in zip(answers, vanilla)) > 1e-3
 
-    # The first method's run computed every method's run of each of the 6 question groups (3
-    # prompts, each with the mc1 and the mc2 options); the others found theirs.
-    groups = 2 * len(QUESTIONS)
-    assert shared.stats["groups"] == groups and shared.stats["on_demand"] == 0
-    assert shared.stats["served"] == groups * (len(METHODS) - 1) and shared.pending() == 0
-    # The frozen prefixes were encoded as often as one method encodes them alone, plus ReFT's own
-    # (edited) prompts; the other methods encoded nothing.
-    frozen_once, reft_alone = alone[0][2].prefixes, alone[-1][2].prefixes
-    # mc1 and mc2 share each prompt: the frozen one is encoded once (PrefixCache), ReFT's edited one per group
-    assert frozen_once == len(QUESTIONS) and reft_alone == groups
-    assert together[0][2].prefixes == frozen_once + reft_alone
-    assert all(counts.prefixes == 0 for _, _, counts in together[1:])
-    assert sum(counts.prefixes for _, _, counts in alone) == 5 * frozen_once + reft_alone
+    # The first method's run computed every method's run of each distinct question group; the
+    # others found theirs, and each method's group asked twice in a row was computed once.
+    assert shared.stats["groups"] == DISTINCT_GROUPS and shared.stats["on_demand"] == 0
+    assert shared.stats["served"] == DISTINCT_GROUPS * (len(METHODS) - 1) and shared.pending() == 0
+    assert shared.stats["repeated"] == len(METHODS)
+    # Each prompt was encoded once (mc1 and mc2 share it) by the frozen model for every method, and
+    # once under ReFT's edit of the prompt, where each method alone encoded it once for itself.
+    assert [counts.prefixes for _, _, counts in alone] == [len(QUESTIONS)] * len(METHODS)
+    assert [counts.prefixes for _, _, counts in together] == [2 * len(QUESTIONS)] + [0] * (len(METHODS) - 1)
     # ... and the first layer read fewer tokens in all than the methods' own runs read together
     assert sum(c.tokens for _, _, c in together) < sum(c.tokens for _, _, c in alone)
 
@@ -163,15 +162,15 @@ def test_a_run_not_computed_ahead_is_computed_on_demand(model, tokenizer, bundle
     shared = SharedPass(model)
     vanilla, caa, mari = (_lm(model, tokenizer, bundles, name, {}, shared) for name in ("vanilla", "caa", "mari"))
     first, later = _requests(QUESTIONS[:2]), _requests(QUESTIONS)
-    vanilla.loglikelihood(first)
-    assert shared.stats["groups"] == 4 and shared.pending() == 8  # CAA's and MARI's runs, 4 groups each
-    got = caa.loglikelihood(later)  # 4 groups stored; the third question's 2 were never seen: computed now
-    assert shared.stats["served"] == 4 and shared.stats["groups"] == 6 and shared.pending() == 4 + 2
+    vanilla.loglikelihood(first)  # 3 distinct groups (the second question's mc1 and mc2 are one)
+    assert shared.stats["groups"] == 3 and shared.pending() == 6  # CAA's and MARI's runs, 3 groups each
+    got = caa.loglikelihood(later)  # 3 groups stored; the third question's 2 were never seen: computed now
+    assert shared.stats["served"] == 3 and shared.stats["groups"] == 5 and shared.pending() == 3 + 2
     mine = _lm(model, tokenizer, bundles, "caa", {}).loglikelihood(later)
     assert [x for x, _ in got] == pytest.approx([x for x, _ in mine], abs=1e-5)
     # asked again, CAA's runs are no longer stored (it took them): computed for it alone
     again = caa.loglikelihood(later)
-    assert shared.stats["on_demand"] == 6 and [x for x, _ in again] == pytest.approx([x for x, _ in got], abs=1e-5)
+    assert shared.stats["on_demand"] == DISTINCT_GROUPS and [x for x, _ in again] == pytest.approx([x for x, _ in got], abs=1e-5)
     mari.loglikelihood(later)
     assert shared.pending() == 0  # every stored run was taken by its method
 
