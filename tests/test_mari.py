@@ -384,10 +384,10 @@ def test_streamed_tokens_are_the_answer_only():
 
 
 @pytest.mark.needs_data
-def test_training_lowers_the_routed_loss_on_the_embedded_model():
-    from mari_eval.train import Session, attribute_data
+def test_training_lowers_the_routed_loss_on_the_embedded_model(smollm2_session):
+    from mari_eval.train import attribute_data
 
-    session = Session("smollm2-135m-instruct")
+    session = smollm2_session  # conftest: the embedded model, loaded once
     data = attribute_data(session, "truthfulqa", seed=0)
     examples = data.train[:6]
     session.prepare(examples, "test")
@@ -398,12 +398,12 @@ def test_training_lowers_the_routed_loss_on_the_embedded_model():
 
 
 @pytest.mark.needs_data
-def test_the_probe_is_trained_at_the_strength_alpha_probe_it_is_used_at():
+def test_the_probe_is_trained_at_the_strength_alpha_probe_it_is_used_at(smollm2_session):
     """eq:probe_update is h + alpha_probe delta_phi(h) at training as at use (issue 22.3): at
     alpha_probe = 0 the task term sees the base model whatever the probe is, at 1 it sees the probe."""
-    from mari_eval.train import Session, attribute_data
+    from mari_eval.train import attribute_data
 
-    session = Session("smollm2-135m-instruct")
+    session = smollm2_session  # conftest: the embedded model, loaded once
     data = attribute_data(session, "truthfulqa", seed=0)
     examples = data.train[:4]
     session.prepare(examples, "test")

@@ -1,6 +1,8 @@
 """CAA's published recipe (Rimsky et al., 2024): layer 13 of 32 carried over by depth, multiplier 1,
 no grid; its selection loss against an independent computation with transformers' hidden states."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,6 @@ from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import AttributeData, Example
 
 from .test_baseline_reference import _chat_free_session
-from .test_baselines import truthfulqa_session  # noqa: F401 (the embedded model on 20 TruthfulQA questions)
 from .tiny import reloaded, tiny_model
 
 QUESTIONS = [("Is ice cold?", ["Yes", "No", "Warm"], 0), ("Is fire cold?", ["Yes", "No", "Wet"], 1),
@@ -139,8 +140,9 @@ def test_a_bundle_without_recipe_still_loads_as_adapted(tmp_path):
 
 
 @pytest.mark.needs_data
-def test_published_fit_on_the_embedded_model_steers_layer_12_of_30(truthfulqa_session):  # noqa: F811 (the fixture)
+def test_published_fit_on_the_embedded_model_steers_layer_12_of_30(truthfulqa_session):  # conftest: 20 TruthfulQA questions
     session, data, config = truthfulqa_session
+    data = dataclasses.replace(data, train=data.train[:10])  # 8 questions to fit, 2 to validate: the recipe on the real model
     bundle = caa.CAA.fit(session, data, config, {"recipe": "published"}, seed=0)
     hp, diag = bundle.config["hyperparameters"], bundle.config["diagnostics"]
     assert bundle.layer == 12 and hp["multiplier"] == 1.0 and bundle.tensors["vector"].shape == (576,)

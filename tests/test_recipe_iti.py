@@ -4,6 +4,8 @@ computation: scikit-learn's logistic regression, NL-ITI's probe as torch.nn modu
 head by head, numpy's mass mean and population std, the heads' outputs read from the whole
 sequence, and the answer-only shift against hooks on the heads themselves."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -240,13 +242,11 @@ def test_in_generation_an_answer_shift_starts_with_the_first_generated_token():
 
 
 @pytest.mark.needs_data
-def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270():
-    from mari_eval.data import make_splits
-    from mari_eval.train import Session, attribute_data, provenance
-
-    session = Session("smollm2-135m-instruct")
-    data = attribute_data(session, "truthfulqa", seed=0, max_train=20, max_ctrl=1)
-    config = provenance(session, "truthfulqa", 0, make_splits("truthfulqa", 0), [ex.id for ex in data.train])
+def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270(truthfulqa_session):
+    session, data, config = truthfulqa_session  # conftest: the embedded model on 20 TruthfulQA questions
+    # 10 of them (8 to fit, 2 to validate) suffice for the recipe's pieces on the real model's 270 heads; the
+    # head outputs of every answer of every question are most of the fit's time.
+    data = dataclasses.replace(data, train=data.train[:10])
     fitted = iti.ITI.fit(session, data, config, {"recipe": "published"}, seed=0)
     hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
     assert hp["num_heads"] == 13 and fitted.tensors["directions"].shape == (13, 64) and hp["shift_from"] == "answer"
