@@ -25,6 +25,8 @@ Attributes and their examples:
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import platform
 import random
@@ -38,7 +40,8 @@ import torch
 from mari_eval import data, devices, memory, runner, site
 from mari_eval.devices import Placement
 from mari_eval.plan import Plan, VariantEdit, VariantRun
-from mari_eval.prefix_cache import Prefix, broadcast_cache, common_prefix, encode_prefix, joined, own_part, with_cache
+from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, joined, own_part,
+                                   with_cache)
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
@@ -160,21 +163,66 @@ class Session:
         plan = memory.plan(need, max(0, self.memory_budget - self.memory_held))
         (log.info if plan.keep_caches else log.warning)(plan.describe(f"encoding {desc}"))
         shared = encode_prefix(self.model, common)
-        for ex in tqdm(examples, desc=f"encoding {desc}", leave=False):
-            prefix = encode_prefix(self.model, ex.context[:-1], base=shared)
-            ex.shared, ex.own = shared, own_part(prefix, shared) if plan.keep_caches else None
-            ex.lower = ex.hidden = None
-            rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
-            if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows))):
-                states = runner.lower_states(self.model, prefix, rows, self.layer)
-                ex.lower = states if plan.keep_lower else None
-                ex.hidden = states[0][0] if plan.keep_lower else states[0][0].clone()
-            elif lower:  # rows crossing a sliding window run whole (runner): only the site state is kept
-                ids = torch.tensor([ex.context], device=self.device)
-                ex.hidden = site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0]
+        # Models whose layers all see the whole prompt encode several examples per pass (``_encode_packed``).
+        packed = runner.packable(self.model, 10**9, 1) and _full_attention_only(shared)
+        for batch in tqdm(_example_batches(examples, len(common), self.max_tokens) if packed else [[ex] for ex in examples],
+                          desc=f"encoding {desc}", leave=False):
+            if not (packed and self._encode_packed(batch, shared, plan, lower)):
+                for ex in batch:
+                    self._encode_one(ex, shared, plan, lower)
         self.memory_held += need.shared_bytes + (need.cache_bytes if plan.keep_caches else 0) + \
             (need.lower_bytes if plan.keep_lower else 0)
         return plan
+
+    def _encode_one(self, ex: Example, shared: Prefix, plan: memory.Plan, lower: bool) -> None:
+        """``prepare``'s work on one example: its prompt over the shared preamble, its rows up to l*."""
+        prefix = encode_prefix(self.model, ex.context[:-1], base=shared)
+        ex.shared, ex.own = shared, own_part(prefix, shared) if plan.keep_caches else None
+        ex.lower = ex.hidden = None
+        rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
+        if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows))):
+            states = runner.lower_states(self.model, prefix, rows, self.layer)
+            ex.lower = states if plan.keep_lower else None
+            ex.hidden = states[0][0] if plan.keep_lower else states[0][0].clone()
+        elif lower:  # rows crossing a sliding window run whole (runner): only the site state is kept
+            ids = torch.tensor([ex.context], device=self.device)
+            ex.hidden = site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0]
+
+    def _encode_packed(self, batch: list[Example], shared: Prefix, plan: memory.Plan, lower: bool) -> bool:
+        """``_encode_one`` for several examples in two packed passes: their own prompt tokens after the
+        preamble in one pass through the model, then all their option rows in one pass up to l*. Each
+        token sees the preamble, its own example's prompt and its own row's earlier tokens only (as the
+        runner packs one prompt's rows), at its own positions: the same caches and states as one
+        example at a time, in a few large matrix products instead of many small ones. False (nothing
+        done) when the pass left a layer that does not hold every token (a sliding window)."""
+        P, model = len(shared.tokens), self.model
+        owns = [list(ex.context[P:-1]) for ex in batch]
+        spans = _spans(list(map(len, owns)))
+        cache = broadcast_cache(shared.cache, 1)
+        if spans[-1][1]:  # some example has prompt tokens of its own
+            inputs = _packed_inputs(model, P, [o for o in owns if o], [], [P] * sum(map(bool, owns)))
+            cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
+            if not _full_attention_only(Prefix((), cache)):
+                return False
+        for ex, own, (a, b) in zip(batch, owns, spans):
+            ex.shared, ex.own, ex.lower, ex.hidden = shared, None, None, None
+            if own and plan.keep_caches:
+                ex.own = Prefix(tuple(ex.context[:-1]), _cache_slice(cache, P + a, P + b))
+        if not lower:
+            return True
+        rows = [[ex.context[-1]] + option[:-1] for ex in batch for option in ex.options]
+        row_spans = [span for ex, span in zip(batch, spans) for _ in ex.options]
+        inputs = _packed_inputs(model, P, rows, row_spans, [len(ex.context) - 1 for ex in batch for _ in ex.options])
+        length = inputs["input_ids"].shape[1]
+        everywhere = (torch.zeros(length, dtype=torch.long, device=self.device), torch.arange(length, device=self.device))
+        states = site.states_after(model, self.layer, everywhere, **with_cache(model, broadcast_cache(cache, 1)),
+                                   use_cache=cache is not None, **inputs)
+        by_row = iter(states.split([len(r) for r in rows]))
+        for ex in batch:
+            ex_states = [next(by_row) for _ in ex.options]
+            ex.lower = ex_states if plan.keep_lower else None
+            ex.hidden = ex_states[0][0] if plan.keep_lower else ex_states[0][0].clone()
+        return True
 
     def prefix(self, ex: Example) -> Prefix:
         """The frozen model's cache of ``ex``'s prompt before p*: the shared preamble's joined
@@ -226,6 +274,71 @@ class Session:
         return runner.score_variants(self.model, self.prefix(ex), ex.context[-1], ex.options, plan,
                                      max_tokens=self.max_tokens,
                                      lower=(self.layer, ex.lower) if ex.lower is not None else None)
+
+
+def _example_batches(examples: list[Example], shared: int, max_tokens: int) -> list[list[Example]]:
+    """``examples`` in order, cut into batches whose own prompt tokens (after the ``shared`` preamble)
+    and whose option rows each add up to at most ``max_tokens`` (one example alone may exceed it)."""
+    batches: list[list[Example]] = []
+    own = rows = 0
+    for ex in examples:
+        n, m = len(ex.context) - 1 - shared, sum(map(len, ex.options))
+        if batches and own + n <= max_tokens and rows + m <= max_tokens:
+            batches[-1].append(ex)
+            own, rows = own + n, rows + m
+        else:
+            batches.append([ex])
+            own, rows = n, m
+    return batches
+
+
+def _spans(lengths: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive pieces of the given lengths."""
+    return [(stop - n, stop) for stop, n in zip(itertools.accumulate(lengths), lengths)]
+
+
+def _packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
+                   first: list[int]) -> dict[str, torch.Tensor]:
+    """Token ids, positions and attention mask of ``rows`` packed in one sequence after a cache of
+    ``past`` shared tokens followed by (with ``context``) packed prompts: row i sees the shared tokens,
+    the cached tokens ``past + context[i]`` (its example's own prompt), and its own earlier tokens;
+    its tokens stand at positions ``first[i]``, ``first[i] + 1``... (``runner``'s packing, for rows
+    of several prompts)."""
+    device, dtype = devices.input_device(model), model.dtype
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+    offset = torch.arange(int(lengths.sum()), device=device) - starts[row_of]
+    own = (row_of[:, None] == row_of[None, :]) & (offset[None, :] <= offset[:, None])
+    parts = [torch.ones(len(row_of), past, dtype=torch.bool, device=device)]
+    if context:
+        span = torch.tensor(context, device=device)[row_of]  # [T, 2]
+        col = torch.arange(int(span[:, 1].max()) if len(span) else 0, device=device)
+        parts.append((col[None, :] >= span[:, :1]) & (col[None, :] < span[:, 1:]))
+    allowed = torch.cat([*parts, own], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    positions = torch.tensor(first, device=device)[row_of] + offset
+    return {"input_ids": torch.tensor([[t for r in rows for t in r]], device=device),
+            "attention_mask": mask[None, None], "position_ids": positions[None]}
+
+
+def _full_attention_only(prefix: Prefix) -> bool:
+    """Whether every layer of ``prefix``'s cache holds every token (none is a sliding window)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return prefix.cache is None or all(type(layer) is DynamicLayer for layer in prefix.cache.layers)
+
+
+def _cache_slice(cache, start: int, stop: int):
+    """A copy of ``cache`` holding the tokens ``start:stop`` only (full-attention layers), as
+    ``prefix_cache.own_part`` holds an example's part beyond the shared preamble."""
+    new = copy.copy(cache)
+    new.layers = []
+    for layer in cache.layers:
+        layer = copy.copy(layer)
+        layer.keys, layer.values = layer.keys[..., start:stop, :].clone(), layer.values[..., start:stop, :].clone()
+        new.layers.append(layer)
+    return new
 
 
 def _token_batches(rows: list[list[int]], max_tokens: int) -> list[list[list[int]]]:

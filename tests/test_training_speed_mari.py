@@ -4,7 +4,7 @@ the slow path it replaced (kept here as a reference): the same numbers to 1e-5."
 import pytest
 import torch
 
-from mari_eval import site
+from mari_eval import site, train
 from mari_eval.mari_equations import pca_basis
 
 from .test_reliability import _tiny_session
@@ -41,3 +41,61 @@ def test_pca_states_over_the_shared_preamble_equal_each_prompt_run_whole(family,
     for odd in ([[5, 6, 7]], [[5, 6], [5, 6, 7, 8], [9]], [prompts[0][:10], prompts[0]]):
         torch.testing.assert_close(session.hidden_of_prompts(odd), _reference_hidden_of_prompts(session, odd),
                                    atol=1e-5, rtol=1e-5)
+
+
+def _reference_prepare(session, examples):
+    """``Session.prepare`` as it was: one example at a time over the shared preamble."""
+    from mari_eval import memory, runner
+    from mari_eval.prefix_cache import encode_prefix, own_part
+
+    common, _, _ = memory.token_counts(examples)
+    shared = encode_prefix(session.model, common)
+    for ex in examples:
+        prefix = encode_prefix(session.model, ex.context[:-1], base=shared)
+        ex.shared, ex.own = shared, own_part(prefix, shared)
+        rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
+        ex.lower = runner.lower_states(session.model, prefix, rows, session.layer)
+        ex.hidden = ex.lower[0][0]
+
+
+def _examples(preamble, n=7):
+    from mari_eval.train import Example
+
+    gen = torch.Generator().manual_seed(4)
+    draw = lambda k: torch.randint(1, 97, (k,), generator=gen).tolist()
+    out = []
+    for i in range(n):
+        own = draw(int(torch.randint(0, 6, (), generator=gen))) if i else []  # the first: nothing beyond the preamble
+        options = [draw(int(torch.randint(1, 5, (), generator=gen))) for _ in range(2 + i % 3)]
+        out.append(Example(f"ex{i}", preamble + own + draw(1), options, i % 2))
+    return out
+
+
+@pytest.mark.parametrize("preamble", [[7, 3, 9, 12, 4, 40, 41, 5], []])  # a shared preamble, or none at all
+@pytest.mark.parametrize("max_tokens", [1024, 12])  # one packed pass, or several
+def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tokens):
+    import copy
+
+    from mari_eval import runner
+    from mari_eval.plan import Plan
+
+    session = _tiny_session(tiny_model("llama"))
+    session.max_tokens, session.memory_budget = max_tokens, 2**30
+    examples = _examples(preamble)
+    assert (len(train._example_batches(examples, len(preamble), max_tokens)) > 1) == (max_tokens < 100)
+    reference = copy.deepcopy(examples)
+    _reference_prepare(session, reference)
+    session.prepare(examples, "packed")
+    assert (examples[0].own is None) == (reference[0].own is None)
+    plan = Plan.at_site(session.model, session.layer, lambda h, ids: h * (1 + ids[:, None].float()), [runner.BASE, 0, 1])
+    for ex, ref in zip(examples, reference):
+        cache, expected = session.prefix(ex).cache, session.prefix(ref).cache
+        assert (cache is None) == (expected is None)  # None: a one-token prompt has nothing before p*
+        for a, b in zip(cache.layers if cache else [], expected.layers if expected else []):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+        assert len(ex.lower) == len(ref.lower)
+        for a, b in zip(ex.lower, ref.lower):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ex.hidden, ref.hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(session.score(ex, plan).logprobs, session.score(ref, plan).logprobs, atol=1e-5, rtol=1e-5)
