@@ -120,6 +120,9 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
         return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
 
     shared = shared_length(fit_examples, hp["first"], hp["last"]) if hp["dropout"] == 0 else 0
+    # Several prompts per pass where every layer sees the whole prompt; with dropout, one at a time, so
+    # that the masks are drawn in the same order as ever.
+    packed = hp["dropout"] == 0 and runner.packable(session.model, 10**9, 1)
 
     def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
         # The batch's token-mean NLL, as Hugging Face's causal-LM loss (``batch_gradient``);
@@ -132,7 +135,7 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
 
         plan = Plan((0,), lambda variant_ids, positions: edits_at_layers(session.model, layers, edit_at, positions))
         sites = lambda length: pyreft_positions(length, hp["first"], hp["last"])
-        total, grads = batch_gradient(session, batch, plan, sites, params, shared)
+        total, grads = batch_gradient(session, batch, plan, sites, params, shared, packed)
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads.values()))
         scale = min(1.0, hp["max_grad_norm"] / (float(norm) + 1e-6))
         for group in optimizer.param_groups:
@@ -193,7 +196,7 @@ def shared_length(examples: list[Example], first: int, last: int) -> int:
 
 
 def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Callable[[int], list[int]],
-                   params: dict[str, torch.Tensor], shared: int) -> tuple[float, dict[str, torch.Tensor]]:
+                   params: dict[str, torch.Tensor], shared: int, packed: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """(token-mean NLL of the batch's answers, its gradient for ``params``) with ``plan``'s edits at
     ``sites(prompt length)`` of each prompt and at p*.
 
@@ -202,6 +205,10 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
     the same edits for every example, e.g. a few-shot preamble) run once per step: each example
     reads their cache as leaf tensors, its gradients for them are summed, and one backward
     pass takes the sum through the shared part. Same numbers as running each prompt whole.
+
+    ``packed`` (models whose layers all see the whole prompt, no dropout): the examples' prompts and
+    answers run packed in one sequence per ``session.max_tokens`` tokens (``packed_nll``), so memory
+    holds one such group instead of one example; the same numbers to float rounding.
     """
     from transformers.cache_utils import DynamicLayer
 
@@ -223,15 +230,20 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
         leaf_head = Prefix(head.tokens, _with_tensors(head.cache, carried))
         leaf_grads = [torch.zeros_like(t) for t in leaves]
     total = 0.0
-    for ex in batch:
-        positions = sites(len(ex.context))
-        if head is None:
-            prefix = encode_prefix(model, ex.context[:-1], apply=plan.apply, sites=positions)
+    start = len(head.tokens) if head is not None else 0
+    packed = packed and (head is not None or not shared)  # a sliding-window head: one prompt at a time
+    for group in _token_groups(batch, start, session.max_tokens) if packed else [[ex] for ex in batch]:
+        if packed:
+            part = packed_nll(model, leaf_head if head is not None else None, group, plan, sites) / tokens
         else:
-            prefix = _extended(model, leaf_head, ex.context[:-1], [p - shared for p in positions if p >= shared], plan)
-        answer = answer_of(ex)
-        run = runner.score_variants(model, prefix, ex.context[-1], [answer], plan, max_tokens=session.max_tokens)
-        part = -run.logprobs[0, 0] / tokens
+            (ex,) = group
+            positions = sites(len(ex.context))
+            if head is None:
+                prefix = encode_prefix(model, ex.context[:-1], apply=plan.apply, sites=positions)
+            else:
+                prefix = _extended(model, leaf_head, ex.context[:-1], [p - shared for p in positions if p >= shared], plan)
+            run = runner.score_variants(model, prefix, ex.context[-1], [answer_of(ex)], plan, max_tokens=session.max_tokens)
+            part = -run.logprobs[0, 0] / tokens
         inputs = list(params.values()) + (leaves or [])
         # retain_graph: R's orthonormalisation (and the shared part) is shared by the batch's
         # examples; the example's own graph is freed when ``part`` and ``run`` are rebound.
@@ -249,6 +261,55 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
             if g is not None:
                 grads[k] += g
     return total, grads
+
+
+def _token_groups(batch: list[Example], start: int, max_tokens: int) -> list[list[Example]]:
+    """``batch`` in order, cut into groups whose prompts after ``start`` and answers add up to at
+    most ``max_tokens`` tokens (one example alone may exceed it)."""
+    groups: list[list[Example]] = []
+    size = 0
+    for ex in batch:
+        n = len(ex.context) - start + len(answer_of(ex)) - 1
+        if groups and size + n <= max_tokens:
+            groups[-1].append(ex)
+            size += n
+        else:
+            groups.append([ex])
+            size = n
+    return groups
+
+
+def packed_nll(model: torch.nn.Module, head: Prefix | None, group: list[Example], plan: Plan,
+               sites: Callable[[int], list[int]]) -> torch.Tensor:
+    """The summed NLL of ``group``'s answers, each after its prompt, in one forward pass: every
+    example's prompt after ``head`` (the cache of the tokens all share, or None), its p* and its
+    answer, packed in one sequence where each token sees ``head`` and its own example's earlier
+    tokens only, at its own positions, under ``plan``'s edits at ``sites(prompt length)`` and at p*
+    (what ``_extended`` and ``runner.score_variants`` run for one example)."""
+    from mari_eval.prefix_cache import broadcast_cache, with_cache
+    from mari_eval.train import packed_inputs
+
+    start = len(head.tokens) if head is not None else 0
+    rows = [list(ex.context[start:]) + answer_of(ex)[:-1] for ex in group]
+    inputs = packed_inputs(model, start, rows, [], [start] * len(rows))
+    offsets = [0]
+    for row in rows[:-1]:
+        offsets.append(offsets[-1] + len(row))
+    edited, scored, targets = [], [], []
+    for ex, offset in zip(group, offsets):
+        p_star = len(ex.context) - 1
+        edited += [offset + p - start for p in sites(len(ex.context)) if p >= start] + [offset + p_star - start]
+        scored += range(offset + p_star - start, offset + p_star - start + len(answer_of(ex)))
+        targets += answer_of(ex)
+    device = inputs["input_ids"].device
+    cols = torch.tensor(edited, device=device)
+    cache = broadcast_cache(head.cache, 1) if head is not None else None
+    with plan.apply(None, (torch.zeros_like(cols), cols)):
+        # Logits of the answers' positions only: the prompts' would be thrown away.
+        logits = model(**with_cache(model, cache), use_cache=cache is not None, **inputs,
+                       logits_to_keep=torch.tensor(scored, device=device)).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return -logprobs.gather(-1, torch.tensor(targets, device=logprobs.device)[:, None]).sum()
 
 
 def _with_tensors(cache, tensors: list[torch.Tensor]):

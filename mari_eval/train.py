@@ -200,7 +200,7 @@ class Session:
         spans = _spans(list(map(len, owns)))
         cache = broadcast_cache(shared.cache, 1)
         if spans[-1][1]:  # some example has prompt tokens of its own
-            inputs = _packed_inputs(model, P, [o for o in owns if o], [], [P] * sum(map(bool, owns)))
+            inputs = packed_inputs(model, P, [o for o in owns if o], [], [P] * sum(map(bool, owns)))
             cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
             if not _full_attention_only(Prefix((), cache)):
                 return False
@@ -212,7 +212,7 @@ class Session:
             return True
         rows = [[ex.context[-1]] + option[:-1] for ex in batch for option in ex.options]
         row_spans = [span for ex, span in zip(batch, spans) for _ in ex.options]
-        inputs = _packed_inputs(model, P, rows, row_spans, [len(ex.context) - 1 for ex in batch for _ in ex.options])
+        inputs = packed_inputs(model, P, rows, row_spans, [len(ex.context) - 1 for ex in batch for _ in ex.options])
         length = inputs["input_ids"].shape[1]
         everywhere = (torch.zeros(length, dtype=torch.long, device=self.device), torch.arange(length, device=self.device))
         states = site.states_after(model, self.layer, everywhere, **with_cache(model, broadcast_cache(cache, 1)),
@@ -297,13 +297,13 @@ def _spans(lengths: list[int]) -> list[tuple[int, int]]:
     return [(stop - n, stop) for stop, n in zip(itertools.accumulate(lengths), lengths)]
 
 
-def _packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
+def packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
                    first: list[int]) -> dict[str, torch.Tensor]:
     """Token ids, positions and attention mask of ``rows`` packed in one sequence after a cache of
     ``past`` shared tokens followed by (with ``context``) packed prompts: row i sees the shared tokens,
     the cached tokens ``past + context[i]`` (its example's own prompt), and its own earlier tokens;
     its tokens stand at positions ``first[i]``, ``first[i] + 1``... (``runner``'s packing, for rows
-    of several prompts)."""
+    of several prompts; ReFT's published fit packs a batch's prompts with it)."""
     device, dtype = devices.input_device(model), model.dtype
     lengths = torch.tensor([len(r) for r in rows], device=device)
     starts = torch.cumsum(lengths, 0) - lengths
