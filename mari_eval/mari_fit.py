@@ -9,13 +9,14 @@ entropy-routed expert, gate ignored) lowers its task loss below the base model's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import gate_labels, generation, runner
+from mari_eval import devices, gate_labels, generation, runner
 from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       routed_loss, run_energy)
@@ -120,6 +121,28 @@ def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tenso
 
 
 @torch.no_grad()
+def routing_entropies(model: torch.nn.Module, prompt: list[int], plan: Plan, window: int) -> torch.Tensor:
+    """u_k of eq:entropy_gen for ``prompt`` under each variant of ``plan`` ([V]), over ``window`` greedy
+    steps, by inference's own generation path (``generation.generate_variants``): the prompt before
+    p* is computed once for all the variants, where ``generation.routing_entropy`` ran it whole
+    once per variant."""
+    seen: list[torch.Tensor] = []
+
+    def choose(run: runner.VariantRun) -> tuple[int, dict[str, Any]]:
+        seen.append(run.entropy)
+        return plan.variants[0], {}
+
+    ids = torch.tensor([list(prompt)], device=devices.input_device(model))
+    # One prompt: nothing is padded but what follows an end-of-sequence token, which is not read here.
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else model.generation_config.eos_token_id
+    pad = (pad[0] if pad else None) if isinstance(pad, (list, tuple)) else pad
+    generation.generate_variants(model, ids, torch.ones_like(ids), dataclasses.replace(plan, choose=choose, window=window),
+                                 max_length=ids.shape[1] + window, do_sample=False, pad_token_id=pad if pad is not None else 0)
+    return seen[0]
+
+
+@torch.no_grad()
 def calibrate(session: Session, examples: list[Example], tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
     """Energies of D_ctrl, its loss and flip applicability labels (routed expert and single adapter;
     mari_eval.gate_labels), routing agreement."""
@@ -139,7 +162,7 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
         energies.append(float(run_energy(run, K + 1, layers)))
         expert_rows = [run.row(k) for k in range(K)]
         if ex.gold is None:  # generation: route as inference does, over the first T_ent greedy steps
-            u = generation.routing_entropy(session.model, ex.context, experts, hp["T_ent"])
+            u = routing_entropies(session.model, ex.context, experts, hp["T_ent"])
         else:
             u = option_entropy(run.logprobs[expert_rows])
         losses = task_losses(run.logprobs, ex.gold)

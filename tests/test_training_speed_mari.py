@@ -99,3 +99,22 @@ def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tok
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ex.hidden, ref.hidden, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(session.score(ex, plan).logprobs, session.score(ref, plan).logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("eos", [None, 7])  # with an end-of-sequence token, rows may stop inside the window
+def test_generation_routing_over_a_prompt_computed_once_equals_each_variant_run_whole(eos):
+    from mari_eval import generation, mari_fit
+    from mari_eval.mari_equations import lowrank_delta
+    from mari_eval.plan import Plan
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = eos
+    gen = torch.Generator().manual_seed(6)
+    U, V, b = torch.randn(3, 32, 2, generator=gen), torch.randn(3, 32, 2, generator=gen), torch.randn(3, 2, generator=gen)
+    edit = lambda h, ids: h + 3 * lowrank_delta(h, U[ids], V[ids], b[ids])
+    plan = Plan.at_site(model, 1, edit, [0, 1, 2])
+    for prompt in ([5, 9, 33, 2, 71, 12], [40]):
+        expected = generation.routing_entropy(model, prompt, plan, window=4)  # each variant's prompt run whole
+        got = mari_fit.routing_entropies(model, prompt, plan, window=4)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert len(set(got.tolist())) > 1  # the experts route differently
