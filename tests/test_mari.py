@@ -430,7 +430,7 @@ def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
     out = tmp_path / "bundle"
     train = subprocess.run(
         ["mari-eval", "train", "--attribute", "truthfulqa", "--K", "2", "--epochs", "1", "--max-train", "8",
-         "--max-ctrl", "6", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
+         "--max-ctrl", "6", "--max-pca", "20", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "experts (K=2) epoch 1: routed loss" in train.stderr and "gate: tau_E" in train.stderr
     config = json.loads((out / "bundle.json").read_text())
