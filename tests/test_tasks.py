@@ -260,7 +260,10 @@ def test_bbq_disambig_covers_the_available_categories(tasks):
 def test_bbq_disambig_heldout_is_exactly_the_test_split(tasks):
     task = tasks["bbq_disambig_heldout"]
     splits = data.make_splits("bbq", 0)
-    assert _ids(task) == splits.test
+    assert sorted(_ids(task)) == sorted(splits.test) and len(_ids(task)) == len(splits.test)
+    # dealt round-robin over the categories (a first-N limit spreads over them)
+    categories = _column(task, "category")
+    assert len(set(categories[: len(set(categories))])) == len(set(categories))
     assert not (set(splits.pca) | set(splits.train) | set(splits.ctrl)) & set(splits.test)
     assert set(_column(task, "context_condition")) == {"disambig"}
     assert set(_column(task, "split_seed")) == {0}
