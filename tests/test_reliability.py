@@ -430,17 +430,17 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
 @pytest.mark.parametrize("damage", ['{"metrics": {"acc,none": 0.5}, "n": 2', '{"metrics": {"acc,none": 0.5}, "n": 2}',
                                     "\udcff", "[]"])
 def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog, damage):
-    """Not JSON, missing "seconds", not UTF-8, not an object: evaluated again (it is a cache of what this
+    """Not JSON, missing "seconds" (or "documents"), not UTF-8, not an object: evaluated again (it is a cache of what this
     run can recompute), where it raised JSONDecodeError or KeyError: 'seconds' before."""
-    from repro import cache
+    from repro import cache, scoring
 
     calls = []
 
-    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement):
+    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
         calls.append(tasks)
-        return {t: {"metrics": {"acc,none": 0.75}, "n": limit, "seconds": 4.0} for t in tasks}
+        return {t: {"metrics": {"acc,none": 0.75}, "n": limit, "seconds": 4.0, "documents": {}} for t in tasks}
 
-    monkeypatch.setattr(cache, "_evaluate", evaluate)
+    monkeypatch.setattr(scoring, "evaluate", evaluate)
     store = cache.Store(tmp_path)
     first = store.evaluations("smollm2-135m-instruct", ["arc_easy", "arc_challenge"], 2)
     (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
