@@ -141,8 +141,13 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     reference = {r["row"]: r for r in uninterrupted["models"][model]["rows"]}
     rows = [row for row in result["models"][model]["rows"] if row["row"] in reference]
     assert [row["row"] for row in rows] == ["Vanilla", "MARI"]
-    for row in rows:  # every cell equals the uninterrupted run's (which has no CAA row)
-        assert {c: row["ours"][c] for c in columns} == {c: reference[row["row"]]["ours"][c] for c in columns}, row["row"]
+    # Every cell equals the uninterrupted run's (which has no CAA row); Holm's adjusted p depends
+    # on how many tests the table makes (CAA's add some), so it is left out of the comparison.
+    holm = ("p_holm", "significant_holm")
+    same = lambda cell: {k: v if k != "difference" or v is None else {d: x for d, x in v.items() if d not in holm}
+                         for k, v in cell.items()}  # noqa: E731
+    for row in rows:
+        assert {c: same(row["ours"][c]) for c in columns} == {c: same(reference[row["row"]]["ours"][c]) for c in columns}, row["row"]
         assert {c: row["n"][c] for c in columns} == {c: reference[row["row"]]["n"][c] for c in columns}
     bundles = [p for p in (runs / "bundles").iterdir()]
     assert all("." not in p.name for p in bundles)  # no half-trained bundle or checkpoint left behind
