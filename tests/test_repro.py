@@ -181,8 +181,10 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
         assert rows[-3:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)"]
     if script == "sensitivity.py":  # the rho sweep per labelling, the alpha_probe axis (issue 22)
         rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
-        assert list(rows) == ["K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
-                              "alpha_probe=0.5"]
+        assert list(rows) == ["Vanilla", "K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
+                              "alpha_probe=0.5"]  # Vanilla: the reference of the paired tests (issue 26)
+        assert rows["Vanilla"]["ours"]["tqa_mc1"]["difference"] is None
+        assert rows["K=4"]["ours"]["tqa_mc1"]["difference"]["reference"] == "Vanilla"
         assert rows["K=4"]["ours"] == rows["alpha_probe=1.0"]["ours"]  # the same bundle and evaluation
         for row in rows.values():
             assert all(v is None or 0 <= v <= 1 for c in ("auroc_loss", "auroc_source") for v in row["ours"][c]["values"])
