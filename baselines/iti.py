@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import contextlib
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -143,17 +143,26 @@ def probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor
                                             + b2[:, None]).T
     else:
         raise ValueError(f"probe kind {kind!r}: use 'linear' or 'mlp'")
+    return fit_probes(logits, params, x_fit, y_fit, x_val, y_val)
+
+
+Logits = Callable[..., torch.Tensor]  # (features, *params) -> [N, G] logits, one column per probe
+
+
+def fit_probes(logits: Logits, params: list[torch.Tensor], x_fit: torch.Tensor, y_fit: torch.Tensor,
+               x_val: torch.Tensor, y_val: torch.Tensor) -> torch.Tensor:
+    """Train ``params`` (G probes at once) with class-balanced Adam; their balanced accuracy on the validation set: [G]."""
     for p in params:
         p.requires_grad_(True)
     # Class-balanced weights: one correct continuation per question against several wrong ones.
     pos = y_fit.mean().clamp(1e-3, 1 - 1e-3)
-    weight = torch.where(y_fit > 0.5, 0.5 / pos, 0.5 / (1 - pos))[:, None].expand(-1, groups)
+    weight = torch.where(y_fit > 0.5, 0.5 / pos, 0.5 / (1 - pos))[:, None]
     opt = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
     with torch.enable_grad():
         for _ in range(PROBE_STEPS):
             opt.zero_grad()
             out = logits(x_fit, *params)
-            F.binary_cross_entropy_with_logits(out, y_fit[:, None].expand_as(out), weight=weight).backward()
+            F.binary_cross_entropy_with_logits(out, y_fit[:, None].expand_as(out), weight=weight.expand_as(out)).backward()
             opt.step()
     with torch.no_grad():
         hit = (logits(x_val, *params) > 0) == (y_val[:, None] > 0.5)

@@ -124,9 +124,7 @@ def test_grid_variants_in_one_run_equal_each_cells_shift_alone(family):
 
 
 def _reference_probe_accuracy(x_fit, y_fit, x_val, y_val, kind, seed):
-    """``iti.probe_accuracy`` as it was: einsums over [N, G, d] features."""
-    import torch.nn.functional as F
-
+    """``iti.probe_accuracy`` as it was: einsums over [N, G, d] features (the same training loop)."""
     gen = torch.Generator().manual_seed(seed)
     mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
     x_fit, x_val = (x_fit - mean) / std, (x_val - mean) / std
@@ -138,20 +136,7 @@ def _reference_probe_accuracy(x_fit, y_fit, x_val, y_val, kind, seed):
         params = [torch.randn(groups, dim, iti.MLP_WIDTH, generator=gen) / dim**0.5, torch.zeros(groups, iti.MLP_WIDTH),
                   torch.randn(groups, iti.MLP_WIDTH, generator=gen) / iti.MLP_WIDTH**0.5, torch.zeros(groups)]
         logits = lambda x, w1, b1, w2, b2: torch.einsum("ngm,gm->ng", torch.relu(torch.einsum("ngd,gdm->ngm", x, w1) + b1), w2) + b2
-    for p in params:
-        p.requires_grad_(True)
-    pos = y_fit.mean().clamp(1e-3, 1 - 1e-3)
-    weight = torch.where(y_fit > 0.5, 0.5 / pos, 0.5 / (1 - pos))[:, None].expand(-1, groups)
-    opt = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
-    for _ in range(iti.PROBE_STEPS):
-        opt.zero_grad()
-        out = logits(x_fit, *params)
-        F.binary_cross_entropy_with_logits(out, y_fit[:, None].expand_as(out), weight=weight).backward()
-        opt.step()
-    with torch.no_grad():
-        hit = (logits(x_val, *params) > 0) == (y_val[:, None] > 0.5)
-        pos_val = y_val > 0.5
-        return 0.5 * (hit[pos_val].float().mean(0) + hit[~pos_val].float().mean(0))
+    return iti.fit_probes(logits, params, x_fit, y_fit, x_val, y_val)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
