@@ -113,6 +113,7 @@ class Store:
         # Seconds each step used by this process took when it was computed (now or by an earlier
         # run): a table read back from the cache in seconds still says what it cost.
         self.step_seconds: dict[str, float] = {}
+        self._fingerprints: dict[Path, str] = {}  # of the bundles evaluated, read once (a stored bundle does not change)
 
     def compute_seconds(self) -> float:
         return round(sum(self.step_seconds.values()), 1)
@@ -159,6 +160,7 @@ class Store:
                 raise
             shutil.rmtree(tmp)  # another run finished the same bundle first; the same configuration gives the same bundle
         self.computed.append(final.name)
+        self._fingerprints.pop(final, None)  # trained again: read its fingerprint afresh
         return self._used_bundle(final, _cached_bundle_config(final) or {})
 
     def _used_bundle(self, final: Path, config: dict) -> Path:
@@ -173,7 +175,9 @@ class Store:
         if bundle is not None:
             from mari_eval.methods import load_bundle
 
-            fingerprint = load_bundle(bundle).fingerprint()
+            if bundle not in self._fingerprints:
+                self._fingerprints[bundle] = load_bundle(bundle).fingerprint()
+            fingerprint = self._fingerprints[bundle]
         paths, configs = {}, {}
         for task in tasks:
             configs[task] = _with_placement(
@@ -188,7 +192,11 @@ class Store:
                 model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> list[str]:
         """The tasks of this evaluation not stored yet (or to recompute under --force)."""
         paths, _ = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
-        return [t for t in tasks if (self.force and paths[t].name not in self.computed) or _cached_evaluation(paths[t]) is None]
+        return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t]))]
+
+    def _to_compute(self, path: Path, stored: dict | None) -> bool:
+        """Whether an evaluation is (re)computed: not stored, or --force and not yet computed by this run."""
+        return stored is None or (self.force and path.name not in self.computed)
 
     def evaluations(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
                     model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0,
@@ -198,7 +206,7 @@ class Store:
         model (``lm``: a MariLM built for this bundle and model_args, e.g. joined to a shared pass)."""
         paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
         stored = {t: _cached_evaluation(paths[t]) for t in tasks}
-        missing = [t for t in tasks if stored[t] is None or (self.force and paths[t].name not in self.computed)]
+        missing = [t for t in tasks if self._to_compute(paths[t], stored[t])]
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
                      f", {model_args}" if model_args else "", describe(self.placement))
