@@ -166,8 +166,9 @@ def _difference_text(difference: dict | None, digits: int) -> str:
     if difference is None:
         return "n/a"
     mark = "†" if difference["significant_holm"] else "*" if difference["significant"] else ""
-    return (f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} "
-            f"p={difference['p']:.3f}{mark}")
+    p = difference["p"]
+    p_text = "p<0.001" if p < 0.0005 else f"p={p:.3f}"  # never "p=0.000": an exact test's p is above 0
+    return f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} {p_text}{mark}"
 
 
 def _digits(column: str) -> int:

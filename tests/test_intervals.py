@@ -118,3 +118,12 @@ def test_tables_carry_intervals_paired_differences_and_a_plot(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["uncertainty"]["reference"] == "Vanilla"
     assert (tmp_path / "t_differences.png").stat().st_size > 0
     assert (tmp_path / "t.tex").read_text().count("\\begin{tabular}") == 2
+
+
+def test_a_difference_prints_p_below_a_thousandth_as_such():
+    from repro.tables import _difference_text
+
+    tiny = {"mean": 4.67, "ci": [2.33, 7.33], "p": 1.2e-4, "significant": True, "significant_holm": True}
+    assert _difference_text(tiny, 2).endswith("p<0.001†")
+    assert "p=0.000" not in _difference_text(tiny, 2)
+    assert _difference_text({**tiny, "p": 0.0125, "significant_holm": False}, 2).endswith("p=0.013*")
