@@ -25,10 +25,12 @@ from mari_eval.plan import ApplyEdits
 
 @dataclass
 class Prefix:
-    """The frozen model's key/value cache of ``tokens`` (None when there are none)."""
+    """The key/value cache of ``tokens`` (None when there are none): the frozen model's, or,
+    with ``sites``, the model's under an edit at those positions (``encode_prefix``)."""
 
     tokens: tuple[int, ...]
     cache: object | None
+    sites: tuple[int, ...] = ()
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:
@@ -58,25 +60,31 @@ def encode_prefix(
     """The cache of ``tokens``; when ``base`` holds a prefix of them, only the rest is computed.
 
     With ``sites`` (positions in ``tokens``), the forward pass runs under ``apply``'s edit
-    at those positions (``Intervention.prompt_sites``); gradients then flow if enabled.
+    at those positions (``Intervention.prompt_sites``); gradients then flow if enabled. A
+    ``base`` extended under an edit must have been computed under the same edit at exactly
+    the sites that lie in it (``base.sites``): an edit of one position's state alone (ReFT's)
+    then gives the base's tokens the same keys and values in both prompts.
     """
-    tokens = tuple(tokens)
+    tokens, sites = tuple(tokens), tuple(sorted(sites))
     if len(tokens) == 0:
         return Prefix((), None)
     device = devices.input_device(model)
     cache, start = None, 0
     if base is not None and base.cache is not None and len(base.tokens) < len(tokens) and tokens[: len(base.tokens)] == base.tokens:
-        if sites:
-            raise ValueError("a prompt edited before p* cannot extend a shared prefix cache")
-        cache, start = broadcast_cache(base.cache, 1), len(base.tokens)  # extends a copy; base is never written
+        start = len(base.tokens)
+        if base.sites != tuple(s for s in sites if s < start):
+            raise ValueError(f"a prompt edited at {list(sites)} cannot extend a prefix cache edited at {list(base.sites)}: "
+                             "the edited positions within the prefix must be the same")
+        cache = broadcast_cache(base.cache, 1)  # extends a copy; base is never written
     edit = contextlib.nullcontext()
-    if sites:
-        cols = torch.tensor(sorted(sites), device=device)
+    cols = [s - start for s in sites if s >= start]  # positions in the part computed now
+    if cols:
+        cols = torch.tensor(cols, device=device)
         edit = apply(None, (torch.zeros_like(cols), cols))
     with torch.set_grad_enabled(bool(sites) and torch.is_grad_enabled()), edit:
         out = model(input_ids=torch.tensor([tokens[start:]], device=device), **with_cache(model, cache), use_cache=True,
                     logits_to_keep=1)
-    return Prefix(tokens, cache_of(out))
+    return Prefix(tokens, cache_of(out), sites)
 
 
 class PrefixCache:
@@ -107,19 +115,19 @@ class PrefixCache:
         top = self.path[-1] if self.path else None
         branch = common_prefix([self.last.tokens, tokens])
         if len(branch) < len(tokens) and len(branch) - (len(top.tokens) if top else 0) >= self.min_shared:
-            top = _truncated(self.last, len(branch)) or encode_prefix(self.model, branch, base=top)
+            top = truncated(self.last, len(branch)) or encode_prefix(self.model, branch, base=top)
             self.path = (self.path + [top])[-self.max_depth:]
         self.last = encode_prefix(self.model, tokens, base=top)
         return self.last
 
 
-def _truncated(prefix: Prefix, length: int) -> Prefix | None:
+def truncated(prefix: Prefix, length: int) -> Prefix | None:
     """``prefix`` cut to its first ``length`` tokens, reading its cache (full-attention layers only, else None)."""
     if prefix.cache is None or not all(map(_full_attention, prefix.cache.layers)):
         return None  # a sliding-window layer no longer holds the early tokens
     cache = cache_rows(prefix.cache, [0])
     cache.crop(length - len(prefix.tokens))
-    return Prefix(prefix.tokens[:length], cache)
+    return Prefix(prefix.tokens[:length], cache, tuple(s for s in prefix.sites if s < length))
 
 
 def own_part(prefix: Prefix, shared: Prefix) -> Prefix | None:

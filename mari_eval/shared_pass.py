@@ -54,7 +54,7 @@ import torch
 
 from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan, VariantRun
-from mari_eval.prefix_cache import Prefix, PrefixCache, encode_prefix
+from mari_eval.prefix_cache import Prefix, PrefixCache, common_prefix, truncated, encode_prefix
 
 if TYPE_CHECKING:
     from mari_eval.methods import Intervention
@@ -80,18 +80,31 @@ class OwnRuns:
 
 
 class EditedPrefix:
-    """The prompt before p* under a plan that edits it (``plan.prompt_sites``: ReFT), computed
-    per prompt; the same prompt again at once (TruthfulQA's mc1 and mc2 of a doc) is not recomputed."""
+    """The prompt before p* under a plan that edits it (``plan.prompt_sites``: ReFT).
 
-    def __init__(self, model: torch.nn.Module, plan: Plan):
-        self.model, self.plan = model, plan
+    The previous prompt's cache is reused up to the first position where the two differ,
+    in their tokens or in whether the plan edits that position: ReFT edits each site's own
+    state, so the tokens before that point have the same keys and values in both prompts
+    (a few-shot preamble, edited at its first tokens, is computed once). The same prompt
+    again at once (TruthfulQA's mc1 and mc2 of a doc) is not recomputed.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, min_shared: int = 32):
+        self.model, self.plan, self.min_shared = model, plan, min_shared
         self.last: Prefix | None = None
 
     def encode(self, context: Sequence[int]) -> Prefix:
         tokens = tuple(context[:-1])
-        if self.last is None or self.last.tokens != tokens:  # the sites depend on the prompt's length only
-            sites = self.plan.prompt_sites(len(context))
-            self.last = encode_prefix(self.model, tokens, apply=self.plan.apply, sites=sites)
+        if self.last is not None and self.last.tokens == tokens:  # the sites depend on the prompt's length only
+            return self.last
+        sites = self.plan.prompt_sites(len(context))
+        base = None
+        if self.last is not None:
+            same = len(common_prefix([self.last.tokens, tokens]))
+            shared = min([same, len(tokens) - 1, *set(self.last.sites).symmetric_difference(sites)])
+            if shared >= self.min_shared:
+                base = truncated(self.last, shared)
+        self.last = encode_prefix(self.model, tokens, base=base, apply=self.plan.apply, sites=sites)
         return self.last
 
 

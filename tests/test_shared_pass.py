@@ -182,3 +182,34 @@ def test_the_shared_pass_is_refused_for_another_model_or_as_a_model_arg(model, t
         MariLM(pretrained=other, tokenizer=tokenizer, device="cpu", dtype="float32", shared_pass=shared)
     with pytest.raises(TypeError, match="cannot be given in --model_args"):
         MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", shared_pass="yes")
+
+
+def test_reft_reuses_its_edited_preamble_and_answers_as_if_each_prompt_were_encoded_anew(model, tokenizer, bundles):
+    from mari_eval import runner
+    from mari_eval.prefix_cache import encode_prefix
+    from mari_eval.shared_pass import EditedPrefix
+
+    reft = _lm(model, tokenizer, bundles, "reft", {})
+    plan = reft.plan
+    preamble = tokenizer(PREAMBLE * 2)["input_ids"]  # 2 x 2 few-shot answers: a preamble past min_shared
+    prompts = [preamble + tokenizer(f"Q: {q}\nA:")["input_ids"] for q, _, _ in QUESTIONS]
+    options = [tokenizer(o)["input_ids"] for o in QUESTIONS[0][1]]
+    assert plan.prompt_sites(len(prompts[0]))[:2] == [0, 1]  # the preamble's first tokens are edited
+
+    def scores(prefixes: EditedPrefix) -> tuple[list, int]:
+        counter = PrefixEncodings(model)
+        try:
+            out = [runner.score_variants(model, prefixes.encode(p), p[-1], options, plan, 1024).logprobs for p in prompts]
+        finally:
+            counter.remove()
+        return out, counter.tokens
+
+    reused, reused_tokens = scores(EditedPrefix(model, plan))
+    anew, anew_tokens = scores(EditedPrefix(model, plan, min_shared=10**9))  # nothing reused
+    for a, b in zip(reused, anew):
+        assert torch.allclose(a, b, atol=1e-5)
+    # the preamble (with its edited first tokens) was encoded once instead of once per prompt
+    assert anew_tokens - reused_tokens >= (len(prompts) - 1) * (len(preamble) - 2)
+    # ... and it carries the edit: over the frozen model's prefix, ReFT's answers differ
+    frozen = runner.score_variants(model, encode_prefix(model, prompts[1][:-1]), prompts[1][-1], options, plan, 1024).logprobs
+    assert (frozen - reused[1]).abs().max() > 1e-4
