@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 EMBEDDED_CONCURRENCY = 1
 # ... and on CPU a verdict takes seconds: a judging step of a few hundred gets an hour.
 EMBEDDED_DEADLINE = 3600
+# ... and every token it writes costs: a compliant verdict ("#thescore: 1", the whole answer the
+# judge prompt asks for) is about 6 tokens, and the 135M judge otherwise writes on to the cap
+# (64 tokens: 4-5 s a verdict; 16: about 1 s).
+EMBEDDED_MAX_TOKENS = 16
 
 
 # Run argv[2:] in place of this process once the kernel is told to send it SIGTERM when its
@@ -80,11 +84,13 @@ class EmbeddedServer:
 
     def config(self, **kwargs) -> JudgeConfig:
         return JudgeConfig(base_url=self.base_url, model=self.model,
-                           **{"concurrency": EMBEDDED_CONCURRENCY, "deadline": EMBEDDED_DEADLINE, **kwargs})
+                           **{"concurrency": EMBEDDED_CONCURRENCY, "deadline": EMBEDDED_DEADLINE,
+                              "max_tokens": EMBEDDED_MAX_TOKENS, **kwargs})
 
     def env(self) -> dict[str, str]:
         """The environment variables that point the SORRY-Bench tasks at this server."""
         return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
+                "MARI_JUDGE_MAX_TOKENS": os.environ.get("MARI_JUDGE_MAX_TOKENS") or str(EMBEDDED_MAX_TOKENS),
                 ENV_DEADLINE: os.environ.get(ENV_DEADLINE) or str(EMBEDDED_DEADLINE)}
 
     def start(self) -> "EmbeddedServer":
