@@ -86,19 +86,22 @@ PROFILES = {
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
-    # The embedded model on 2 CPU cores within the hour from an empty runs/: seeded subsets of 24
+    # The embedded model on 2 CPU cores in about an hour from an empty runs/: seeded subsets of 24
     # training examples per attribute; D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / 100
-    # BBQ / 45 SORRY-Bench hold-outs, each with 100 ARC-Easy. Test documents: the first 300 of the
-    # 535 held-out TruthfulQA questions, 210 BBQ disambiguated ones (30 in each of its 7 local
-    # categories: the held-out task deals them round-robin), 16 SORRY-Bench prompts (one in each of
-    # the first 16 categories), 2 questions per MMLU subject (114), the first 50 ARC-Easy and
-    # 50 ARC-Challenge test questions, 20 GSM8K. Sized by measured cost on a quiet machine (all six
-    # rows through the shared pass): about 2.4 s per TruthfulQA question (MC1 + MC2), 1.1 s per BBQ
-    # question, 2.3 s per MMLU question, 4 s per ARC question (its 25-shot prompts share nothing).
+    # BBQ / 45 SORRY-Bench hold-outs, each with 100 ARC-Easy. Test documents: all 535 held-out
+    # TruthfulQA questions, 504 BBQ disambiguated ones (72 in each of its 7 local categories: the
+    # held-out task deals them round-robin), 60 SORRY-Bench prompts (round-robin over its 45
+    # categories), 10 questions per MMLU subject (570), the first 200 ARC-Easy and 200
+    # ARC-Challenge test questions, 20 GSM8K. ARC goes through arc_*_first25: the same 25 shots
+    # (the first 25 train questions) before every question, computed once, where lm-eval's arc
+    # tasks draw 25 anew per question (the large profile keeps those; README: ARC's shots).
+    # Measured on a quiet machine, all six rows through the shared pass: about 1.2-1.4 s per
+    # TruthfulQA or ARC question, 1.1 s per BBQ question.
     "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, None,
-                     {"truthfulqa_mc1_heldout": 300, "truthfulqa_mc2_heldout": 300, "bbq_disambig_heldout": 210,
-                      "sorry_bench_heldout": 16, "mmlu": 2, "arc_easy": 50, "arc_challenge": 50, "gsm8k": 20},
-                     max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128}),
+                     {"truthfulqa_mc1_heldout": None, "truthfulqa_mc2_heldout": None, "bbq_disambig_heldout": 504,
+                      "sorry_bench_heldout": 60, "mmlu": 10, "arc_easy": 200, "arc_challenge": 200, "gsm8k": 20},
+                     max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
+                     tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"}),
     # Issue 26.2's sizes on the embedded model (several hours on 2 CPU cores; minutes on a GPU):
     # every held-out TruthfulQA question (535 for seed 0), 504 BBQ (72 per category), 10 per MMLU subject (570), 200 + 200 ARC, 90 SORRY-Bench prompts
     # (2 per category), 50 GSM8K; TruthfulQA's whole D_train (100), a seeded 100 of BBQ's 882,
