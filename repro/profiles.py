@@ -102,10 +102,10 @@ PROFILES = {
                       "sorry_bench_heldout": 60, "mmlu": 10, "arc_easy": 200, "arc_challenge": 200, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
                      tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"}),
-    # Issue 26.2's sizes on the embedded model (several hours on 2 CPU cores; minutes on a GPU):
-    # every held-out TruthfulQA question (535 for seed 0), 504 BBQ (72 per category), 10 per MMLU subject (570), 200 + 200 ARC, 90 SORRY-Bench prompts
-    # (2 per category), 50 GSM8K; TruthfulQA's whole D_train (100), a seeded 100 of BBQ's 882,
-    # SORRY-Bench's whole D_train (45).
+    # The quick profile's test sizes with ARC through lm-eval's own arc tasks (25 shots drawn per
+    # question), 90 SORRY-Bench prompts (2 per category), 50 GSM8K, and larger training sets:
+    # TruthfulQA's whole D_train (100), a seeded 100 of BBQ's 882, SORRY-Bench's whole D_train (45).
+    # Hours on 2 CPU cores; minutes on a GPU.
     "large": Profile("large", ["smollm2-135m-instruct"], [0], {"truthfulqa": 100, "bbq": 100, "sorry_bench": 45}, None,
                      {"truthfulqa_mc1_heldout": None, "truthfulqa_mc2_heldout": None, "bbq_disambig_heldout": 504,
                       "sorry_bench_heldout": 90, "mmlu": 10, "arc_easy": 200, "arc_challenge": 200, "gsm8k": 50},

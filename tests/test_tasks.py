@@ -337,6 +337,26 @@ def test_arc_is_25_shot_from_train(name, tasks):
     assert len(shots) == 25 and set(shots) <= train_questions
 
 
+@pytest.mark.parametrize("name", ["arc_easy", "arc_challenge"])
+def test_arc_first25_puts_the_first_25_train_questions_before_every_question(name, tasks, tm):
+    fixed = tm.load([f"{name}_first25"])["tasks"][f"{name}_first25"]
+    task = tasks[name]
+    assert _ids(fixed) == _ids(task) and fixed.config.num_fewshot == 25
+    first25 = [r["question"] for r in data.load_arc(name, "train")[:25]]
+    preambles = set()
+    for doc, same in zip(list(fixed.eval_docs)[:3], list(task.eval_docs)[:3]):
+        context = fixed.fewshot_context(doc, num_fewshot=25)
+        blocks = context.split("\n\n")
+        assert [b.split("\nAnswer:")[0].removeprefix("Question: ") for b in blocks[:-1]] == first25
+        assert blocks[-1] == task.doc_to_text(same) and fixed.doc_to_choice(doc) == task.doc_to_choice(same)
+        assert fixed.doc_to_target(doc) == task.doc_to_target(same)
+        preambles.add("\n\n".join(blocks[:-1]))
+    assert len(preambles) == 1  # one preamble for all: a prefix cache computes it once
+    # ... where lm-eval's arc task draws each question's shots anew
+    drawn = {task.fewshot_context(doc, num_fewshot=25).rsplit("\n\n", 1)[0] for doc in list(task.eval_docs)[:3]}
+    assert len(drawn) == 3
+
+
 def test_gsm8k_is_5_shot_from_train(tasks):
     task = tasks["gsm8k"]
     assert task.config.num_fewshot == 5
