@@ -160,6 +160,11 @@ class MARI(Intervention):
         applicable = self.applicable(self.labels, single=experts == "single")  # refuses unknown or missing labels
         self.tau = energy_threshold(self.tensors["ctrl_energy"], applicable, self.rho) if self.gate else -math.inf
 
+    def edit_fingerprint(self) -> str:
+        """The bundle's alone: the options (gate, rho, labels, experts) choose which variants run and
+        answer, and the gate's threshold, but never change a variant's edit."""
+        return self.fingerprint()
+
     def applicable(self, labels: str, single: bool = False) -> torch.Tensor:
         """Which D_ctrl examples are applicable under ``labels`` (mari_eval.gate_labels)."""
         return gate_labels.control_labels(self.tensors, self.ctrl_sources, labels, single)

@@ -242,6 +242,11 @@ class Intervention(ABC):
         given = json.dumps(sorted(self.options.items()), default=str)
         return hashlib.sha256(f"{self.fingerprint()}:{given}".encode()).hexdigest()[:16]
 
+    def edit_fingerprint(self) -> str:
+        """What fixes each variant's edit: runs with the same one compute the same rows for a variant
+        (``shared_pass`` computes them once). The bundle and every option, unless a method says less."""
+        return self.cache_fingerprint()
+
     def configure(self, **options: Any) -> None:
         """Apply typed evaluation options (methods with ``option_fields`` override this)."""
 

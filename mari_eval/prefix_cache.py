@@ -126,7 +126,8 @@ def truncated(prefix: Prefix, length: int) -> Prefix | None:
     if prefix.cache is None or not all(map(_full_attention, prefix.cache.layers)):
         return None  # a sliding-window layer no longer holds the early tokens
     cache = cache_rows(prefix.cache, [0])
-    cache.crop(length - len(prefix.tokens))
+    if length < len(prefix.tokens):  # crop(0) is a no-op only in newer transformers (older ones read it as "keep 0")
+        cache.crop(length - len(prefix.tokens))
     return Prefix(prefix.tokens[:length], cache, tuple(s for s in prefix.sites if s < length))
 
 

@@ -42,6 +42,7 @@ def score_variants(
     max_tokens: int = 1024,
     lower: tuple[int, list[torch.Tensor]] | None = None,
     untouched: Untouched | None = None,
+    known: Sequence[VariantRun] = (),
 ) -> VariantRun:
     """Log-likelihood of every continuation after ``prefix + [last_token]`` under every variant of ``plan``.
 
@@ -52,6 +53,9 @@ def score_variants(
     edits are at ``layer`` or above; training reuses them across experts and epochs).
     ``untouched`` (``score_untouched`` of the same rows) answers the BASE rows instead of
     running them again (``mari_eval.shared_pass``: one untouched run for several methods).
+    ``known``: other runs of the same rows under the same edits (``shared_pass``: MARI's rows
+    over one bundle that differ only in their gate); a variant one of them computed, with the
+    states at p* this plan captures, is copied from it rather than run again.
 
     The rows run in three stages:
 
@@ -82,9 +86,9 @@ def score_variants(
             kept = lower_states(model, prefix, options, keep_after)
     if kept is not None:
         lower = (keep_after, kept)
-    rows.run(probes, lower)
+    rows.run(rows.take_known(probes, known), lower)
     if answering and (plan.screen is None or plan.screen(rows.result())):
-        rows.run(answering, lower)
+        rows.run(rows.take_known(answering, known), lower)
     return rows.result()
 
 
@@ -171,6 +175,33 @@ class _Rows:
                     raise ValueError(f"the untouched run holds no state at p* after layer {layer}, which this plan "
                                      f"reads (plan.capture): compute it with score_untouched(capture=...) naming {layer}")
                 self.states[layer][v_idx] = untouched.run.site[layer][0]
+
+    def take_known(self, of: list[int], known: Sequence[VariantRun]) -> list[int]:
+        """The variant indices of ``of`` that no run of ``known`` holds; those it holds (scored, with a
+        state at p* after every captured layer) are copied from it: scores, greedy flags, states."""
+        missing = []
+        for v_idx in of:
+            variant = self.plan.variants[v_idx]
+            source = next((run for run in known if self._holds(run, variant)), None)
+            if source is None:
+                missing.append(v_idx)
+                continue
+            row = source.row(variant)
+            if variant not in self.plan.site_only:
+                for m in range(len(self.continuations)):
+                    self.scores[v_idx, m] = source.logprobs[row, m]
+                    self.flags[v_idx, m] = bool(source.greedy[row, m])
+            for layer in self.states:
+                self.states[layer][v_idx] = source.site[layer][row]
+        return missing
+
+    def _holds(self, run: VariantRun, variant: int) -> bool:
+        if variant not in run.variants:
+            return False
+        row = run.row(variant)
+        if variant not in self.plan.site_only and (run.logprobs is None or variant not in (run.scored or ())):
+            return False  # its options were not scored there (a site-only row, or behind a closed gate)
+        return all(layer in run.site and not bool(run.site[layer][row].isnan().all()) for layer in self.states)
 
     def result(self) -> VariantRun:
         variants, n_var, n_opt = self.plan.variants, len(self.plan.variants), len(self.continuations)

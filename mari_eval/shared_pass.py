@@ -14,7 +14,9 @@ only); on the first request of a question group (context and options) it compute
   lowest untouched layer;
 * every joined method's ``VariantRun`` over that prefix (``runner.score_variants``), its
   BASE rows read from the untouched run and its edited rows starting from the untouched
-  states below its edit (``lower``). A method that edits the prompt before p*
+  states below its edit (``lower``), and a variant another joined run of the same edit
+  (``Intervention.edit_fingerprint``: MARI's rows over one bundle that differ in their gate,
+  rho or labels) has computed copied from it (``known``). A method that edits the prompt before p*
   (``plan.prompt_sites``: ReFT) cannot share the prefix: its run is computed on its own.
 
 It hands back the asking method's run and keeps the others, each dropped once its method
@@ -117,6 +119,7 @@ class Member:
     plan: Plan
     below: int | None  # the highest layer whose output the method never edits (None: every layer may be)
     edited: EditedPrefix  # a method that edits the prompt (ReFT): its own prefixes
+    edit: str | None  # what its variants' edits are (Intervention.edit_fingerprint); None: vanilla
     started: bool = False  # whether it has asked for a run (its evaluation has begun)
     # Its last question group and run: a group asked again at once (TruthfulQA's mc1 and mc2 of a
     # doc whose two option lists are the same: MariLM visits them one after the other) is not recomputed.
@@ -147,7 +150,8 @@ class SharedPass:
         if any(m.started for m in self.members):
             log.warning("a method joined the shared pass after another began its evaluation: its runs of the "
                         "questions already computed are computed on demand; build every MariLM before evaluating")
-        member = Member(self, len(self.members), plan, _untouched_below(plan, intervention), EditedPrefix(model, plan))
+        edit = None if intervention is None else intervention.edit_fingerprint()
+        member = Member(self, len(self.members), plan, _untouched_below(plan, intervention), EditedPrefix(model, plan), edit)
         self.members.append(member)
         return member
 
@@ -201,12 +205,20 @@ class SharedPass:
                 capture = sorted({layer for m in sharing for layer in m.plan.capture})
                 untouched = runner.score_untouched(self.model, prefix, last, continuations, capture, keep, self.max_tokens)
                 self.stats["untouched"] += 1
+            # Runs of one edit capture the union of their layers, so each can lend its variants to the next.
+            computed: dict[str, list[VariantRun]] = {}
             for m in sharing:
                 lower = None
                 if untouched is not None and m.below in untouched.below:
                     lower = (m.below, untouched.below[m.below])
-                runs[m.index] = runner.score_variants(self.model, prefix, last, continuations, m.plan, self.max_tokens,
-                                                      lower=lower, untouched=untouched)
+                same = [o for o in sharing if o.edit is not None and o.edit == m.edit]
+                plan = dataclasses.replace(m.plan, capture=tuple(sorted({layer for o in same for layer in o.plan.capture})))
+                known = computed.setdefault(m.edit, []) if m.edit is not None else []
+                run = runner.score_variants(self.model, prefix, last, continuations, plan, self.max_tokens,
+                                            lower=lower, untouched=untouched, known=known)
+                known.append(run)
+                runs[m.index] = dataclasses.replace(run, site={layer: run.site[layer] for layer in m.plan.capture
+                                                               if layer in run.site})
         return runs
 
 

@@ -213,3 +213,55 @@ def test_reft_reuses_its_edited_preamble_and_answers_as_if_each_prompt_were_enco
     # ... and it carries the edit: over the frozen model's prefix, ReFT's answers differ
     frozen = runner.score_variants(model, encode_prefix(model, prompts[1][:-1]), prompts[1][-1], options, plan, 1024).logprobs
     assert (frozen - reused[1]).abs().max() > 1e-4
+
+
+def test_mari_rows_over_one_bundle_compute_each_expert_and_probe_row_once(model, tokenizer, bundles, monkeypatch,
+                                                                          tmp_path):
+    from collections import Counter
+
+    from mari_eval.mari import MARI
+
+    from .test_mari import _bundle
+
+    # The fixture's MARI bundle with every control energy midway between the questions' energies:
+    # tau_E lies there at any rho, so the gate opens on some questions and not on others.
+    _, records, _ = _evaluate(_lm(model, tokenizer, bundles, "mari", {}), _requests(), model)
+    energies = sorted({r["energy"] for r in records})
+    midway = torch.full((20,), (energies[0] + energies[-1]) / 2)
+    bundles = {"mari": str(_bundle(K=3, d=model.config.hidden_size, layers=site.num_layers(model), layer=1,
+                                   energies=midway).save(tmp_path / "mari"))}
+
+    edited = Counter()  # variant id -> rows MARI's edit was applied to
+    original = MARI.edit_variants
+
+    def counting(self, hidden, variant_ids):
+        edited.update(variant_ids.tolist())
+        return original(self, hidden, variant_ids)
+
+    monkeypatch.setattr(MARI, "edit_variants", counting)
+    rows = [{}, {"gate": "false"}, {"rho": "0.5"}, {"experts": "single"}]  # the ablation's and sensitivity's rows
+
+    def experts_and_probe() -> tuple[int, int]:
+        counts = dict(edited)
+        edited.clear()
+        return sum(n for v, n in counts.items() if v < 3), counts.get(4, 0)  # K = 3: experts 0..2, single 3, probe 4
+
+    alone, counts = [], []
+    for options in rows:
+        alone.append(_evaluate(_lm(model, tokenizer, bundles, "mari", options), _requests(), model))
+        counts.append(experts_and_probe())
+    shared = SharedPass(model)
+    lms = [_lm(model, tokenizer, bundles, "mari", options, shared) for options in rows]
+    together = [_evaluate(lm, _requests(), model) for lm in lms]
+    experts, probes = experts_and_probe()
+
+    for options, (answers, records, _), (got, got_records, _) in zip(rows, alone, together):
+        assert [x for x, _ in got] == pytest.approx([x for x, _ in answers], abs=1e-5), options
+        assert _close(got_records, records), (options, got_records, records)
+    assert {r["gate_open"] for r in alone[0][1]} == {True, False}
+    # Together: each distinct group's expert rows once (the gate-free row needs them all; the gated
+    # rows take theirs), and its probe row once for both gated rows. Alone, every row ran its own
+    # (and each method ran the repeated group again).
+    option_rows = sum(len(o) for _, o in {(q, tuple(o)) for q, mc1, mc2 in QUESTIONS for o in (mc1, mc2)})
+    assert experts == 3 * option_rows and probes == DISTINCT_GROUPS
+    assert sum(e for e, _ in counts) > counts[1][0] > experts and counts[0][1] == counts[2][1] > probes
