@@ -46,19 +46,25 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def bundles(model, tmp_path_factory):
+    return tiny_bundles(model, tmp_path_factory.mktemp("bundles"))
+
+
+def tiny_bundles(model, root, closed_gate: bool = False) -> dict[str, str]:
+    """A small bundle of CAA, ITI, MARI (K = 3; ``closed_gate``: one that never opens) and ReFT for
+    ``model``, saved under ``root``: name -> its directory."""
     from baselines import reft
 
     from .test_baselines import _caa, _iti
     from .test_mari import _bundle
 
-    root = tmp_path_factory.mktemp("bundles")
     d, layers = model.config.hidden_size, site.num_layers(model)
     g = torch.Generator().manual_seed(0)
     R = reft.orthonormal_rows(torch.randn(2, d, generator=g))
+    never = dict(energies=torch.full((20,), 1e9), applicable=torch.zeros(20, dtype=torch.uint8)) if closed_gate else {}
     made = {
         "caa": _caa(d=d, layers=layers, layer=2, multiplier=3.0),
         "iti": _iti(model, heads=((2, 0), (2, 3), (3, 1)), alpha=6.0),
-        "mari": _bundle(K=3, d=d, layers=layers, layer=1),
+        "mari": _bundle(K=3, d=d, layers=layers, layer=1, **never),
         "reft": reft.ReFT({"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": 2},
                            "hyperparameters": {"first": 2, "last": 2}},
                           {"R": R, "W": R + 0.5 * torch.randn(2, d, generator=g), "b": torch.randn(2, generator=g)}),
