@@ -23,6 +23,9 @@ import torch
 from mari_eval import devices
 from mari_eval.plan import ApplyEdits
 
+MIN_SHARED = 32  # tokens a common prefix must save to be kept and reused (PrefixCache, shared_pass.EditedPrefix)
+
+
 @dataclass
 class Prefix:
     """The key/value cache of ``tokens`` (None when there are none): the frozen model's, or,
@@ -100,7 +103,7 @@ class PrefixCache:
     bounded by the path (at most ``max_depth`` entries), not by the number of prompts.
     """
 
-    def __init__(self, model: torch.nn.Module, min_shared: int = 32, max_depth: int = 4):
+    def __init__(self, model: torch.nn.Module, min_shared: int = MIN_SHARED, max_depth: int = 4):
         self.model, self.min_shared, self.max_depth = model, min_shared, max_depth
         self.path: list[Prefix] = []
         self.last = Prefix((), None)

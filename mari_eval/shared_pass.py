@@ -56,7 +56,7 @@ import torch
 
 from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan, VariantRun
-from mari_eval.prefix_cache import Prefix, PrefixCache, common_prefix, truncated, encode_prefix
+from mari_eval.prefix_cache import MIN_SHARED, Prefix, PrefixCache, common_prefix, encode_prefix, truncated
 
 if TYPE_CHECKING:
     from mari_eval.methods import Intervention
@@ -91,7 +91,7 @@ class EditedPrefix:
     again at once (TruthfulQA's mc1 and mc2 of a doc) is not recomputed.
     """
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, min_shared: int = 32):
+    def __init__(self, model: torch.nn.Module, plan: Plan, min_shared: int = MIN_SHARED):
         self.model, self.plan, self.min_shared = model, plan, min_shared
         self.last: Prefix | None = None
 
