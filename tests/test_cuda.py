@@ -1,4 +1,4 @@
-"""On a CUDA GPU: the lm-eval class, every method and the shared pass where users run them.
+"""On a CUDA GPU: the lm-eval class, every method, its training and the shared pass where users run them.
 
 Skipped without a GPU (CI has none). A random Llama (GQA, 8 layers, d = 256) and a
 byte-level tokenizer built in memory, so the module needs no download and no embedded model:
@@ -143,3 +143,34 @@ def test_a_device_map_over_the_gpu_and_the_cpu_scores_like_the_gpu_alone(model, 
     assert {str(d) for d in spread.model.hf_device_map.values()} == {"0", "cpu"}
     assert _worst(_scores(one), _scores(spread)) <= 1e-4
     assert one.generate_until(_generations()) == spread.generate_until(_generations())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tokenizer, tmp_path_factory):
+    """The random model and its tokenizer saved as a checkpoint directory (what training loads)."""
+    path = tmp_path_factory.mktemp("checkpoint")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.needs_data
+@pytest.mark.parametrize("method", ["mari", "caa", "iti", "nl_iti", "reft"])
+def test_every_method_trains_in_bf16_on_cuda_and_its_bundle_scores(checkpoint, method, tmp_path):
+    from mari_eval import methods
+    from mari_eval.devices import Placement
+    from mari_eval.train import train
+
+    placement = Placement(dtype="bfloat16", device="cuda")
+    path = train(method, "truthfulqa", checkpoint, seed=0, out=tmp_path / method, max_train=8, max_ctrl=8, max_pca=16,
+                 placement=placement)
+    bundle = methods.load_bundle(path)  # on the CPU, float32, whatever it was trained on
+    assert all(t.device.type == "cpu" and torch.isfinite(t.float()).all() for t in bundle.tensors.values()
+               if t.is_floating_point())
+    # MARI's gate, calibrated on 8 control examples of a random model, may stay shut: its experts are scored
+    experts = {"gate": "false"} if method == "mari" else {}
+    edited = MariLM(pretrained=checkpoint, bundle=str(path), **placement.model_args(), **experts)
+    vanilla = MariLM(pretrained=checkpoint, **placement.model_args())
+    assert edited.model.device.type == "cuda" and edited.model.dtype == torch.bfloat16
+    ours, base = _scores(edited), _scores(vanilla)
+    assert all(torch.isfinite(torch.tensor(ours))) and ours != base
