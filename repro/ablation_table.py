@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from repro import cache, profiles, scoring, tables
-from repro.profiles import BENCHMARKS
+from repro.profiles import BENCHMARKS, KEYWORD_REFUSAL
+
+COLUMNS = BENCHMARKS + [KEYWORD_REFUSAL]  # the keyword rate needs no judge: the SORRY-Bench column a reader can use
 
 def labels_args(labels: str) -> str:
     """The model args of EG-MARI with its gate calibrated on ``labels`` (the bundle's own, loss: none)."""
@@ -36,7 +38,7 @@ VARIANTS = {  # row label (the paper's, then ours) -> MariLM model_args; None: t
 }
 
 
-def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> dict:
     from tqdm import tqdm
 
     cells: dict = {}
@@ -60,7 +62,7 @@ def paper_figures(model: str):
 def main(argv: list[str] | None = None) -> int:
     args, profile, store, command = profiles.start(__doc__, "ablation_table.py", argv)
     started = time.time()
-    columns = profiles.select(BENCHMARKS, args.columns)
+    columns = profiles.select(COLUMNS, args.columns)
     cells = run(profile, store, columns)
     intro = ("Ours: mean ± std over seeds; n = test documents per cell. The paper ablates Llama-3-8B and "
              "Qwen2.5-14B/32B; its column is Llama-3-8B here: a different, far larger model.")

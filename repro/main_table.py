@@ -31,8 +31,7 @@ from pathlib import Path
 from repro import cache, profiles, scoring, recipes, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
-# Beside the judged refusal rate: the keyword rate (no judge needed), ours only.
-EXTRA = [("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")]
+EXTRA = [profiles.KEYWORD_REFUSAL]
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,

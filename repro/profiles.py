@@ -31,6 +31,8 @@ BENCHMARKS = [
     ("arc_e", "arc_easy", "acc,none", "truthfulqa"),
     ("arc_c", "arc_challenge", "acc,none", "truthfulqa"),
 ]
+# Beside the judged refusal rate: the keyword rate of the same generations (no judge needed), ours only.
+KEYWORD_REFUSAL = ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k"}
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
