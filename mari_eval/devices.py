@@ -5,6 +5,8 @@ a parameter is a meta tensor; the device is named by accelerate's hook.)"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,3 +97,22 @@ def weight_of(model: nn.Module, module: nn.Module) -> torch.Tensor:
                 except KeyError:
                     continue
     raise SiteError(f"The weight of {target} is offloaded and no accelerate hook holds its values")
+
+
+@contextlib.contextmanager
+def subnormals_flushed() -> Iterator[bool]:
+    """CPU arithmetic with subnormal floats (below 1.2e-38 in float32) read and written as zero
+    while the block runs (``torch.set_flush_denormal``: x86's FTZ/DAZ; GPUs are unaffected).
+
+    Training needs it for speed only: as MARI's experts train, subnormal values appear in the
+    backward pass and each CPU instruction that meets one is many times slower. On TruthfulQA's
+    100 training questions (2 cores) the expert epochs took 46, 55 and 69 s; flushed, 47, 47 and
+    45 s, with the same losses to five digits. Numbers that small add nothing a float32 sum keeps.
+    Yields whether the CPU supports it; turned off again afterwards (torch's default; it has no getter).
+    """
+    supported = torch.set_flush_denormal(True)
+    try:
+        yield supported
+    finally:
+        if supported:
+            torch.set_flush_denormal(False)

@@ -506,17 +506,18 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training
     torch.manual_seed(seed)
     t0 = time.time()
-    session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
-    attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
-    log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
-    config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
-    config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
-    if max_pca is not None:
-        config["splits"]["max_pca"] = max_pca
-    run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}
-    session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
-                                           hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
-    intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
+    with devices.subnormals_flushed():  # speed only (see there)
+        session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
+        attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
+        log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
+        config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
+        config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
+        if max_pca is not None:
+            config["splits"]["max_pca"] = max_pca
+        run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}
+        session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
+                                               hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
+        intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
     intervention.config["train_seconds"] = round(time.time() - t0, 1)
     path = intervention.save(out)
     session.checkpoints.clear()

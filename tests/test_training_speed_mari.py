@@ -118,3 +118,28 @@ def test_generation_routing_over_a_prompt_computed_once_equals_each_variant_run_
         got = mari_fit.routing_entropies(model, prompt, plan, window=4)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         assert len(set(got.tolist())) > 1  # the experts route differently
+
+
+def test_training_runs_with_subnormals_flushed_and_turns_it_off_after(tmp_path, monkeypatch):
+    from mari_eval import devices
+
+    subnormal = torch.tensor([1e-39])  # below float32's smallest normal number, 1.18e-38
+    with devices.subnormals_flushed() as supported:
+        flushed = float(subnormal * 1.0)
+    if not supported:
+        pytest.skip("this CPU cannot flush subnormals")
+    assert flushed == 0.0 and float(subnormal * 1.0) > 0.0
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def session(*args, **kwargs):  # where training loads the model: stop there, noting the arithmetic in force
+        seen.append(float(subnormal * 1.0))
+        raise Loaded
+
+    monkeypatch.setattr(train, "Session", session)
+    with pytest.raises(Loaded):
+        train.train("caa", "truthfulqa", "smollm2-135m-instruct", 0, tmp_path / "bundle")
+    assert seen == [0.0] and float(subnormal * 1.0) > 0.0
