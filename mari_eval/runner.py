@@ -199,7 +199,7 @@ class _Rows:
         if variant not in run.variants:
             return False
         row = run.row(variant)
-        if variant not in self.plan.site_only and (run.logprobs is None or variant not in (run.scored or ())):
+        if variant not in self.plan.site_only and (run.logprobs is None or not run.was_scored(variant)):
             return False  # its options were not scored there (a site-only row, or behind a closed gate)
         return all(layer in run.site and not bool(run.site[layer][row].isnan().all()) for layer in self.states)
 

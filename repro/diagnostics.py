@@ -28,11 +28,11 @@ from mari_eval.gate_labels import LABELINGS
 from mari_eval.mari_equations import energy_threshold
 from repro import cache, profiles, scoring, tables
 from repro.ablation_table import labels_args
-from repro.profiles import BENCHMARKS
+from repro.profiles import BENCHMARKS, KEYWORD_REFUSAL
 
 TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
          "bbq": ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
-         "sorry_bench": ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")}
+         "sorry_bench": KEYWORD_REFUSAL}
 
 
 def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> dict:
