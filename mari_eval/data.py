@@ -212,6 +212,19 @@ def load_bbq(context: str | None = "disambig") -> tuple[list[dict], list[str]]:
     return records, covered
 
 
+def bbq_context_key(record: dict) -> str:
+    """The BBQ context a record belongs to: its category, template (``question_index``) and
+    context text. The paired questions of one context (negative and non-negative polarity)
+    share it, so they are one sampling unit: splits keep a context on one side, and intervals
+    and paired tests resample contexts, not questions (issue 36.4)."""
+    return f"{record['category']}|{record['question_index']}|{record['context']}"
+
+
+def bbq_template_key(record: dict) -> str:
+    """The BBQ template (category and ``question_index``) a record was generated from."""
+    return f"{record['category']}|{record['question_index']}"
+
+
 def load_sorry_bench() -> list[dict]:
     root = data_dir()
     if root is not None:
