@@ -194,8 +194,14 @@ def load_truthfulqa(**_) -> datasets.DatasetDict:
 
 
 def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
-    """TruthfulQA MC without the pca/train/ctrl questions of ``make_splits("truthfulqa", split_seed)``."""
+    """TruthfulQA MC without the pca/train/ctrl questions of ``make_splits("truthfulqa", split_seed)``,
+    in a seeded order (``data.seeded_order``): the file lists the questions by category, so lm-eval's
+    ``--limit N`` (the first N) takes a uniformly random N of them instead of the first categories.
+    A run over all documents scores the same set."""
     records = _heldout(_truthfulqa(_source()), "truthfulqa", split_seed, keep_only_test=False, task="truthfulqa_heldout")
+    rank = {i: k for k, i in enumerate(mari_data.seeded_order([r["id"] for r in records], "truthfulqa-heldout",
+                                                               _seed(split_seed)))}
+    records = sorted(records, key=lambda r: rank[r["id"]])
     return datasets.DatasetDict({"validation": _dataset(records)})
 
 
@@ -208,9 +214,18 @@ def load_bbq(**_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq", list(_bbq_records()))})
 
 
+def _bbq_heldout(split_seed, *, keep_only_test: bool, task: str) -> list[dict]:
+    """``_heldout`` for BBQ, refusing held-out records that share a context with pca/train/ctrl
+    (``mari_eval.data.check_bbq_contexts``: a context's paired questions are one unit)."""
+    records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=keep_only_test, task=task)
+    mari_data.check_bbq_contexts(splits_for("bbq", split_seed), _bbq_records(), [r["id"] for r in records])
+    return records
+
+
 def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
-    """BBQ (both contexts) without the pca/train/ctrl ids of ``make_splits("bbq", split_seed)``."""
-    records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=False, task="bbq_heldout")
+    """BBQ (both contexts) without the pca/train/ctrl ids of ``make_splits("bbq", split_seed)``, in
+    file order (no profile takes its first N)."""
+    records = _bbq_heldout(split_seed, keep_only_test=False, task="bbq_heldout")
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq_heldout", records)})
 
 
@@ -226,11 +241,33 @@ def spread_over_categories(records: list[dict]) -> list[dict]:
     return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
+def spread_bbq(records: list[dict], seed: int) -> list[dict]:
+    """BBQ ``records`` ordered so that the first N documents spread over categories, templates and
+    whole contexts: within each category, the templates (``bbq_template_key``) in a seeded order
+    take turns, each giving its next context (``bbq_context_key``; a template's contexts in a
+    seeded order) with its questions adjacent, in file order; the categories are then dealt
+    round-robin (``spread_over_categories``). So a first N even per category holds whole
+    contexts only, and covers every template of a category before any gives a second context.
+    The same documents: a run over all of them scores exactly the same."""
+    by_category: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    for r in records:
+        templates = by_category.setdefault(str(r["category"]), {})
+        templates.setdefault(mari_data.bbq_template_key(r), {}).setdefault(mari_data.bbq_context_key(r), []).append(r)
+    dealt: list[dict] = []
+    for templates in by_category.values():
+        queues = [[contexts[c] for c in mari_data.seeded_order(contexts, "bbq-spread-context", seed)]
+                  for contexts in (templates[t] for t in mari_data.seeded_order(templates, "bbq-spread-template", seed))]
+        dealt += [r for i in range(max(map(len, queues))) for q in queues if i < len(q) for r in q[i]]
+    return spread_over_categories(dealt)
+
+
 def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """Exactly the test ids of ``make_splits("bbq", split_seed)`` (disambiguated contexts),
-    spread over the categories (``spread_over_categories``)."""
-    records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=True, task="bbq_disambig_heldout")
-    records = spread_over_categories(records)
+    spread over the categories, templates and whole contexts (``spread_bbq``, seeded by the
+    split seed): lm-eval's ``--limit N`` (the quick profile's first 504) takes a sample across
+    templates instead of the first contexts of each category's file."""
+    records = _bbq_heldout(split_seed, keep_only_test=True, task="bbq_disambig_heldout")
+    records = spread_bbq(records, _seed(split_seed))
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq_disambig_heldout", records)})
 
 

@@ -22,3 +22,41 @@ def test_the_first_documents_of_bbq_disambig_heldout_cover_every_category():
     first = Counter(docs["category"][: 10 * len(categories)])
     assert len(categories) >= 7 and set(first) == set(categories)
     assert max(first.values()) - min(first.values()) <= 1 or min(categories.values()) < 10
+
+
+def _bbq(category, template, context, n=2):
+    return [{"id": f"{category}-{template}-{context}-{q}", "category": category, "question_index": str(template),
+             "context": f"context {context}"} for q in range(n)]
+
+
+def test_bbq_deals_templates_in_turn_and_keeps_each_contexts_questions_adjacent():
+    # Category A: template 1 with 3 contexts, template 2 with 1, in file order; category B: one template.
+    records = (_bbq("A", 1, "a") + _bbq("A", 1, "b") + _bbq("A", 1, "c") + _bbq("A", 2, "d")
+               + _bbq("B", 3, "e") + _bbq("B", 3, "f"))
+    spread = _task_utils().spread_bbq(records, seed=0)
+    assert sorted(r["id"] for r in spread) == sorted(r["id"] for r in records)
+    assert [r["category"] for r in spread] == list("ABABABABAAAA")  # round-robin over the categories
+    a = [r for r in spread if r["category"] == "A"]
+    assert all(a[k]["context"] == a[k + 1]["context"] for k in range(0, len(a), 2))  # both questions adjacent
+    assert {a[0]["question_index"], a[2]["question_index"]} == {"1", "2"}  # each template before a second context
+    assert [r["id"] for r in a if r["context"] == "context a"] == ["A-1-a-0", "A-1-a-1"]  # file order within one
+
+
+@pytest.mark.needs_data
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_quick_profiles_bbq_documents_spread_over_templates_and_whole_contexts(seed):
+    from mari_eval import data
+    from repro.profiles import PROFILES
+
+    n = PROFILES["quick"].limits["bbq_disambig_heldout"]
+    docs = _task_utils().load_bbq_disambig_heldout(split_seed=seed)["test"].to_list()
+    assert sorted(d["id"] for d in docs) == sorted(data.make_splits("bbq", seed).test)  # the same set, reordered
+    first = docs[:n]
+    contexts = Counter(data.bbq_context_key(d) for d in first)
+    templates = {data.bbq_template_key(d) for d in first}
+    categories = Counter(d["category"] for d in first)
+    # File order gave 33 templates and 308 contexts, 196 of them whole. Now 36 whole contexts per
+    # category: all 25 templates of six categories and 36 of Gender_identity's 50.
+    assert n == 504 and set(categories.values()) == {72} and len(categories) == 7
+    assert len(contexts) == 252 and set(contexts.values()) == {2}
+    assert len(templates) == 6 * 25 + 36
