@@ -92,8 +92,8 @@ COMMON_FIELDS: dict[str, Field] = {
     "site": Obj({"layer": Int(0), "position": Str(optional=True)}),
     "attribute": Str(optional=True),
     "seed": Int(optional=True),
-    "splits": Obj({name: List(Str(), optional=True) for name in ("pca", "train", "ctrl", "ctrl_arc", "test", "train_used",
-                                                                 "ctrl_used")}
+    "splits": Obj({name: List(Str(), optional=True) for name in ("pca", "train", "ctrl", "ctrl_arc", "ctrl_mmlu", "test",
+                                                                 "train_used", "ctrl_used")}
                   | {"dataset": Str(optional=True), "seed": Int(optional=True), "fingerprint": Str(optional=True),
                      "max_pca": Int(1, optional=True)}, optional=True),
     "data_files": Obj(optional=True),

@@ -31,7 +31,7 @@ def _splits(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-        sizes = {k: len(getattr(splits, k)) for k in ("pca", "train", "ctrl", "ctrl_arc", "test")}
+        sizes = {k: len(getattr(splits, k)) for k in ("pca", "train", "ctrl", "ctrl_arc", "ctrl_mmlu", "test")}
         print(f"wrote {args.out}: {sizes}")
     else:
         print(text)

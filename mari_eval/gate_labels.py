@@ -15,7 +15,7 @@ evaluation can switch between them without retraining (``labels=`` in --model_ar
   target continuation): the target's log-likelihood rises by more than ``FLIP_MARGIN`` =
   log 2 nats, i.e. the target becomes at least twice as likely.
 * ``source``: every held-out attribute example is applicable, every general-capability
-  (ARC-Easy) example is not.
+  (ARC-Easy, MMLU) example is not.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 LABELINGS = ("loss", "flip", "source")
 FLIP_MARGIN = math.log(2)
-ATTRIBUTE_SOURCE = "attribute"  # train.AttributeData.ctrl_source: "attribute" or "arc_easy" per example
+ATTRIBUTE_SOURCE = "attribute"  # examples.AttributeData.ctrl_source: "attribute", "arc_easy" or "mmlu"
 
 
 def loss_label(losses: torch.Tensor, edited_row: int, base_row: int) -> bool:

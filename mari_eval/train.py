@@ -3,24 +3,15 @@
 The same for every method:
 
 1. the splits of ``mari_eval.data.make_splits`` (D_pca, D_train, D_ctrl = attribute
-   control examples + ARC-Easy train questions; the test split is never read here);
-2. every example is rendered by the lm-eval task that evaluates it (``harness_tasks/``:
-   same prompt, options and target delimiter) and tokenised by the same ``MariLM`` that
-   evaluates it, so training and evaluation see identical tokens;
+   control examples + general-capability controls; the test split is never read here);
+2. every example is rendered by the lm-eval task that evaluates it and tokenised by the
+   same ``MariLM`` that evaluates it, so training and evaluation see identical tokens
+   (``mari_eval.examples``, which also says how each attribute and control is rendered);
 3. the frozen model's work that no edit can change is done once per example: the key/
    value cache of the prompt before p* (sharing the longest common prefix of the set,
    e.g. TruthfulQA's 6-shot preamble) and the hidden state at (l*, p*);
 4. the method's ``fit`` gets a ``Session`` (model + site + runner) and the examples and
    returns an ``Intervention``, saved as a bundle with its provenance.
-
-Attributes and their examples:
-
-* truthfulqa: TruthfulQA MC1 (lm-eval ``truthfulqa_mc1`` prompt, gold = the true option);
-* bbq: BBQ disambiguated contexts (lm-eval ``bbq_disambig``, gold = the correct answer);
-* sorry_bench: SORRY-Bench instructions through the model's chat template (plain
-  "instruction\\n" when it has none); the target is a fixed refusal, ``REFUSAL_TARGET``,
-  scored by teacher-forced NLL. One short, generic refusal keeps the target about
-  refusing rather than about any wording of a category.
 """
 
 from __future__ import annotations
@@ -29,9 +20,7 @@ import copy
 import itertools
 import logging
 import platform
-import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,39 +32,11 @@ from mari_eval.plan import Plan, VariantEdit, VariantRun
 from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, joined, own_part,
                                    with_cache)
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
-from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
+# The examples and their rendering live in mari_eval.examples; these names are read as train.X too.
+from mari_eval.examples import ATTRIBUTE_TASKS, AttributeData, Example, attribute_data  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
-ARC_CTRL_TASK = "arc_easy"
-
-
-@dataclass
-class Example:
-    """One tokenised training or control example."""
-
-    id: str
-    context: list[int]
-    options: list[list[int]]  # multiple choice options, or [target] for generation
-    gold: int | None  # index of the correct option; None = generation (loss = NLL of options[0])
-    question: str = ""  # the question or instruction alone (baselines build their own prompts from it)
-    choices: list[str] = field(default_factory=list)  # the options' text
-    # The frozen model's work, kept by Session.prepare (see mari_eval.memory): the cache of the
-    # preamble shared with the other examples of its set (one object for all of them), the cache
-    # of its own remainder of the prompt (None: recomputed at each use), the states after l*.
-    shared: Prefix | None = field(default=None, repr=False)
-    own: Prefix | None = field(default=None, repr=False)
-    lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
-    hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
-    negatives: list[list[int]] = field(default_factory=list)  # behaviour-negative targets (generation)
-
-    def contrast(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(behaviour-positive, behaviour-negative) continuations: the correct option and the
-        wrong ones, or the refusal target and the compliance target."""
-        if self.gold is None:
-            return self.options[:1], self.negatives
-        return [self.options[self.gold]], [o for i, o in enumerate(self.options) if i != self.gold]
 
 
 class Session:
@@ -350,99 +311,6 @@ def _token_batches(rows: list[list[int]], max_tokens: int) -> list[list[list[int
         else:
             batches.append([row])
     return batches
-
-
-# ----------------------------------------------------------------------------- data
-
-
-@dataclass
-class AttributeData:
-    """An attribute's examples, tokenised; methods call ``Session.prepare`` on the ones they run."""
-
-    attribute: str
-    splits: data.Splits
-    pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
-    train: list[Example]
-    ctrl: list[Example]  # attribute control examples, then ARC-Easy ones
-    ctrl_source: list[str]  # "attribute" or "arc_easy" per ctrl example
-
-    def prepare(self, session: "Session") -> None:
-        """Frozen-model caches of D_train and D_ctrl (each control source shares its own preamble)."""
-        session.prepare(self.train, "D_train")
-        for source in dict.fromkeys(self.ctrl_source):
-            session.prepare([ex for ex, s in zip(self.ctrl, self.ctrl_source) if s == source], f"D_ctrl ({source})")
-
-
-def _task_manager():
-    from lm_eval.tasks import TaskManager
-
-    from mari_eval.tasks import tasks_dir  # the wheel's copy or the checkout's folder; a clear error if neither
-
-    # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
-    return TaskManager(include_path=str(tasks_dir()), include_defaults=False)
-
-
-def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:
-    task = manager.load([name])["tasks"][name]
-    docs = {"test": task.test_docs, "validation": task.validation_docs, "train": task.training_docs}[split]()
-    return task, {doc["id"]: doc for doc in docs}
-
-
-def _mc_examples(session: Session, task, docs: dict[str, dict], ids: Sequence[str]) -> list[Example]:
-    out = []
-    delim = task.config.target_delimiter
-    for i in ids:
-        doc = docs[i]
-        context = task.fewshot_context(doc, 0)
-        choices = task.doc_to_choice(doc)
-        gold = task.doc_to_target(doc)
-        gold = choices.index(gold) if isinstance(gold, str) else int(gold)
-        ctx, conts = session.encode(context, [delim + c for c in choices])
-        question = doc.get("question", "")
-        if "context" in doc:  # BBQ: the context belongs to the question
-            question = f"{doc['context']}\n{question}"
-        out.append(Example(i, ctx, conts, gold, question=question, choices=list(choices)))
-    return out
-
-
-def _sorry_examples(session: Session, records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
-    # The prompt the sorry_bench tasks generate from (MariLM.chat_turn_prompt), in generation's tokens.
-    out = []
-    for i in ids:
-        instruction = records[i]["turns"][0]
-        prompt = session.lm.chat_turn_prompt(instruction)
-        ctx, conts = session.encode_generation(prompt, [REFUSAL_TARGET, COMPLIANCE_TARGET])
-        out.append(Example(i, ctx, conts[:1], None, question=instruction, choices=[REFUSAL_TARGET], negatives=conts[1:]))
-    return out
-
-
-def attribute_data(session: Session, attribute: str, seed: int, max_train: int | None = None,
-                   max_ctrl: int | None = None, max_pca: int | None = None) -> AttributeData:
-    if attribute not in ATTRIBUTE_TASKS:
-        raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
-    splits = data.make_splits(attribute, seed)
-    pca_ids = list(splits.pca)
-    if max_pca is not None and len(pca_ids) > max_pca:  # smoke runs: a seeded subset of D_pca
-        pca_ids = random.Random(f"max_pca:{seed}").sample(pca_ids, max_pca)
-    manager = _task_manager()
-    if attribute == "sorry_bench":
-        records = {r["id"]: r for r in data.load_sorry_bench()}
-        pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
-        train = _sorry_examples(session, records, splits.train)
-        ctrl = _sorry_examples(session, records, splits.ctrl)
-    else:
-        task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
-        pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
-        train = _mc_examples(session, task, docs, splits.train)
-        ctrl = _mc_examples(session, task, docs, splits.ctrl)
-    arc_task, arc_docs = _task_docs(manager, ARC_CTRL_TASK, "train")
-    arc = _mc_examples(session, arc_task, arc_docs, splits.ctrl_arc)
-    if max_train is not None and len(train) > max_train:
-        train = random.Random(f"max_train:{seed}").sample(train, max_train)
-    if max_ctrl is not None:  # smoke runs: a seeded subset of each control source
-        ctrl = random.Random(f"max_ctrl:{seed}").sample(ctrl, min(max_ctrl, len(ctrl)))
-        arc = random.Random(f"max_ctrl_arc:{seed}").sample(arc, min(max_ctrl, len(arc)))
-    return AttributeData(attribute, splits, pca, train, ctrl + arc, ["attribute"] * len(ctrl) + ["arc_easy"] * len(arc))
 
 
 # ----------------------------------------------------------------------------- provenance

@@ -1,0 +1,197 @@
+"""Training and control examples: every split of an attribute rendered as lm-eval evaluates it.
+
+Every example is rendered by the lm-eval task that scores it (``harness_tasks/``: the same
+prompt, options, target delimiter and few-shot preamble) and tokenised by the ``MariLM``
+that evaluates it, so training sees the tokens evaluation will:
+
+* truthfulqa: TruthfulQA MC1 (``truthfulqa_mc1``; its 6-shot preamble is part of the prompt);
+* bbq: BBQ disambiguated contexts (``bbq_disambig``, zero-shot as it is evaluated);
+* sorry_bench: the instruction through the model's chat template, with a fixed refusal
+  target (``objectives.REFUSAL_TARGET``) and a compliance target as its negative.
+
+D_ctrl, the gate's calibration set (Sec. 3.3, Appendix B), holds the attribute's held-out
+examples and general-capability examples. The general ones are rendered as their test tasks
+are evaluated (``GENERAL_CONTROLS``; issue 36.3): ARC-Easy train questions behind the same
+fixed 25-shot preamble as ``arc_easy_first25`` (the first 25 train questions, which
+``data.make_splits`` keeps out of the control pool), and MMLU validation questions behind
+their subject's 5 dev examples, as ``mmlu_<subject>``. Energy is read at the last prompt
+token, whose state depends on the whole prompt: controls rendered zero-shot calibrate a
+threshold for prompts the gate never meets at test time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from mari_eval import data
+from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
+
+if TYPE_CHECKING:
+    from mari_eval.prefix_cache import Prefix
+    from mari_eval.train import Session
+
+ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
+
+
+@dataclass(frozen=True)
+class GeneralControl:
+    """One general-capability source of D_ctrl and how its test task renders it."""
+
+    source: str  # the name in ``AttributeData.ctrl_source`` and in a bundle's gate.ctrl_sources
+    splits_field: str  # the ``data.Splits`` field holding its ids
+    split: str  # the task split the ids come from
+    shots: int  # few-shot examples before each question, as the test task has them
+
+
+GENERAL_CONTROLS = (
+    GeneralControl("arc_easy", "ctrl_arc", "train", data.ARC_CTRL_SHOTS),  # task arc_easy_first25
+    GeneralControl("mmlu", "ctrl_mmlu", "validation", data.MMLU_CTRL_SHOTS),  # task mmlu_<subject>
+)
+
+
+@dataclass
+class Example:
+    """One tokenised training or control example."""
+
+    id: str
+    context: list[int]
+    options: list[list[int]]  # multiple choice options, or [target] for generation
+    gold: int | None  # index of the correct option; None = generation (loss = NLL of options[0])
+    question: str = ""  # the question or instruction alone (baselines build their own prompts from it)
+    choices: list[str] = field(default_factory=list)  # the options' text
+    # The frozen model's work, kept by Session.prepare (see mari_eval.memory): the cache of the
+    # preamble shared with the other examples of its set (one object for all of them), the cache
+    # of its own remainder of the prompt (None: recomputed at each use), the states after l*.
+    shared: "Prefix | None" = field(default=None, repr=False)
+    own: "Prefix | None" = field(default=None, repr=False)
+    lower: list[torch.Tensor] | None = field(default=None, repr=False)  # states after l* of each option's row
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # h^{(l*)}_{p*} of the frozen model
+    negatives: list[list[int]] = field(default_factory=list)  # behaviour-negative targets (generation)
+
+    def contrast(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(behaviour-positive, behaviour-negative) continuations: the correct option and the
+        wrong ones, or the refusal target and the compliance target."""
+        if self.gold is None:
+            return self.options[:1], self.negatives
+        return [self.options[self.gold]], [o for i, o in enumerate(self.options) if i != self.gold]
+
+
+@dataclass
+class AttributeData:
+    """An attribute's examples, tokenised; methods call ``Session.prepare`` on the ones they run."""
+
+    attribute: str
+    splits: data.Splits
+    pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
+    train: list[Example]
+    ctrl: list[Example]  # attribute control examples, then each general source's (GENERAL_CONTROLS)
+    ctrl_source: list[str]  # "attribute" or a GeneralControl.source per ctrl example
+
+    def prepare(self, session: "Session") -> None:
+        """Frozen-model caches of D_train and D_ctrl (each control source shares its own preamble)."""
+        session.prepare(self.train, "D_train")
+        for source in dict.fromkeys(self.ctrl_source):
+            session.prepare([ex for ex, s in zip(self.ctrl, self.ctrl_source) if s == source], f"D_ctrl ({source})")
+
+
+def _task_manager():
+    from lm_eval.tasks import TaskManager
+
+    from mari_eval.tasks import tasks_dir  # the wheel's copy or the checkout's folder; a clear error if neither
+
+    # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
+    return TaskManager(include_path=str(tasks_dir()), include_defaults=False)
+
+
+def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:
+    """``name``'s documents of ``split``: as the task serves them, or, for a split the task does not
+    evaluate (MMLU's validation, the controls' source), from the task's dataset."""
+    task = manager.load([name])["tasks"][name]
+    docs = {"test": task.test_docs, "validation": task.validation_docs, "train": task.training_docs}[split]()
+    if docs is None:
+        docs = task.dataset[split]
+    return task, {doc["id"]: doc for doc in docs}
+
+
+def _mc_examples(session: "Session", task, docs: dict[str, dict], ids: Sequence[str], shots: int = 0) -> list[Example]:
+    """``ids`` of ``docs`` as ``task`` renders them with ``shots`` few-shot examples."""
+    out = []
+    delim = task.config.target_delimiter
+    for i in ids:
+        doc = docs[i]
+        context = task.fewshot_context(doc, shots)
+        choices = task.doc_to_choice(doc)
+        gold = task.doc_to_target(doc)
+        gold = choices.index(gold) if isinstance(gold, str) else int(gold)
+        ctx, conts = session.encode(context, [delim + c for c in choices])
+        question = doc.get("question", "")
+        if "context" in doc:  # BBQ: the context belongs to the question
+            question = f"{doc['context']}\n{question}"
+        out.append(Example(i, ctx, conts, gold, question=question, choices=list(choices)))
+    return out
+
+
+def _sorry_examples(session: "Session", records: dict[str, dict], ids: Sequence[str]) -> list[Example]:
+    # The prompt the sorry_bench tasks generate from (MariLM.chat_turn_prompt), in generation's tokens.
+    out = []
+    for i in ids:
+        instruction = records[i]["turns"][0]
+        prompt = session.lm.chat_turn_prompt(instruction)
+        ctx, conts = session.encode_generation(prompt, [REFUSAL_TARGET, COMPLIANCE_TARGET])
+        out.append(Example(i, ctx, conts[:1], None, question=instruction, choices=[REFUSAL_TARGET], negatives=conts[1:]))
+    return out
+
+
+def general_controls(session: "Session", manager, control: GeneralControl, ids: Sequence[str]) -> list[Example]:
+    """The control examples ``ids`` of one general source, rendered as its test task renders them."""
+    if control.source == "arc_easy":
+        task, docs = _task_docs(manager, "arc_easy_first25", control.split)
+        return _mc_examples(session, task, docs, ids, control.shots)
+    if control.source == "mmlu":
+        subject_of = {r["id"]: r["subject"] for r in data.load_mmlu(control.split)}
+        by_subject: dict[str, list[str]] = {}
+        for i in ids:
+            by_subject.setdefault(subject_of[i], []).append(i)
+        rendered: dict[str, Example] = {}
+        for subject, subject_ids in by_subject.items():
+            task, docs = _task_docs(manager, f"mmlu_{subject}", control.split)
+            rendered.update((ex.id, ex) for ex in _mc_examples(session, task, docs, subject_ids, control.shots))
+        return [rendered[i] for i in ids]
+    raise ValueError(f"no renderer for the control source {control.source!r}")
+
+
+def attribute_data(session: "Session", attribute: str, seed: int, max_train: int | None = None,
+                   max_ctrl: int | None = None, max_pca: int | None = None) -> AttributeData:
+    if attribute not in ATTRIBUTE_TASKS:
+        raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
+    splits = data.make_splits(attribute, seed)
+    pca_ids = list(splits.pca)
+    if max_pca is not None and len(pca_ids) > max_pca:  # smoke runs: a seeded subset of D_pca
+        pca_ids = random.Random(f"max_pca:{seed}").sample(pca_ids, max_pca)
+    manager = _task_manager()
+    if attribute == "sorry_bench":
+        records = {r["id"]: r for r in data.load_sorry_bench()}
+        pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
+        train = _sorry_examples(session, records, splits.train)
+        ctrl = _sorry_examples(session, records, splits.ctrl)
+    else:
+        task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
+        pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
+        train = _mc_examples(session, task, docs, splits.train)
+        ctrl = _mc_examples(session, task, docs, splits.ctrl)
+    if max_train is not None and len(train) > max_train:
+        train = random.Random(f"max_train:{seed}").sample(train, max_train)
+    if max_ctrl is not None:  # smoke runs: a seeded subset of each control source
+        ctrl = random.Random(f"max_ctrl:{seed}").sample(ctrl, min(max_ctrl, len(ctrl)))
+    sources = ["attribute"] * len(ctrl)
+    for control in GENERAL_CONTROLS:
+        ids = list(getattr(splits, control.splits_field))
+        if max_ctrl is not None:
+            ids = random.Random(f"max_ctrl_{control.source}:{seed}").sample(ids, min(max_ctrl, len(ids)))
+        ctrl += general_controls(session, manager, control, ids)
+        sources += [control.source] * len(ids)
+    return AttributeData(attribute, splits, pca, train, ctrl, sources)
