@@ -19,9 +19,12 @@ import time
 from pathlib import Path
 
 from repro import cache, profiles, scoring, tables
-from repro.profiles import BENCHMARKS, KEYWORD_REFUSAL
+from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
-COLUMNS = BENCHMARKS + [KEYWORD_REFUSAL]  # the keyword rate needs no judge: the SORRY-Bench column a reader can use
+# The keyword rate needs no judge: the SORRY-Bench column a reader can use. MMLU and ARC also run
+# under the BBQ and SORRY-Bench bundles (GENERAL_UNDER_OTHERS).
+COLUMNS = BENCHMARKS + [KEYWORD_REFUSAL] + GENERAL_UNDER_OTHERS
+
 
 def labels_args(labels: str) -> str:
     """The model args of EG-MARI with its gate calibrated on ``labels`` (the bundle's own, loss: none)."""

@@ -28,14 +28,14 @@ from mari_eval.gate_labels import LABELINGS
 from mari_eval.mari_equations import energy_threshold
 from repro import cache, profiles, scoring, tables
 from repro.ablation_table import labels_args
-from repro.profiles import BENCHMARKS, KEYWORD_REFUSAL
+from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
 TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
          "bbq": ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
          "sorry_bench": KEYWORD_REFUSAL}
 
 
-def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS) -> dict:
+def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> dict:
     from tqdm import tqdm
 
     from mari_eval.methods import load_bundle
@@ -111,7 +111,7 @@ def markdown(result: dict, command: str, wall: float, cost: str) -> str:
     columns = list(next(iter(next(iter(result["gate_rates"].values())).values())))
     lines += ["\n## Gate rate on every test task, per labelling\n",
               "The fraction of each task's documents on which the gate opened (EG-MARI at the bundle's rho; the "
-              "main table's bundle for each column's attribute: TruthfulQA's for MMLU and ARC).\n"]
+              "main table's bundle for each column's attribute: TruthfulQA's for mmlu, arc_e and arc_c; BBQ's and SORRY-Bench's for the columns marked @bbq and @sorry).\n"]
     rows = []
     for model, by_labels in result["gate_rates"].items():
         for labels, rates in by_labels.items():
@@ -127,7 +127,8 @@ def markdown(result: dict, command: str, wall: float, cost: str) -> str:
 
 # One colour per (control source, applicable) in every panel.
 COLORS = {("attribute", True): "tab:green", ("attribute", False): "tab:red",
-          ("arc_easy", True): "tab:blue", ("arc_easy", False): "tab:orange"}
+          ("arc_easy", True): "tab:blue", ("arc_easy", False): "tab:orange",
+          ("mmlu", True): "tab:purple", ("mmlu", False): "tab:brown"}
 
 
 def plot(diag: dict, path: Path) -> None:
@@ -161,7 +162,7 @@ def plot(diag: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, profile, store, command = profiles.start(__doc__, "diagnostics.py", argv)
     started = time.time()
-    diag = run(profile, store, profiles.select(BENCHMARKS, args.columns))
+    diag = run(profile, store, profiles.select(BENCHMARKS + GENERAL_UNDER_OTHERS, args.columns))
     wall = time.time() - started
     out = Path(args.out)
     write_results_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,

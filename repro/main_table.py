@@ -5,15 +5,16 @@
     python repro/main_table.py --dtype bfloat16 # the embedded model in bf16 (cached apart from float32)
     python repro/main_table.py --model Qwen/Qwen2-7B-Instruct --profile paper
     python repro/main_table.py --smoke         # tiny subsets, a few minutes (tests)
-    python repro/main_table.py --recipe adapted # every baseline in its adapted (or: published) recipe
+    python repro/main_table.py --recipe adapted # every baseline in its adapted recipe (default: published)
 
 For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI are trained on the
 TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train``) and
 evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
-ARC-Challenge (25-shot) under the TruthfulQA-trained intervention. Each baseline is
-trained under both recipes (adapted, published: README, Baselines) and the one with the lower
-task loss on the validation slice of D_train is scored (repro/recipes.py). Every bundle and
+ARC-Challenge (25-shot) under each attribute's intervention (the columns without a tag under
+TruthfulQA's, as the paper reports them; ``@bbq`` and ``@sorry`` under BBQ's and SORRY-Bench's).
+Each baseline is trained under its published recipe, fixed in advance (repro/recipes.py;
+``--recipe adapted`` for this suite's setting). Every bundle and
 every evaluation is cached under runs/ by its configuration (repro/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
 
@@ -31,36 +32,32 @@ from pathlib import Path
 from repro import cache, profiles, scoring, recipes, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
-EXTRA = [profiles.KEYWORD_REFUSAL]
+EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
-        recipe: str = "chosen") -> tuple[dict, dict]:
+        recipe: str = recipes.MAIN_TABLE_RECIPE) -> tuple[dict, dict]:
     """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
 
-    ``recipe``: the baselines' training recipe, ``chosen`` per bundle by validation loss
-    (repro/recipes.py), or ``adapted`` / ``published`` for every baseline."""
+    ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``."""
     from tqdm import tqdm
 
-    steps = [(m, s, meth) for m in profile.models for s in profile.seeds for meth in methods]
+    by_seed = profile.seeded_columns(columns)  # the quick profile: TruthfulQA's columns under 3 seeds
+    steps = [(m, s, meth) for m in profile.models for s in by_seed for meth in methods]
     cells: dict = {}
     notes: dict = {}
     rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed), every method's bundles, scored together
     for model, seed, method in tqdm(steps, desc="main table: training", unit="method"):
         bundles = {}
-        attributes = sorted({c[3] for c in columns}) if method != "vanilla" else []
-        if method in recipes.BASELINES and recipe == "chosen":
-            choices = {a: recipes.choose(store, method, a, model, seed, profile) for a in attributes}
-            bundles = {a: choice.bundle for a, choice in choices.items()}
-            notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipes.describe(choices)}")
-        elif method in recipes.BASELINES:
+        attributes = sorted({c[3] for c in by_seed[seed]}) if method != "vanilla" else []
+        if method in recipes.BASELINES:
             bundles = {a: recipes.recipe_bundle(store, method, a, model, seed, profile, recipe) for a in attributes}
-            notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe (--recipe)")
+            notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe")
         else:
             bundles = {a: store.bundle(method, a, model, seed, profile) for a in attributes}
         rows.setdefault((model, seed), {})[method] = (bundles, "")
     for (model, seed), by_method in rows.items():
-        for method, scores in scoring.score_rows(store, profile, model, seed, columns, by_method).items():
+        for method, scores in scoring.score_rows(store, profile, model, seed, by_seed[seed], by_method).items():
             tables.tally(cells, model, method, scores)
     return cells, notes
 
@@ -73,9 +70,9 @@ def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
 def main(argv: list[str] | None = None) -> int:
     def options(parser):
         parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-        parser.add_argument("--recipe", default="chosen", choices=["chosen", *recipes.RECIPES],
-                            help="the baselines' training recipe: chosen per bundle by validation loss (default), "
-                                 "or adapted / published for all")
+        parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
+                            help="every baseline's training recipe (default: %(default)s, fixed in advance; "
+                                 "repro/recipes.py)")
 
     args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, options)
     methods = args.methods.split(",")
@@ -89,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     notes = {model: {METHOD_LABELS[m]: lines for m, lines in by_method.items()} for model, by_method in notes.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
-             "MMLU and ARC run under the TruthfulQA-trained intervention. `sorry_keyword` is the keyword refusal "
+             "mmlu, arc_e and arc_c run under the TruthfulQA-trained intervention, the columns tagged @bbq and "
+             "@sorry under the BBQ- and SORRY-Bench-trained ones. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
-             "not the same model, not comparable in size. Each baseline's training recipe (adapted: this suite's "
-             "setting; published: its authors'; README: Baselines) is listed under the table: chosen per attribute "
-             "by the task loss on the validation slice of D_train (no test data), unless --recipe fixes it.")
+             "not the same model, not comparable in size. Each baseline's training recipe (published: its "
+             "authors', fixed in advance; adapted: this suite's setting; README: Baselines) is listed under the table.")
     tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store, notes)
     return 0

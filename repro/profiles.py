@@ -31,10 +31,19 @@ BENCHMARKS = [
     ("arc_e", "arc_easy", "acc,none", "truthfulqa"),
     ("arc_c", "arc_challenge", "acc,none", "truthfulqa"),
 ]
+# General capability under the other attributes' bundles (issue 36.3): the same tasks, documents and
+# metrics as the mmlu / arc_e / arc_c columns, each under the BBQ- or SORRY-Bench-trained intervention
+# (BENCHMARKS' general columns run under the TruthfulQA one). Ours only: the paper reports general
+# capability under one intervention per model.
+ATTRIBUTE_TAGS = {"truthfulqa": "tqa", "bbq": "bbq", "sorry_bench": "sorry"}
+GENERAL_COLUMNS = ("mmlu", "arc_e", "arc_c")
+GENERAL_UNDER_OTHERS = [(f"{column}@{ATTRIBUTE_TAGS[attribute]}", task, metric, attribute)
+                        for attribute in ("bbq", "sorry_bench")
+                        for column, task, metric, _ in BENCHMARKS if column in GENERAL_COLUMNS]
 # Beside the judged refusal rate: the keyword rate of the same generations (no judge needed), ours only.
 KEYWORD_REFUSAL = ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
-PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k"}
+PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
                  "val_loss": 3}
 
@@ -63,9 +72,23 @@ class Profile:
     gen_tokens: dict[str, int] = field(default_factory=dict)  # per generation task: max_gen_toks (else the task's)
     tasks: dict[str, str] = field(default_factory=dict)  # a stand-in per task (smoke: one MMLU subject)
     cuda_placement: dict[str, str] = field(default_factory=dict)  # flags' defaults on a CUDA machine (see above)
+    # Per column: seeds it is scored under beyond ``seeds`` (the quick profile's TruthfulQA columns
+    # over 3 seeds, for their std, where the other columns keep one to stay within the hour).
+    column_seeds: dict[str, list[int]] = field(default_factory=dict)
 
     def task(self, name: str) -> str:
         return self.tasks.get(name, name)
+
+    def seeded_columns(self, columns: list[tuple]) -> dict[int, list[tuple]]:
+        """{seed: the columns scored under it}: every column under ``seeds``, and a column of
+        ``column_seeds`` under its further seeds too (each seed trains its own bundles on its own
+        splits and tests on its own held-out documents)."""
+        out: dict[int, list[tuple]] = {seed: list(columns) for seed in self.seeds}
+        for column in columns:
+            for seed in self.column_seeds.get(column[0], []):
+                if column not in out.setdefault(seed, []):
+                    out[seed].append(column)
+        return {seed: cols for seed, cols in sorted(out.items()) if cols}
 
 
 # The paper's models as Hub ids (the paper names sizes, not checkpoints; we take the chat/instruct ones,
@@ -89,23 +112,27 @@ PROFILES = {
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
     # The embedded model on 2 CPU cores in about an hour from an empty runs/: seeded subsets of 24
-    # training examples per attribute; D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / 100
-    # BBQ / 45 SORRY-Bench hold-outs, each with 100 ARC-Easy. Test documents: all 535 held-out
-    # TruthfulQA questions, 504 BBQ disambiguated ones (72 in each of its 7 local categories: the
-    # held-out task deals them round-robin), 60 SORRY-Bench prompts (round-robin over its 45
-    # categories), 10 questions per MMLU subject (570), the first 200 ARC-Easy and 200
-    # ARC-Challenge test questions, 20 GSM8K. ARC goes through arc_*_first25: the same 25 shots
-    # (the first 25 train questions) before every question, computed once, where lm-eval's arc
-    # tasks draw 25 anew per question (the large profile keeps those; README: ARC's shots).
-    # Measured on a quiet machine, all six rows through the shared pass: about 1.2-1.4 s per
-    # TruthfulQA or ARC question, 1.1 s per BBQ question.
+    # training examples per attribute; D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / ~100
+    # BBQ / 45 SORRY-Bench hold-outs, each beside 100 ARC-Easy (25-shot) and 100 MMLU (5-shot)
+    # controls. Test documents (issue 36): the first 200 held-out TruthfulQA questions of each seed's
+    # split (MC1 and MC2; the held-out tasks list them in a seeded order), under seeds 0, 1 and 2 in
+    # the main table (``column_seeds``: 600 questions over three splits, as many as the 535 of one
+    # split before, and a std over seeds); 504 BBQ disambiguated ones (72 in each of its 7 local
+    # categories, spread over templates and whole contexts), 60 SORRY-Bench prompts (round-robin
+    # over its 45 categories), 5 questions per MMLU subject (285), the first 100 ARC-Easy and 100
+    # ARC-Challenge test questions, 20 GSM8K; MMLU and ARC under each attribute's bundle. ARC goes
+    # through arc_*_first25: the same 25 shots (the first 25 train questions) before every question,
+    # computed once, where lm-eval's arc tasks draw 25 anew per question (the large profile keeps
+    # those; README: ARC's shots).
     "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, None,
-                     {"truthfulqa_mc1_heldout": None, "truthfulqa_mc2_heldout": None, "bbq_disambig_heldout": 504,
-                      "sorry_bench_heldout": 60, "mmlu": 10, "arc_easy": 200, "arc_challenge": 200, "gsm8k": 20},
+                     {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
+                      "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
-                     tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"}),
-    # The quick profile's test sizes with ARC through lm-eval's own arc tasks (25 shots drawn per
-    # question), 90 SORRY-Bench prompts (2 per category), 50 GSM8K, and larger training sets:
+                     tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
+                     column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]}),
+    # All 535 held-out TruthfulQA questions, 504 BBQ, 10 per MMLU subject (570), 200 ARC-Easy and 200
+    # ARC-Challenge through lm-eval's own arc tasks (25 shots drawn per question), 90 SORRY-Bench
+    # prompts (2 per category), 50 GSM8K, and larger training sets (20 validation examples or more):
     # TruthfulQA's whole D_train (100), a seeded 100 of BBQ's 882, SORRY-Bench's whole D_train (45).
     # Hours on 2 CPU cores; minutes on a GPU.
     "large": Profile("large", ["smollm2-135m-instruct"], [0], {"truthfulqa": 100, "bbq": 100, "sorry_bench": 45}, None,

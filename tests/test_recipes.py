@@ -1,5 +1,5 @@
 """The baselines' two training recipes (issue 24): how a bundle says which it was trained with,
-the validation loss the tables choose between them by, and who may ask for one."""
+the validation loss each reports, and who may ask for one."""
 
 import pytest
 
