@@ -49,7 +49,7 @@ def run(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> dict:
         trained = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}
         rows = {label: ({} if args is None else trained, args or "") for label, args in VARIANTS.items()}
         for label, scores in scoring.score_rows(store, profile, model, seed, columns, rows).items():
-            tables.tally(cells, model, label, scores)
+            tables.tally(cells, model, label, scores, seed=seed)
     return cells
 
 

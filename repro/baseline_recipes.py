@@ -51,7 +51,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
         for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, rows).items():
             if label in validation:
                 scores["val_loss"] = validation[label]
-            tables.tally(cells, model, label, scores)
+            tables.tally(cells, model, label, scores, seed=seed)
     return cells, notes
 
 

@@ -30,8 +30,9 @@ from mari_eval.files import atomic_write_json
 from repro.profiles import Profile, describe
 
 # Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
-# evaluations stored before documents were kept are evaluated again.
-DOCUMENTS_VERSION = 1
+# evaluations stored before documents were kept (1), or before BBQ's carried their context (2), are
+# evaluated again.
+DOCUMENTS_VERSION = 2
 LM_EVAL_BOOTSTRAP = 1000  # lm-eval's bootstrap iterations for its stderr of non-mean metrics
 CONTROL_SET_METHODS = ("mari",)  # the methods whose training reads D_ctrl (mari_eval.train.AttributeData.ctrl)
 

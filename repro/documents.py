@@ -8,11 +8,19 @@ against the figure lm-eval reported, so a table never carries an interval around
 number and a figure from another. SORRY-Bench's per-document items are responses (its
 judge runs in the aggregation); they become the judge's verdict and the keyword match
 (``harness_tasks/utils.py sorry_document_scores``), whose means are the two rates.
+
+Clusters. A BBQ document (every task whose name starts with "bbq") belongs to a context that
+holds its paired question (``mari_eval.data.bbq_context_key``: category, template, context
+text), so its unit of resampling is the context (repro/intervals.py). Its key carries it:
+"DOC@context:CATEGORY|TEMPLATE|HASH" (``cluster_id``: the context text as the first 12 hex
+digits of its key's sha256), read from the logged sample's dataset record (``sample["doc"]``);
+``split_clusters`` takes the keys apart again ({document: score}, {document: cluster}, unit).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import math
 from typing import Any
@@ -23,6 +31,49 @@ from repro.profiles import REPO
 DocumentScores = dict[str, dict[str, float | None]]
 
 TOLERANCE = 1e-6
+CLUSTERED = {"bbq": "context"}  # task name prefix: the unit its documents are resampled in
+_MARK = "@"  # "document id@unit:cluster id" (no document id holds it: "N" or "subtask/N")
+
+
+def cluster_unit(task: str) -> str | None:
+    """The unit that ``task``'s documents cluster in ("context" for BBQ), None if each is its own."""
+    return next((unit for prefix, unit in CLUSTERED.items() if task.startswith(prefix)), None)
+
+
+def clustered_columns() -> set[str]:
+    """The tables' columns (repro/profiles.py) whose task clusters: their documents must carry clusters."""
+    from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
+
+    return {column for column, task, *_ in [*BENCHMARKS, *GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL] if cluster_unit(task)}
+
+
+def cluster_id(record: dict) -> str:
+    """A BBQ record's context as a short id: "category|question_index|hash of bbq_context_key"
+    (the template, ``bbq_template_key``, is what precedes the last "|")."""
+    from mari_eval.data import bbq_context_key, bbq_template_key
+
+    digest = hashlib.sha256(bbq_context_key(record).encode("utf-8")).hexdigest()[:12]
+    return f"{bbq_template_key(record)}|{digest}"
+
+
+def split_clusters(scores: dict[str, float | None]) -> tuple[dict[str, float | None], dict[str, str] | None, str | None]:
+    """({document: score}, {document: cluster} or None, unit or None) of one column's per-document
+    scores, whose keys carry the cluster when their task clusters (``document_scores``)."""
+    marked = [k for k in scores if _MARK in k]
+    if not marked:
+        return dict(scores), None, None
+    if len(marked) != len(scores):
+        raise ValueError(f"{len(scores) - len(marked)} of {len(scores)} documents carry no cluster id: "
+                         "scores of a clustered task mixed with others")
+    out, clusters, units = {}, {}, set()
+    for key, score in scores.items():
+        doc, tagged = key.split(_MARK, 1)
+        unit, cluster = tagged.split(":", 1)
+        out[doc], clusters[doc] = score, cluster
+        units.add(unit)
+    if len(units) != 1:
+        raise ValueError(f"documents clustered in several units: {sorted(units)}")
+    return out, clusters, units.pop()
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,11 +87,15 @@ def _task_utils():
 
 def document_scores(samples: dict[str, list[dict]], names: list[str], task: str) -> DocumentScores:
     """Per metric, the score of every document of ``task`` (a group: of all its subtasks
-    ``names``; their documents are keyed "subtask/doc_id", a task's own by doc_id)."""
+    ``names``; their documents are keyed "subtask/doc_id", a task's own by doc_id; a clustered
+    task's keys end in "@unit:cluster", ``cluster_id`` of the logged dataset record)."""
     out: DocumentScores = {}
     for name in names:
+        unit = cluster_unit(name)
         for sample in samples.get(name, []):
             doc = str(sample["doc_id"]) if name == task else f"{name}/{sample['doc_id']}"
+            if unit is not None:
+                doc = f"{doc}{_MARK}{unit}:{cluster_id(sample['doc'])}"
             for metric in sample["metrics"]:
                 value = sample[metric]
                 if isinstance(value, bool) or isinstance(value, (int, float)):

@@ -58,7 +58,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
         rows.setdefault((model, seed), {})[method] = (bundles, "")
     for (model, seed), by_method in rows.items():
         for method, scores in scoring.score_rows(store, profile, model, seed, by_seed[seed], by_method).items():
-            tables.tally(cells, model, method, scores)
+            tables.tally(cells, model, method, scores, seed=seed)
     return cells, notes
 
 

@@ -3,11 +3,14 @@ results/<name>.{json,md,tex} and figures atomically.
 
 The Markdown and LaTeX tables are rendered by tabulate (``markdown_table``, ``latex_table``);
 the JSON is strict (``mari_eval.files.write_results_json``: a missing number is null, never a
-bare NaN), and such a cell reads "n/a" in the tables."""
+bare NaN), and such a cell reads "n/a" in the tables. Beside them, results/<name>_documents.parquet
+holds every per-document score behind the intervals and tests (repro/recompute.py: ``python -m
+repro.recompute results/<name>`` recomputes every cell from it and compares it with the JSON)."""
 
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +19,9 @@ from tabulate import LATEX_ESCAPE_RULES, tabulate
 from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
 from repro.cache import Store, resolved_dtype
+from repro.documents import clustered_columns, split_clusters
 from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
+from repro.recompute import write_documents
 
 
 # ----------------------------------------------------------------------------- the paper's tables
@@ -55,15 +60,26 @@ def add_gate_rates(scores: dict[str, dict], columns: dict[str, str]) -> dict[str
     return scores
 
 
-def tally(cells: dict, model: str, label: str, scores: dict[str, dict]) -> None:
+def tally(cells: dict, model: str, label: str, scores: dict[str, dict], seed: int | None = None) -> None:
     """Add one seed's ``score`` results to ``cells`` = {model: {row label: {column: {"values", "n",
-    "documents", "stderr"}}}}: per seed, the figure, its per-document scores (None where the
-    column has none, e.g. a gate rate) and lm-eval's standard error (None where it has none)."""
+    "documents", "clusters", "cluster_unit", "seeds", "stderr"}}}}: per seed, the figure, its
+    per-document scores (None where the column has none, e.g. a gate rate), their clusters (None
+    where each document is its own unit; repro/documents.py ``split_clusters``), the seed (None:
+    not given) and lm-eval's standard error (None where it has none)."""
     for column, result in scores.items():
         cell = cells.setdefault(model, {}).setdefault(label, {}).setdefault(
-            column, {"values": [], "n": result["n"], "documents": [], "stderr": []})
+            column, {"values": [], "n": result["n"], "documents": [], "clusters": [], "cluster_unit": None,
+                     "seeds": [], "stderr": []})
+        found, clusters, unit = split_clusters(result.get("documents") or {})
+        if found and clusters is None and column in clustered_columns():
+            raise ValueError(f"{model} {label} {column}: its documents carry no cluster ids (an evaluation stored "
+                             "before repro/documents.py kept BBQ's contexts); evaluate it again (--force, or a new "
+                             "repro.cache.DOCUMENTS_VERSION)")
         cell["values"].append(result["value"])
-        cell["documents"].append(result.get("documents") or None)
+        cell["documents"].append(found or None)
+        cell["clusters"].append(clusters)
+        cell["cluster_unit"] = cell["cluster_unit"] or unit
+        cell["seeds"].append(seed)
         cell["stderr"].append(result.get("stderr"))
 
 
@@ -137,6 +153,38 @@ def _documents(cell: dict) -> list | None:
     return docs if docs and all(docs) and len(docs) == len(cell["values"]) else None
 
 
+def _clusters(cell: dict) -> list | None:
+    """A cell's {document: cluster} per seed, or None when its documents are their own units."""
+    found = cell.get("clusters") or []
+    if not any(found):
+        return None
+    if not all(found) or len(found) != len(cell["values"]):
+        raise ValueError(f"clusters for {sum(map(bool, found))} of {len(cell['values'])} seeds: all or none")
+    return found
+
+
+def cell_interval(cell: dict) -> tuple[intervals.Interval | None, int | None]:
+    """The cell's interval (None without per-document scores) and its cluster count (None: unclustered)."""
+    documents = _documents(cell)
+    if documents is None:
+        return None, None
+    clusters = _clusters(cell)
+    return intervals.interval(documents, clusters), intervals.cluster_count(documents, clusters)
+
+
+def _pair_clusters(mine: dict, theirs: dict) -> list | None:
+    """The clusters of a row and of its reference, one per seed: a document in one cluster in both."""
+    a, b = _clusters(mine), _clusters(theirs)
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        raise ValueError("a clustered cell paired with an unclustered one")
+    for x, y in zip(a, b):
+        if any(y.get(doc, c) != c for doc, c in x.items()):
+            raise ValueError("a document in different clusters in a row and its reference")
+    return [{**y, **x} for x, y in zip(a, b)]
+
+
 def _interval_text(ci, digits: int) -> str:
     return "" if ci is None else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
@@ -146,48 +194,73 @@ def _differences(rows: dict, columns: list[str], reference: str | None) -> dict[
     adjustment over every test of the table (one model)."""
     if reference not in rows:
         return {}
-    found: dict[tuple[str, str], intervals.Difference] = {}
+    found: dict[tuple[str, str], tuple[intervals.Difference, str | None]] = {}
     for label, by_column in rows.items():
         for column in columns if label != reference else []:
-            mine, theirs = _documents(by_column.get(column, {})), _documents(rows[reference].get(column, {}))
-            if mine is not None and theirs is not None:
-                difference = intervals.paired(mine, theirs)
+            mine, theirs = by_column.get(column, {}), rows[reference].get(column, {})
+            if _documents(mine) is not None and _documents(theirs) is not None:
+                difference = intervals.paired(_documents(mine), _documents(theirs), _pair_clusters(mine, theirs))
                 if difference is not None:
-                    found[label, column] = difference
-    adjusted = dict(zip(found, intervals.holm([d.p for d in found.values()])))
+                    found[label, column] = difference, mine.get("cluster_unit")
+    adjusted = dict(zip(found, intervals.holm([d.p for d, _ in found.values()])))
     return {key: {"reference": reference, "mean": d.mean, "ci": [d.interval.low, d.interval.high], "p": d.p,
-                  "p_holm": adjusted[key], "test": d.test, "pairs": d.pairs,
+                  "p_bound": d.p_bound, "p_holm": adjusted[key], "test": d.test, "draws": d.draws, "pairs": d.pairs,
+                  "clusters": d.clusters, "cluster_unit": unit if d.clusters is not None else None,
                   "discordant": list(d.discordant) if d.discordant else None,
                   "significant": d.p < intervals.ALPHA, "significant_holm": adjusted[key] < intervals.ALPHA}
-            for key, d in found.items()}
+            for key, (d, unit) in found.items()}
+
+
+def p_text(p: float, bound: bool = False) -> str:
+    """"p=0.008"; below 0.001 in two digits ("p=3.2e-06", never "p=0.000"); a Monte Carlo floor as
+    the bound it is ("p<1e-05": no random sign vector was as extreme)."""
+    if bound:
+        return f"p<{10.0 ** math.ceil(math.log10(p)):.0e}"
+    return f"p={p:.3f}" if p >= 0.0005 else f"p={p:.1e}"
 
 
 def _difference_text(difference: dict | None, digits: int) -> str:
     if difference is None:
         return "n/a"
     mark = "†" if difference["significant_holm"] else "*" if difference["significant"] else ""
-    p = difference["p"]
-    p_text = "p<0.001" if p < 0.0005 else f"p={p:.3f}"  # never "p=0.000": an exact test's p is above 0
-    return f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} {p_text}{mark}"
+    p = p_text(difference["p"], difference.get("p_bound", False))
+    return f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} {p}{mark}"
+
+
+def _n_text(n: int, clusters: int | None, unit: str | None, seeds: int) -> str:
+    """"(n=504)", or with the clusters the interval resamples: "(n=504, 308 contexts)" ("... over 3 seeds")."""
+    if clusters is None:
+        return f"(n={n})"
+    return f"(n={n}, {clusters} {unit}s{f' over {seeds} seeds' if seeds > 1 else ''})"
 
 
 def _digits(column: str) -> int:
     return 2 if column in PERCENT_COLUMNS or column not in COLUMN_DIGITS else COLUMN_DIGITS[column]
 
 
-UNCERTAINTY = (f"Ours: the figure with its {intervals.LEVEL:.0%} bootstrap interval over documents in brackets "
-               f"({intervals.ITERATIONS} resamples, seed {intervals.SEED}; repro/intervals.py). Differences from "
-               "the reference row are paired on the same documents: McNemar's exact test for 0/1 scores, else the "
-               "paired bootstrap; * p < 0.05, † still < 0.05 after Holm's correction over every test of the table.")
+UNCERTAINTY = (f"Ours: the figure with its {intervals.LEVEL:.0%} bootstrap interval in brackets ({intervals.ITERATIONS} "
+               f"resamples of documents, or of BBQ's contexts with their paired questions, seed {intervals.SEED}; "
+               "repro/intervals.py). Differences from the reference row are paired on the same documents: McNemar's "
+               "exact test for 0/1 scores with the Clopper-Pearson interval of its discordant split, else a paired "
+               f"sign-flip permutation test (over contexts for BBQ; exact up to {intervals.EXACT_UNITS} units, else "
+               f"{intervals.PERMUTATIONS:,} seeded sign vectors, \"p<1e-05\" where none was as extreme) with the "
+               "interval that inverts it, so an interval excludes 0 exactly when p < 0.05; * p < 0.05, † still "
+               "< 0.05 after Holm's correction over every test of the table.")
+
+
+def _documents_note(name: str) -> str:
+    return (f" Per-document scores: {name}_documents.parquet (`python -m repro.recompute results/{name}` "
+            "recomputes every cell from them).")
 
 
 def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
                  profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None,
                  reference: str | None = "Vanilla") -> dict:
-    """results/<name>.{json,md,tex} (and <name>_differences.png) from ``cells`` =
-    {model: {row label: {column: {"values", "n", "documents", "stderr"}}}} (``tally``).
+    """results/<name>.{json,md,tex}, <name>_documents.parquet (and <name>_differences.png) from
+    ``cells`` = {model: {row label: {column: {"values", "n", "documents", "clusters", ...}}}} (``tally``).
 
-    Every cell with per-document scores gets its bootstrap interval; every row but
+    Every cell with per-document scores gets its bootstrap interval (over clusters where its
+    documents have them, their count beside n); every row but
     ``reference`` (when the table has that row) its paired difference from it per column,
     with the test's p and Holm's adjustment over the table (``_differences``).
     ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
@@ -198,14 +271,18 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
               "placement": asdict(store.placement), "uncertainty": {
-                  "interval": f"{intervals.LEVEL:.0%} percentile bootstrap over documents, stratified by seed",
+                  "interval": f"{intervals.LEVEL:.0%} percentile bootstrap over documents (BBQ: over contexts), "
+                              "stratified by seed",
                   "iterations": intervals.ITERATIONS, "seed": intervals.SEED, "alpha": intervals.ALPHA,
-                  "reference": reference},
+                  "tests": "mcnemar (exact, Clopper-Pearson interval) for 0/1 scores of equal-size strata, else "
+                           "sign-flip (paired permutation over units, interval by inverting it)",
+                  "permutations": intervals.PERMUTATIONS, "exact_units": intervals.EXACT_UNITS,
+                  "reference": reference, "documents": f"{name}_documents.parquet"},
               "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(), "computed_now": store.computed,
               "models": {}}
     md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}, "
           f"{describe(store.placement)}) in {wall:.0f} s; "
-          f"{cost(store)}. {intro} {UNCERTAINTY}\n"]
+          f"{cost(store)}. {intro} {UNCERTAINTY}{_documents_note(name)}\n"]
     tex_blocks, tex_differences = [], []
     for model, rows in cells.items():
         paper_model, paper = paper_lookup(model)
@@ -221,19 +298,20 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             for column in columns:
                 cell = by_column.get(column, {"values": [], "n": 0})
                 mean, std = mean_std([v for v in cell["values"] if v is not None and v == v])  # NaN, None: missing
-                documents = _documents(cell)
-                found = intervals.interval(documents) if documents is not None and mean == mean else None
+                found, clusters = cell_interval(cell) if mean == mean else (None, None)
                 ci = [found.low, found.high] if found is not None else None
+                unit = cell.get("cluster_unit") if clusters is not None else None
                 difference = differences.get((label, column))
                 figure = paper.get(label, {}).get(column)
                 row["ours"][column] = {"mean": mean, "std": std, "values": cell["values"], "ci": ci,
+                                       "clusters": clusters, "cluster_unit": unit,
                                        "lm_eval_stderr": cell.get("stderr") or [None] * len(cell["values"]),
                                        "difference": difference}
                 row["n"][column] = cell["n"]
                 row["paper"][column] = float(figure) if figure not in (None, "") else None
                 digits = _digits(column)
                 text = fmt(mean, std, digits) + ("" if mean != mean else _interval_text(ci, digits))
-                md_cells += [f"{text} (n={cell['n']})", figure or "-"]
+                md_cells += [f"{text} {_n_text(cell['n'], clusters, unit, len(cell['values']))}", figure or "-"]
                 tex_cells.append(text)
                 diff_cells.append(_difference_text(difference, digits))
             entry["rows"].append(row)
@@ -250,6 +328,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             tex_differences.append((f"{model}: difference from {reference}", md_diff_rows))
         tex_blocks.append((model, tex_rows))
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
+    write_documents(out / f"{name}_documents.parquet", cells, columns, reference, profile)
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")
     tex = latex_table(["Row"] + columns, tex_blocks)
     if tex_differences:

@@ -47,7 +47,7 @@ def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS,
         rows = {"Vanilla": ({}, ""), **{row_label(rho, labels): (bundles, ",".join(filter(None, [f"rho={rho}", labels_args(labels)])))
                                          for labels in labellings for rho in rhos}}
         for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, rows).items():
-            tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS))
+            tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS), seed=seed)
     for by_label in cells.values():  # the change from Vanilla, per seed
         base = by_label["Vanilla"]
         for by_column in by_label.values():

@@ -244,7 +244,7 @@ def test_bbq_unknown_answers_are_lm_evals():
 def tqa_copy(tmp_path, monkeypatch):
     """A copy of the files the TruthfulQA split reads, as MARI_DATA_DIR."""
     real = Path(data.data_dir())
-    for rel in data.ATTRIBUTE_FILES["truthfulqa"] + data.ATTRIBUTE_FILES["arc_easy"]:
+    for rel in data.ATTRIBUTE_FILES["truthfulqa"] + data.ATTRIBUTE_FILES["arc_easy"] + data.ATTRIBUTE_FILES["mmlu"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(real / rel, tmp_path / rel)
     monkeypatch.setenv(data.DATA_ENV, str(tmp_path))

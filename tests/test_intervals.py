@@ -62,13 +62,14 @@ def test_paired_accuracy_uses_mcnemar_on_the_shared_documents():
     assert scaled.test == "mcnemar" and scaled.p == pytest.approx(d.p) and scaled.mean == pytest.approx(37.5)
 
 
-def test_paired_continuous_scores_use_the_bootstrap_and_see_a_clear_shift():
+def test_paired_continuous_scores_use_the_sign_flip_test_and_see_a_clear_shift():
     rng = np.random.default_rng(0)
     base = rng.random(200)
     shifted = intervals.paired([as_docs(base + 0.1 + 0.01 * rng.standard_normal(200))], [as_docs(base)])
-    assert shifted.test == "bootstrap" and shifted.p < 0.01 and shifted.interval.low > 0.05
+    assert shifted.test == "sign-flip" and shifted.p < 0.01 and shifted.interval.low > 0.05
+    assert shifted.draws == intervals.PERMUTATIONS and shifted.units == 200 and shifted.clusters is None
     same = intervals.paired([as_docs(base)], [as_docs(base)])
-    assert same.mean == 0 and same.p == 1.0
+    assert same.mean == 0 and same.p == 1.0 and same.interval == intervals.Interval(0.0, 0.0)
     noise = intervals.paired([as_docs(base + 0.01 * rng.standard_normal(200))], [as_docs(base)])
     assert noise.p > 0.05 and noise.interval.low < 0 < noise.interval.high
     assert intervals.paired([as_docs(base, "x")], [as_docs(base)]) is None  # nothing shared
@@ -120,10 +121,12 @@ def test_tables_carry_intervals_paired_differences_and_a_plot(tmp_path):
     assert (tmp_path / "t.tex").read_text().count("\\begin{tabular}") == 2
 
 
-def test_a_difference_prints_p_below_a_thousandth_as_such():
+def test_a_difference_prints_a_small_p_in_two_digits_and_a_monte_carlo_floor_as_a_bound():
     from repro.tables import _difference_text
 
     tiny = {"mean": 4.67, "ci": [2.33, 7.33], "p": 1.2e-4, "significant": True, "significant_holm": True}
-    assert _difference_text(tiny, 2).endswith("p<0.001†")
-    assert "p=0.000" not in _difference_text(tiny, 2)
+    assert _difference_text(tiny, 2).endswith("p=1.2e-04†")
+    assert "p=0.000" not in _difference_text({**tiny, "p": 3e-12}, 2)
     assert _difference_text({**tiny, "p": 0.0125, "significant_holm": False}, 2).endswith("p=0.013*")
+    floor = 1 / (intervals.PERMUTATIONS + 1)
+    assert _difference_text({**tiny, "p": floor, "p_bound": True}, 2) == "+4.67 [2.33, 7.33] p<1e-05†"

@@ -216,7 +216,9 @@ def test_truthfulqa_heldout_drops_pca_train_ctrl(name, tasks):
     ids = _ids(task)
     assert len(ids) == 817 - len(dropped) == len(splits.test)
     assert not dropped & set(ids)
-    assert ids == [r["id"] for r in data.load_truthfulqa_mc() if r["id"] not in dropped]
+    in_file_order = [r["id"] for r in data.load_truthfulqa_mc() if r["id"] not in dropped]
+    # A seeded order (issue 36: a first-N limit is a uniform draw, not the file's first categories).
+    assert ids == data.seeded_order(in_file_order, "truthfulqa-heldout", 0) and ids != in_file_order
     assert set(ids) == set(splits.test)
     assert set(_column(task, "split_seed")) == {0}
     assert set(_column(task, "split_fingerprint")) == {splits.fingerprint()}

@@ -1,0 +1,208 @@
+"""Every cell of a table recomputed from its per-document scores, results/NAME_documents.parquet.
+
+    python -m repro.recompute results/main_table     # or main_table, or the .json or .parquet path
+
+``write_documents`` (called by ``repro.tables.write_tables``) writes one record per model, row,
+column, seed and document of every cell that has per-document scores (the cells behind the
+intervals and paired tests), zstd-compressed Parquet with the columns
+
+    model, row, column, stratum (0, 1, ...: the seeds in the order tallied), seed (None: unknown),
+    document, cluster (BBQ: its context, repro/documents.py ``cluster_id``; else None),
+    cluster_unit ("context" or None), reference (the row it is compared with, None for that row
+    itself), score (None: a document without a score, left out of the mean)
+
+so that ``pandas.read_parquet("results/main_table_documents.parquet")`` is the whole of it.
+
+``recompute`` rebuilds the table's cells from that file alone and runs the tables' own
+computation on them (``repro.tables.cell_interval`` and ``_differences``: repro/intervals.py's
+intervals, paired tests and Holm's adjustment over the table), then compares every number with
+results/NAME.json: each seed's figure and the mean over seeds against the per-document means (to
+``repro.documents.TOLERANCE``, the tolerance at which they were tied to lm-eval's figures, in
+the column's units), and each interval, cluster count, difference, p, Holm p, flag and count to
+``RELATIVE`` (the same seeded draws give the same numbers). The command prints what differs and
+exits 1 on any mismatch (2 when a file is missing), 0 when every cell agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mari_eval.files import atomic_write, finite_json
+from repro.documents import TOLERANCE
+from repro.profiles import PERCENT_COLUMNS, REPO
+
+RELATIVE = 1e-9
+SCHEMA = pa.schema([("model", pa.string()), ("row", pa.string()), ("column", pa.string()), ("stratum", pa.int32()),
+                    ("seed", pa.int64()), ("document", pa.string()), ("cluster", pa.string()),
+                    ("cluster_unit", pa.string()), ("reference", pa.string()), ("score", pa.float64())])
+SUFFIX = "_documents.parquet"
+
+
+def _seeds(cell: dict, profile, column: str) -> list[int | None]:
+    """The seed of each stratum: as tallied, else the profile's seeds of the column in sorted order
+    (``Profile.seeded_columns``) when there are as many, else unknown (None)."""
+    count = len(cell["values"])
+    tallied = cell.get("seeds") or []
+    if len(tallied) == count and all(s is not None for s in tallied):
+        return list(tallied)
+    seeds = sorted({*profile.seeds, *profile.column_seeds.get(column, [])})
+    return seeds if len(seeds) == count else [None] * count
+
+
+def write_documents(path: Path, cells: dict, columns: list[str], reference: str | None, profile) -> Path:
+    """``path`` (NAME_documents.parquet): the per-document scores of every cell of ``cells`` that has them."""
+    from repro.tables import _clusters, _documents
+
+    out: dict[str, list] = {name: [] for name in SCHEMA.names}
+    for model, rows in cells.items():
+        compared = reference if reference in rows else None
+        for label, by_column in rows.items():
+            for column in columns:
+                cell = by_column.get(column, {})
+                documents = _documents(cell)
+                if documents is None:
+                    continue
+                clusters = _clusters(cell) or [None] * len(documents)
+                unit = cell.get("cluster_unit") if clusters[0] is not None else None
+                for stratum, (seed, docs, found) in enumerate(zip(_seeds(cell, profile, column), documents, clusters)):
+                    for doc, score in docs.items():
+                        for name, value in zip(SCHEMA.names, (model, label, column, stratum, seed, doc,
+                                                              None if found is None else found[doc], unit,
+                                                              None if label == compared else compared, score)):
+                            out[name].append(value)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(out, schema=SCHEMA), sink, compression="zstd")
+    return atomic_write(path, sink.getvalue().to_pybytes())
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def read_documents(path: Path) -> tuple[dict, dict[str, str | None], list[str]]:
+    """(cells as ``repro.tables.tally`` builds them, {model: reference row}, columns in order) from ``path``."""
+    import pandas as pd
+
+    frame = pd.read_parquet(path)
+    cells: dict = {}
+    references: dict[str, str | None] = {}
+    columns: list[str] = []
+    for rec in frame.itertuples(index=False):
+        cell = cells.setdefault(rec.model, {}).setdefault(rec.row, {}).setdefault(
+            rec.column, {"documents": [], "clusters": [], "cluster_unit": None})
+        while len(cell["documents"]) <= rec.stratum:
+            cell["documents"].append({}), cell["clusters"].append({})
+        cell["documents"][rec.stratum][rec.document] = None if _missing(rec.score) else float(rec.score)
+        if not _missing(rec.cluster):
+            cell["clusters"][rec.stratum][rec.document] = rec.cluster
+            cell["cluster_unit"] = rec.cluster_unit
+        if not _missing(rec.reference):
+            references[rec.model] = rec.reference
+        references.setdefault(rec.model, None)
+        if rec.column not in columns:
+            columns.append(rec.column)
+    for rows in cells.values():
+        for by_column in rows.values():
+            for cell in by_column.values():
+                cell["values"] = [_stratum_mean(docs) for docs in cell["documents"]]
+    return cells, references, columns
+
+
+def _stratum_mean(docs: dict) -> float:
+    scored = [v for v in docs.values() if v is not None]
+    return math.fsum(scored) / len(scored) if scored else float("nan")
+
+
+def _compare(where: str, expected, got, out: list[str], relative: float = RELATIVE, absolute: float = 1e-12) -> None:
+    """A line in ``out`` for each number or field of ``got`` that differs from ``expected`` (the JSON)."""
+    if isinstance(expected, dict) and isinstance(got, dict):
+        for key in sorted(set(expected) | set(got)):
+            _compare(f"{where}.{key}", expected.get(key, "<absent>"), got.get(key, "<absent>"), out, relative, absolute)
+    elif isinstance(expected, list) and isinstance(got, list) and len(expected) == len(got):
+        for i, (a, b) in enumerate(zip(expected, got)):
+            _compare(f"{where}[{i}]", a, b, out, relative, absolute)
+    elif (isinstance(expected, (int, float)) and isinstance(got, (int, float)) and not isinstance(expected, bool)
+          and not isinstance(got, bool)):
+        if not math.isclose(expected, got, rel_tol=relative, abs_tol=absolute):
+            out.append(f"{where}: {expected!r} in the JSON, {got!r} recomputed")
+    elif expected != got:
+        out.append(f"{where}: {expected!r} in the JSON, {got!r} recomputed")
+
+
+def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
+    """(mismatches, cells compared, differences compared) of the table ``record`` (its JSON)
+    against what ``documents`` (its Parquet) gives."""
+    from repro import tables
+
+    cells, references, columns = read_documents(documents)
+    out: list[str] = []
+    compared_cells = compared_differences = 0
+    for model, entry in record["models"].items():
+        rows = cells.get(model, {})
+        differences = finite_json(tables._differences(rows, columns, references.get(model)))
+        for row in entry["rows"]:
+            for column, ours in row["ours"].items():
+                where = f"{model} / {row['row']} / {column}"
+                cell = rows.get(row["row"], {}).get(column)
+                if cell is None:
+                    if ours.get("ci") is not None or ours.get("difference") is not None:
+                        out.append(f"{where}: has an interval or difference in the JSON, no documents in {documents.name}")
+                    continue
+                compared_cells += 1
+                scale = (100 if column in PERCENT_COLUMNS else 1) * TOLERANCE
+                _compare(f"{where}.values", ours["values"], cell["values"], out, TOLERANCE, scale)
+                if ours["mean"] is not None:
+                    _compare(f"{where}.mean", ours["mean"], math.fsum(cell["values"]) / len(cell["values"]), out, TOLERANCE, scale)
+                found, clusters = tables.cell_interval(cell) if ours["mean"] is not None else (None, None)
+                got = {"ci": None if found is None else [found.low, found.high], "clusters": clusters,
+                       "cluster_unit": cell["cluster_unit"] if clusters is not None else None}
+                _compare(where, {k: ours.get(k) for k in got}, got, out)
+                recomputed = differences.pop((row["row"], column), None)
+                if ours.get("difference") is not None or recomputed is not None:
+                    compared_differences += 1
+                    _compare(f"{where}.difference", ours.get("difference"), recomputed, out)
+        out += [f"{model} / {label} / {column}: a difference recomputed, none in the JSON" for label, column in differences]
+    out += [f"{model}: in {documents.name}, not in the JSON" for model in cells if model not in record["models"]]
+    return out, compared_cells, compared_differences
+
+
+def paths(target: str) -> tuple[Path, Path]:
+    """(NAME_documents.parquet, NAME.json) of results/NAME, NAME, NAME.json or NAME_documents.parquet."""
+    path = Path(target)
+    name = path.name.removesuffix(SUFFIX).removesuffix(".json")
+    base = path.with_name(name)
+    if not base.with_name(name + ".json").exists() and len(path.parts) == 1:
+        base = REPO / "results" / name
+    return base.with_name(name + SUFFIX), base.with_name(name + ".json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tables", nargs="+", help="results/NAME (or NAME, NAME.json, NAME_documents.parquet)")
+    args = parser.parse_args(argv)
+    status = 0
+    for target in args.tables:
+        documents, table = paths(target)
+        if not documents.is_file() or not table.is_file():
+            print(f"{target}: {documents if not documents.is_file() else table} is missing", file=sys.stderr)
+            status = max(status, 2)
+            continue
+        mismatches, cells, differences = recompute(documents, json.loads(table.read_text()))
+        for line in mismatches:
+            print(f"{table.stem}: {line}")
+        verdict = f"{len(mismatches)} mismatch(es)" if mismatches else "every number agrees"
+        print(f"{table.stem}: {cells} cells and {differences} paired differences recomputed from {documents.name}: {verdict}")
+        status = max(status, 1 if mismatches else 0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The paired tests and their intervals (repro/intervals.py, issue 36.4 and 36.6): McNemar with the
+Clopper-Pearson interval of its discordant split, the sign-flip permutation test with the
+interval that inverts it, clusters as units; each interval excludes 0 exactly when p < 0.05."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from repro import intervals
+
+
+def docs(values, prefix="d"):
+    return {f"{prefix}{i:04d}": float(v) for i, v in enumerate(values)}
+
+
+def binomial_upper(k, m, pi):
+    return sum(math.comb(m, i) * pi**i * (1 - pi) ** (m - i) for i in range(k, m + 1))
+
+
+@pytest.mark.parametrize("b, c", [(3, 0), (10, 2), (7, 9), (30, 12), (0, 5), (15, 5), (14, 5), (40, 0), (1, 1)])
+def test_clopper_pearson_ends_put_each_tail_at_two_and_a_half_percent(b, c):
+    m = b + c
+    low, high = ((x + 1) / 2 for x in intervals.mcnemar_interval(b, c))  # back from 2 pi - 1 to pi
+    assert low == 0.0 if b == 0 else binomial_upper(b, m, low) == pytest.approx(0.025, rel=1e-6)
+    assert high == 1.0 if c == 0 else 1 - binomial_upper(b + 1, m, high) == pytest.approx(0.025, rel=1e-6)
+    assert low <= b / m <= high
+
+
+def test_clopper_pearson_matches_scipy_where_it_is_installed():
+    stats = pytest.importorskip("scipy.stats")
+    for b, c in [(10, 2), (300, 250), (1, 60), (25, 25)]:
+        expected = stats.binomtest(b, b + c).proportion_ci(0.95, "exact")
+        low, high = intervals.mcnemar_interval(b, c)
+        assert ((low + 1) / 2, (high + 1) / 2) == pytest.approx((expected.low, expected.high), abs=1e-10)
+
+
+def test_the_mcnemar_interval_excludes_zero_exactly_when_its_p_is_below_five_percent():
+    cases = [(b, c) for m in range(0, 41) for b in range(m + 1) for c in [m - b]]
+    cases += [(b, 1000 - b) for b in range(455, 475)] + [(b, 3000 - b) for b in range(1440, 1460)]
+    flips = 0
+    for b, c in cases:
+        low, high = intervals.mcnemar_interval(b, c)
+        significant = intervals.mcnemar_exact(b, c) < intervals.ALPHA
+        assert (not low <= 0 <= high) == significant, (b, c)
+        flips += significant
+    assert 0 < flips < len(cases)  # both verdicts occur
+
+
+def test_paired_accuracy_maps_the_interval_to_the_difference_in_the_scores_units():
+    rng = np.random.default_rng(3)
+    reference = (rng.random(300) < 0.5).astype(float)
+    row = np.where(rng.random(300) < 0.15, 1 - reference, reference)  # 15% of answers change, either way
+    row[:12] = 1.0
+    d = intervals.paired([docs(100 * row)], [docs(100 * reference)])
+    better, worse = d.discordant
+    low, high = intervals.mcnemar_interval(better, worse)
+    assert d.test == "mcnemar" and d.units == 300 and d.clusters is None and not d.p_bound
+    assert d.mean == pytest.approx(100 * (better - worse) / 300)
+    assert (d.interval.low, d.interval.high) == pytest.approx((100 * low * (better + worse) / 300,
+                                                               100 * high * (better + worse) / 300))
+    assert (not d.interval.low <= 0 <= d.interval.high) == (d.p < 0.05)
+
+
+def test_the_exact_sign_flip_test_of_zero_one_differences_is_mcnemars_test():
+    for better, worse in [(5, 0), (9, 3), (4, 4), (12, 2), (0, 1)]:
+        diffs = np.array([1.0] * better + [-1.0] * worse + [0.0] * 3)
+        n = diffs.size
+        test = intervals.sign_flip(diffs / n, np.full(n, 1 / n), diffs)
+        assert test.draws is None and not test.p_bound
+        assert test.p == pytest.approx(intervals.mcnemar_exact(better, worse), rel=1e-12)
+
+
+def test_the_exact_sign_flip_p_counts_every_sign_vector():
+    rng = np.random.default_rng(7)
+    values, shifts = rng.normal(0.3, 1, 9) / 9, np.full(9, 1 / 9)
+    observed = abs(values.sum())
+    count = sum(abs(np.dot(signs, values)) >= observed - 1e-12 for signs in itertools.product([-1, 1], repeat=9))
+    test = intervals.sign_flip(values, shifts, values * 9)
+    assert test.p == pytest.approx(count / 2**9) and test.draws is None
+
+
+def test_a_strong_shift_gets_the_monte_carlo_floor_as_a_bound_far_below_holms_thresholds():
+    rng = np.random.default_rng(0)
+    base = rng.random(150)
+    d = intervals.paired([docs(base + 0.2 + 0.02 * rng.standard_normal(150))], [docs(base)])
+    assert d.p_bound and d.draws == intervals.PERMUTATIONS
+    assert d.p == pytest.approx(1 / (intervals.PERMUTATIONS + 1)) and d.p < 1e-5
+    assert max(intervals.holm([d.p] * 65)) < 0.05 / 60  # the largest table's smallest Holm threshold
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_sign_flip_interval_inverts_the_test(monkeypatch, seed):
+    monkeypatch.setattr(intervals, "PERMUTATIONS", 4000)  # a faster test; the same construction
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(25, 80))
+    base = rng.random(n)
+    shift = rng.choice([0.0, 0.01, 0.02, 0.04])
+    d = intervals.paired([docs(base + shift + 0.06 * rng.standard_normal(n))], [docs(base)])
+    assert d.test == "sign-flip" and d.interval.low <= d.mean <= d.interval.high
+    assert (not d.interval.low <= 0 <= d.interval.high) == (d.p < intervals.ALPHA)
+
+
+def test_the_sign_flip_interval_ends_where_the_shifted_test_starts_to_reject(monkeypatch):
+    monkeypatch.setattr(intervals, "PERMUTATIONS", 4000)
+    rng = np.random.default_rng(21)
+    diffs = rng.normal(0.1, 0.5, 60)
+    values, shifts = diffs / 60, np.full(60, 1 / 60)
+    test = intervals.sign_flip(values, shifts, diffs)
+    width = test.interval.high - test.interval.low
+    p_at = lambda delta: intervals.sign_flip(values - shifts * delta, shifts, diffs - delta).p  # noqa: E731
+    for end, outwards in ((test.interval.low, -1), (test.interval.high, 1)):
+        assert p_at(end - outwards * 1e-6 * width) >= intervals.ALPHA
+        assert p_at(end + outwards * 1e-3 * width) < intervals.ALPHA
+
+
+def test_the_sign_flip_interval_is_close_to_the_t_interval_on_normal_data():
+    rng = np.random.default_rng(11)
+    diffs = rng.normal(0.05, 0.2, 400)
+    d = intervals.paired([docs(diffs)], [docs(np.zeros(400))])
+    half = 1.96 * diffs.std(ddof=1) / math.sqrt(400)
+    assert d.interval.low == pytest.approx(diffs.mean() - half, abs=0.1 * half)
+    assert d.interval.high == pytest.approx(diffs.mean() + half, abs=0.1 * half)
+
+
+def test_strata_of_unequal_size_weigh_each_seed_equally():
+    first, second = (np.arange(40) % 3 == 0).astype(float), (np.arange(10) % 2 == 0).astype(float)
+    row = [docs(np.ones(40)), docs(np.ones(10))]
+    d = intervals.paired(row, [docs(first), docs(second)])
+    assert d.test == "sign-flip"  # 0/1 scores, but a pooled McNemar would weigh documents, not seeds
+    assert d.mean == pytest.approx(((1 - first).mean() + (1 - second).mean()) / 2)
+    assert d.interval.low <= d.mean <= d.interval.high and d.units == 50
+    equal = intervals.paired([docs(np.ones(40)), docs(np.ones(40))], [docs(first), docs(first[::-1])])
+    assert equal.test == "mcnemar" and equal.mean == pytest.approx(equal.discordant[0] / 80)
+
+
+def context_pairs(values):
+    """Each value twice, the two documents of one context: (documents, clusters)."""
+    documents = {f"q{i:04d}{side}": float(v) for i, v in enumerate(values) for side in "ab"}
+    return documents, {doc: f"c{doc[1:5]}" for doc in documents}
+
+
+def test_a_cluster_bootstrap_of_identical_pairs_is_the_bootstrap_of_one_per_pair():
+    values = (np.random.default_rng(2).random(120) < 0.4).astype(float)
+    documents, clusters = context_pairs(values)
+    assert intervals.interval([documents], [clusters]) == pytest.approx(intervals.interval([docs(values)]))
+    naive = intervals.interval([documents])  # pairs taken for independent questions: too narrow
+    clustered = intervals.interval([documents], [clusters])
+    assert (naive.high - naive.low) < 0.85 * (clustered.high - clustered.low)
+    assert intervals.cluster_count([documents], [clusters]) == 120
+    singletons = {doc: doc for doc in documents}  # each document its own cluster: the plain bootstrap
+    assert intervals.interval([documents], [singletons]) == pytest.approx(intervals.interval([documents]))
+
+
+def test_a_clustered_paired_test_flips_contexts():
+    rng = np.random.default_rng(5)
+    reference = (rng.random(60) < 0.5).astype(float)
+    row = np.where(rng.random(60) < 0.3, 1.0, reference)
+    mine, clusters = context_pairs(row)
+    theirs, _ = context_pairs(reference)
+    d = intervals.paired([mine], [theirs], [clusters])
+    assert d.test == "sign-flip" and d.units == 60 and d.clusters == 60 and d.pairs == 120
+    one_per_context = intervals.paired([docs(row)], [docs(reference)])  # the same units, one document each
+    assert d.mean == pytest.approx(one_per_context.mean)
+    flipped = intervals.sign_flip((row - reference) / 60, np.full(60, 1 / 60), row - reference)
+    assert d.p == pytest.approx(flipped.p) and d.interval.low == pytest.approx(flipped.interval.low)
+    assert (not d.interval.low <= 0 <= d.interval.high) == (d.p < intervals.ALPHA)
+    naive = intervals.paired([mine], [theirs])  # 120 independent questions: McNemar on twice the evidence
+    assert naive.test == "mcnemar" and naive.p < d.p
+
+
+def test_a_document_without_a_cluster_is_refused():
+    with pytest.raises(ValueError, match="no cluster id"):
+        intervals.interval([{"a": 1.0, "b": 0.0}], [{"a": "c1"}])
