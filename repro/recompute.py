@@ -168,6 +168,10 @@ def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
                     compared_differences += 1
                     _compare(f"{where}.difference", ours.get("difference"), recomputed, out)
         out += [f"{model} / {label} / {column}: a difference recomputed, none in the JSON" for label, column in differences]
+        if entry.get("comparisons"):  # the table's extra pairs of rows (write_tables(comparisons=...))
+            pairs = [(c["row"], c["against"]) for c in entry["comparisons"]]
+            compared_differences += sum(len(c["columns"]) for c in entry["comparisons"])
+            _compare(f"{model} / comparisons", entry["comparisons"], finite_json(tables.comparisons_json(rows, columns, pairs)), out)
     out += [f"{model}: in {documents.name}, not in the JSON" for model in cells if model not in record["models"]]
     return out, compared_cells, compared_differences
 

@@ -194,21 +194,40 @@ def _differences(rows: dict, columns: list[str], reference: str | None) -> dict[
     adjustment over every test of the table (one model)."""
     if reference not in rows:
         return {}
-    found: dict[tuple[str, str], tuple[intervals.Difference, str | None]] = {}
-    for label, by_column in rows.items():
-        for column in columns if label != reference else []:
-            mine, theirs = by_column.get(column, {}), rows[reference].get(column, {})
+    return {(label, column): d for (label, _, column), d in
+            paired_family(rows, columns, [(label, reference) for label in rows if label != reference]).items()}
+
+
+def paired_family(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str, str], dict]:
+    """{(row, against, column): ``row`` minus ``against`` on the documents both scored, as JSON}
+    for every pair in ``pairs`` and column where both have documents, with Holm's adjustment
+    over all of them (one family of tests)."""
+    found: dict[tuple[str, str, str], tuple[intervals.Difference, str | None]] = {}
+    for label, against in pairs:
+        if label not in rows or against not in rows:
+            continue
+        for column in columns:
+            mine, theirs = rows[label].get(column, {}), rows[against].get(column, {})
             if _documents(mine) is not None and _documents(theirs) is not None:
                 difference = intervals.paired(_documents(mine), _documents(theirs), _pair_clusters(mine, theirs))
                 if difference is not None:
-                    found[label, column] = difference, mine.get("cluster_unit")
+                    found[label, against, column] = difference, mine.get("cluster_unit")
     adjusted = dict(zip(found, intervals.holm([d.p for d, _ in found.values()])))
-    return {key: {"reference": reference, "mean": d.mean, "ci": [d.interval.low, d.interval.high], "p": d.p,
+    return {key: {"reference": key[1], "mean": d.mean, "ci": [d.interval.low, d.interval.high], "p": d.p,
                   "p_bound": d.p_bound, "p_holm": adjusted[key], "test": d.test, "draws": d.draws, "pairs": d.pairs,
                   "clusters": d.clusters, "cluster_unit": unit if d.clusters is not None else None,
                   "discordant": list(d.discordant) if d.discordant else None,
                   "significant": d.p < intervals.ALPHA, "significant_holm": adjusted[key] < intervals.ALPHA}
             for key, (d, unit) in found.items()}
+
+
+def comparisons_json(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) -> list[dict]:
+    """The table's extra paired comparisons between rows (``write_tables(comparisons=...)``), as
+    JSON: one entry per pair, {"row", "against", "columns": {column: difference}}."""
+    family = paired_family(rows, columns, pairs)
+    return [{"row": label, "against": against,
+             "columns": {c: family[label, against, c] for c in columns if (label, against, c) in family}}
+            for label, against in pairs if label in rows and against in rows]
 
 
 def p_text(p: float, bound: bool = False) -> str:
@@ -255,7 +274,7 @@ def _documents_note(name: str) -> str:
 
 def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
                  profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None,
-                 reference: str | None = "Vanilla") -> dict:
+                 reference: str | None = "Vanilla", comparisons: list[tuple[str, str]] = ()) -> dict:
     """results/<name>.{json,md,tex}, <name>_documents.parquet (and <name>_differences.png) from
     ``cells`` = {model: {row label: {column: {"values", "n", "documents", "clusters", ...}}}} (``tally``).
 
@@ -266,7 +285,10 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
     figures, shown in their own column beside ours and never mixed into them. ``notes`` =
     {model: {row label: [lines]}}: what a row was made with (the baselines' recipes), listed
-    under the Markdown table and kept in the row's JSON ("notes").
+    under the Markdown table and kept in the row's JSON ("notes"). ``comparisons``: further
+    (row, against) pairs tested the same way, one more family for Holm's adjustment, in a table
+    of their own and under the model's "comparisons" in the JSON (the ablation's EG-MARI against
+    the single adapter, say, where the claim is about two methods rather than one and Vanilla).
     """
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
@@ -327,6 +349,13 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
                    markdown_table(["row"] + columns, md_diff_rows)]
             tex_differences.append((f"{model}: difference from {reference}", md_diff_rows))
         tex_blocks.append((model, tex_rows))
+        if comparisons:
+            entry["comparisons"] = comparisons_json(rows, columns, list(comparisons))
+            compared = [[f"{c['row']} - {c['against']}"] + [_difference_text(c["columns"].get(column), _digits(column))
+                                                           for column in columns] for c in entry["comparisons"]]
+            md += [f"\n### {model}: paired comparisons between rows (Holm over these tests alone)\n",
+                   markdown_table(["rows"] + columns, compared)]
+            tex_differences.append((f"{model}: paired comparisons between rows", compared))
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
     write_documents(out / f"{name}_documents.parquet", cells, columns, reference, profile)
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")

@@ -177,3 +177,28 @@ def test_interval_and_tests_do_not_depend_on_the_order_documents_were_logged_in(
     assert intervals.interval([docs(ref, forward)]) == intervals.interval([docs(ref, reversed(range(60)))])
     assert intervals.paired([docs(row, forward)], [docs(ref, range(60))]) == intervals.paired([docs(row, backward)],
                                                                                                [docs(ref, range(60))])
+
+
+def test_a_table_compares_named_pairs_of_rows_in_a_family_of_their_own(tmp_path, capsys):
+    # The ablation's EG-MARI against the single adapter (issue 36.7): the same paired tests as against
+    # Vanilla, between two rows, Holm-adjusted over these comparisons alone, recomputable from the Parquet.
+    store = Store(tmp_path / "runs", placement=Placement(dtype="float32"))
+    profile = Profile(name="fixed", models=["m"], seeds=[0, 1], max_train={}, max_ctrl=None, limits={})
+    columns = ["tqa_mc1", "tqa_mc2", "bbq_acc"]
+    cells = make_cells()
+    record = tables.write_tables(tmp_path, "t", "Table T", "Intro.", cells, columns, lambda model: ("P", {}),
+                                 profile, "cmd", 1.0, store, comparisons=[("MARI", "CAA")])
+    [compared] = record["models"]["m"]["comparisons"]
+    assert (compared["row"], compared["against"]) == ("MARI", "CAA") and set(compared["columns"]) == set(columns)
+    mc2 = compared["columns"]["tqa_mc2"]
+    expected = intervals.paired(cells["m"]["MARI"]["tqa_mc2"]["documents"], cells["m"]["CAA"]["tqa_mc2"]["documents"])
+    assert (mc2["mean"], mc2["p"], mc2["reference"]) == (expected.mean, expected.p, "CAA")
+    family = [compared["columns"][c]["p"] for c in columns]
+    assert [compared["columns"][c]["p_holm"] for c in columns] == intervals.holm(family)
+    assert "MARI - CAA" in (tmp_path / "t.md").read_text()
+    assert recompute.main([str(tmp_path / "t")]) == 0
+    saved = json.loads((tmp_path / "t.json").read_text())
+    saved["models"]["m"]["comparisons"][0]["columns"]["tqa_mc2"]["mean"] += 1.0
+    write_results_json(tmp_path / "t.json", saved)
+    assert recompute.main([str(tmp_path / "t")]) == 1
+    assert "m / comparisons[0].columns.tqa_mc2.mean" in capsys.readouterr().out

@@ -195,6 +195,8 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
     if script == "ablation_table.py":  # EG-MARI with tau_E recalibrated on each labelling (issue 22)
         rows = [r["row"] for r in record["models"]["smollm2-135m-instruct"]["rows"]]
         assert rows[-3:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)"]
+        [compared] = record["models"]["smollm2-135m-instruct"]["comparisons"]  # issue 36.7
+        assert (compared["row"], compared["against"]) == ("EG-MARI", "w/o Multi-Adapter") and compared["columns"]
     if script == "sensitivity.py":  # the rho sweep per labelling, the alpha_probe axis (issue 22)
         rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
         assert list(rows) == ["Vanilla", "K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
