@@ -7,10 +7,12 @@ w/o Multi-Adapter (the single adapter trained beside the experts, gated with its
 threshold, ``experts=single``); EG-MARI (the full method, its gate calibrated on the
 ``loss`` applicability labels, the paper's text); and EG-MARI with tau_E recalibrated on the
 ``flip`` and ``source`` labels (``labels=``, no retraining; the paper is ambiguous about which
-examples are non-applicable: see mari_eval/gate_labels.py). Besides every row's difference from
-Vanilla, EG-MARI is compared with the single adapter on the same documents (``COMPARISONS``). The MARI bundles are the main
-table's (same cache under runs/), so running both trains each bundle once. Writes
-results/ablation_table.{json,md,tex}. The paper reports Table 2 for Llama-3-8B, Qwen2.5-14B and -32B.
+examples are non-applicable: see mari_eval/gate_labels.py). Columns: every column of the
+main table, MMLU and ARC under each attribute's bundle. Besides every row's difference from
+Vanilla, EG-MARI is compared with the single adapter on the same documents
+(``COMPARISONS``). The MARI bundles are the main table's (same cache under runs/), so running
+both trains each bundle once. Writes results/ablation_table.{json,md,tex}. The paper reports
+Table 2 for Llama-3-8B, Qwen2.5-14B and -32B.
 """
 
 from __future__ import annotations
