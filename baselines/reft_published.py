@@ -4,9 +4,27 @@ The settings, their sources and what still differs are in ``baselines.reft``'s d
 ("Published recipe"). In short: one intervention per layer at every layer, shared by the
 first 7 and last 7 prompt tokens, rank 8, W and b at ``torch.nn.Linear``'s default
 initialisation, AdamW at 9e-4 with a linear schedule after 10% warm-up, effective batch
-32, gradients clipped to norm 1, 6 epochs (the last one kept), and the language-modelling
-loss of the answer: the teacher-forced NLL of the gold option's (or the target's) tokens,
-averaged over the tokens of the batch.
+32, gradients clipped to norm 1, the last epoch kept, and the language-modelling loss of
+the answer: the teacher-forced NLL of the gold option's (or the target's) tokens, averaged
+over the tokens of the batch.
+
+How many optimizer steps (issue 36): pyreft's commonsense command trains 6 epochs of ~170k
+examples at batch 32, some 32,000 steps. On 20-80 fit examples 6 epochs are 6 steps (the
+first at learning rate 0 under Hugging Face's schedule), which leave W at its random start.
+What carries over is the number of steps, so:
+
+    steps per epoch = ceil(n_fit / batch)      (a batch holds at most the n_fit examples)
+    epochs          = max(6, ceil(MIN_STEPS / steps per epoch)),   MIN_STEPS = 100
+
+MIN_STEPS is pyreft's own recipe for very little data, the README's "a few demonstrations"
+example (stanfordnlp/pyreft README.md, steps 3-4): 10 examples, batch 10, 100 epochs, i.e.
+100 optimizer steps. On their commonsense data the rule changes nothing; here it gives 100
+epochs of one step at 20 fit examples (quick profile), 34 epochs of 3 steps at 80 (TruthfulQA's
+whole D_train). Learning rate, schedule shape, batch and clipping stay the commonsense ones;
+the warm-up ramp starts a step earlier than Hugging Face's (``warmup_linear``) so that the
+first step learns. The fit records the steps, every epoch's validation loss and how far the
+edit moved from its start (``diagnostics.distance_from_init``). R is orthonormalised with its
+signs kept continuous (``continuous_rows``).
 
 The model is run through the same path as evaluation (``prefix_cache.encode_prefix`` with
 the prompt's sites edited, then ``runner.score_variants`` over the answer), so what is
@@ -43,8 +61,12 @@ log = logging.getLogger(__name__)
 # -e 6 -lr 9e-4, batch 16 x 2 accumulation steps, --dropout 0.00, --share_weights, --warmup_ratio 0.1;
 # train.py's defaults: linear schedule, weight decay 0, adamw_torch; Trainer's max_grad_norm 1.0.
 # "layers" is absent: every layer of the model (their "-l all").
+# "epochs" is the least number of epochs: ``step_plan`` adds epochs up to MIN_STEPS optimizer steps.
 PUBLISHED = {"rank": 8, "first": 7, "last": 7, "lr": 9e-4, "epochs": 6, "batch": 32, "dropout": 0.0,
              "warmup_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0}
+# stanfordnlp/pyreft README.md, "Step 3: a few demonstrations" and "Step 4": 10 training examples,
+# per_device_train_batch_size=10, num_train_epochs=100.0, i.e. 100 optimizer steps (module docstring).
+MIN_STEPS = 100
 
 
 def published_hyperparameters(cls: type[ReFT], given: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -74,13 +96,60 @@ def linear_init_bias(generator: torch.Generator, fan_in: int, *shape: int) -> to
     return (torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(fan_in)
 
 
+def continuous_rows(free: torch.Tensor) -> torch.Tensor:
+    """``reft.orthonormal_rows`` ([r, d] or [L, r, d]) with the signs that give QR's triangular factor a
+    positive diagonal: the one factorisation continuous in ``free``. LAPACK's Householder QR takes the
+    signs from the pivots', so a pivot crossing 0 in training flips a row of R and the edit jumps."""
+    q, r = torch.linalg.qr(free.mT)
+    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    return (q * torch.where(signs == 0, 1.0, signs).unsqueeze(-2)).mT
+
+
+def step_plan(n_fit: int, batch: int, min_epochs: int, min_steps: int | None = None) -> tuple[int, int, int]:
+    """(optimizer steps per epoch, epochs, total steps) for ``n_fit`` examples in batches of ``batch``:
+    at least ``min_epochs`` epochs and at least ``min_steps`` (default MIN_STEPS) steps (module docstring)."""
+    min_steps = MIN_STEPS if min_steps is None else min_steps
+    if n_fit < 1 or batch < 1 or min_epochs < 1 or min_steps < 1:
+        raise ValueError(f"step_plan({n_fit}, {batch}, {min_epochs}, {min_steps}): every count must be at least 1 "
+                         "(an empty fit split: give ReFT more D_train examples, --max-train)")
+    per_epoch = math.ceil(n_fit / batch)
+    epochs = max(min_epochs, math.ceil(min_steps / per_epoch))
+    return per_epoch, epochs, per_epoch * epochs
+
+
+def warmup_steps(total: int, warmup_ratio: float) -> int:
+    return math.ceil(total * warmup_ratio)  # Hugging Face's TrainingArguments.get_warmup_steps
+
+
 def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
     """The learning-rate factor of optimizer step ``step`` (0-based) of ``total``: Hugging Face's
-    linear schedule with ceil(warmup_ratio * total) warm-up steps (the first step runs at 0)."""
-    warmup = math.ceil(total * warmup_ratio)
+    linear schedule (get_linear_schedule_with_warmup) with w = ``warmup_steps`` warm-up steps, the
+    decay after step w as theirs, the ramp counted from one step before the first, (step + 1) / (w + 1),
+    where theirs is step / w: it still reaches the peak at step w, but the first step runs at
+    lr / (w + 1), not at 0 as under their Trainer (issue 36: with few steps that step was lost)."""
+    warmup = warmup_steps(total, warmup_ratio)
     if step < warmup:
-        return step / max(1, warmup)
+        return (step + 1) / (warmup + 1)
     return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def initial_parameters(generator: torch.Generator, layers: int, rank: int, d: int) -> dict[str, torch.Tensor]:
+    """The parameters the fit starts from, drawn from ``generator`` in this order: ``free`` (R =
+    ``continuous_rows(free)``, a random orthonormal R), then W and b at torch.nn.Linear(d, rank)'s default."""
+    free = torch.randn(layers, rank, d, generator=generator)
+    W = linear_init(generator, layers, rank, d)
+    return {"free": free, "W": W, "b": linear_init_bias(generator, d, layers, rank)}
+
+
+def distance_from_init(initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """How far the learned edit moved from its start, per layer (mean and max over the layers):
+    ||W - W0|| / ||W0||, ||R - R0|| / ||R0|| (Frobenius; ||R0|| = sqrt(rank)), ||b - b0||, ||b - b0|| / ||b0||."""
+    out = {}
+    for key, name, relative in (("W_relative", "W", 1), ("R_relative", "R", 1), ("b", "b", 0), ("b_relative", "b", 1)):
+        a, b = initial[name].double().flatten(1), final[name].double().flatten(1)
+        values = (b - a).norm(dim=1) / (a.norm(dim=1) if relative else 1)
+        out[key] = {"mean": round(float(values.mean()), 6), "max": round(float(values.max()), 6)}
+    return out
 
 
 def dropped(hidden: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
@@ -93,25 +162,36 @@ def dropped(hidden: torch.Tensor, p: float, generator: torch.Generator) -> torch
 
 
 def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config: dict[str, Any],
-                  given: dict[str, Any], seed: int) -> ReFT:
-    from .reft import _python_rng_state, edits_at_layers, loreft, orthonormal_rows, pyreft_positions
+                  given: dict[str, Any], seed: int, min_steps: int | None = None) -> ReFT:
+    from .reft import _python_rng_state, edits_at_layers, loreft, pyreft_positions
 
+    min_steps = MIN_STEPS if min_steps is None else min_steps
     hp = published_hyperparameters(cls, given, session.num_layers)
     layers, rank, d = hp["layers"], hp["rank"], session.hidden_size
     gen = torch.Generator().manual_seed(seed)
-    free = torch.randn(len(layers), rank, d, generator=gen)  # R = its orthonormalised rows, random orthonormal
-    params = {"free": free, "W": linear_init(gen, len(layers), rank, d), "b": linear_init_bias(gen, d, len(layers), rank)}
-    params = {k: v.to(session.site_device).requires_grad_(True) for k, v in params.items()}
+    initial = initial_parameters(gen, len(layers), rank, d)
+    params = {k: v.clone().to(session.site_device).requires_grad_(True) for k, v in initial.items()}
     fit_examples, val_examples = validation_split(data.train, seed)
+    steps_per_epoch, epochs, total_steps = step_plan(len(fit_examples), hp["batch"], hp["epochs"], min_steps)
+    hp = {**hp, "epochs": epochs, "min_epochs": hp["epochs"], "min_steps": min_steps,
+          "steps_per_epoch": steps_per_epoch, "steps": total_steps,
+          "warmup_steps": warmup_steps(total_steps, hp["warmup_ratio"])}
     session.prepare(data.train, "D_train", lower=False)  # the edited layers start below l*: no lower states
     base = validation_loss(session, val_examples)
     optimizer = torch.optim.AdamW(params.values(), lr=hp["lr"], weight_decay=hp["weight_decay"])
-    loop = EpochLoop("reft_published", "ReFT (published)", hp["epochs"], params, optimizer, session.checkpoints,
+    loop = EpochLoop("reft_published", "ReFT (published)", epochs, params, optimizer, session.checkpoints,
                      generator=gen)
     order = random.Random(f"reft-published:{seed}")
-    steps_per_epoch = math.ceil(len(fit_examples) / hp["batch"])
-    total_steps = steps_per_epoch * hp["epochs"]
     step = [0]
+    config = copy.deepcopy(config)
+    config["site"]["position"] = (f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*), "
+                                  f"at layers {_layer_span(layers)}")
+    config["hyperparameters"] = {**hp, "epoch_kept": epochs, "validation_fraction": VALIDATION_FRACTION,
+                                 "init": "R random orthonormal, W and b torch.nn.Linear's default",
+                                 "loss": "teacher-forced NLL of the answer tokens (token mean over the batch)",
+                                 "schedule": "linear, warm-up from lr/(w+1) then decay to 0",
+                                 "positions": f"f{hp['first']}+l{hp['last']}",
+                                 "step_rule": f"epochs = max({hp['min_epochs']}, ceil({min_steps} / steps per epoch))"}
 
     def batches(epoch: int) -> list[list[Example]]:
         step[0] = epoch * steps_per_epoch  # also right after a resume
@@ -128,7 +208,7 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
         # The batch's token-mean NLL, as Hugging Face's causal-LM loss (``batch_gradient``);
         # the returned value carries the batch's gradient, clipped to max_grad_norm, for
         # EpochLoop's backward and step.
-        R = orthonormal_rows(params["free"])
+        R = continuous_rows(params["free"])
 
         def edit_at(i: int, h: torch.Tensor) -> torch.Tensor:
             return dropped(loreft(h, R[i].to(h), params["W"][i].to(h), params["b"][i].to(h)), hp["dropout"], gen)
@@ -138,38 +218,41 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
         total, grads = batch_gradient(session, batch, plan, sites, params, shared, packed)
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads.values()))
         scale = min(1.0, hp["max_grad_norm"] / (float(norm) + 1e-6))
+        lr = hp["lr"] * warmup_linear(step[0], total_steps, hp["warmup_ratio"])
         for group in optimizer.param_groups:
-            group["lr"] = hp["lr"] * warmup_linear(step[0], total_steps, hp["warmup_ratio"])
+            group["lr"] = lr
         step[0] += 1
         surrogate = sum((p * (g * scale)).sum() for p, g in zip(params.values(), grads.values()))
         value = surrogate - surrogate.detach() + total  # value: the loss; gradient: the clipped batch gradient
-        return value, {"loss": total, "grad_norm": float(norm)}
+        return value, {"loss": total, "grad_norm": float(norm), "lr": lr}
+
+    def bundle() -> ReFT:
+        with torch.no_grad():
+            tensors = {"R": continuous_rows(params["free"]).detach().cpu().contiguous(),
+                       "W": params["W"].detach().cpu().contiguous(), "b": params["b"].detach().cpu().contiguous()}
+        return cls(config, tensors)
 
     def end_epoch(epoch: int, parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
         n = sum(size for size, _ in parts)
         record = {"train_loss": sum(logged["loss"] * size for size, logged in parts) / n,
-                  "grad_norm": max(logged["grad_norm"] for _, logged in parts)}
-        log.info("ReFT (published) epoch %d: train loss (token-mean answer NLL) %.4f", epoch + 1, record["train_loss"])
+                  "grad_norm": max(logged["grad_norm"] for _, logged in parts), "lr_last": parts[-1][1]["lr"],
+                  "validation_loss": evaluation_loss(session, bundle(), val_examples)}
+        log.info("ReFT (published) epoch %d/%d: train loss (token-mean answer NLL, before each step) %.4f, validation "
+                 "loss %.4f (vanilla %.4f)", epoch + 1, epochs, record["train_loss"], record["validation_loss"], base)
         return record
 
     def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:
         order.setstate(_python_rng_state(state["order"]))
 
+    initial_loss = evaluation_loss(session, bundle(), val_examples)  # before loop.run restores a checkpoint
     history = loop.run(batches, loss, end_epoch, restored=restored, state=lambda: {"order": order.getstate()})
+    fitted = bundle()
     with torch.no_grad():
-        tensors = {"R": orthonormal_rows(params["free"]).detach().cpu().contiguous(),
-                   "W": params["W"].detach().cpu().contiguous(), "b": params["b"].detach().cpu().contiguous()}
-    config = copy.deepcopy(config)
-    config["site"]["position"] = (f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*), "
-                                  f"at layers {_layer_span(layers)}")
-    config["hyperparameters"] = {**hp, "epoch_kept": hp["epochs"], "validation_fraction": VALIDATION_FRACTION,
-                                 "init": "R random orthonormal, W and b torch.nn.Linear's default",
-                                 "loss": "teacher-forced NLL of the answer tokens (token mean over the batch)",
-                                 "schedule": "linear, warm-up then decay to 0", "positions": f"f{hp['first']}+l{hp['last']}"}
-    fitted = cls(config, tensors)
-    selected = evaluation_loss(session, fitted, val_examples)
-    fitted.config["diagnostics"] = {"history": history, SELECTION_KEY: selected, "validation_loss_base": base,
-                                    "validation_ids": [ex.id for ex in val_examples]}
+        start = {"R": continuous_rows(initial["free"]), "W": initial["W"], "b": initial["b"]}
+    fitted.config["diagnostics"] = {"history": history, SELECTION_KEY: history[-1]["validation_loss"],
+                                    "validation_loss_base": base, "validation_loss_init": initial_loss,
+                                    "validation_ids": [ex.id for ex in val_examples],
+                                    "distance_from_init": distance_from_init(start, fitted.tensors)}
     return fitted
 
 
@@ -344,14 +427,26 @@ def _extended(model: torch.nn.Module, head: Prefix, tokens: list[int], cols: lis
 @torch.no_grad()
 def evaluation_loss(session: Session, bundle: ReFT, examples: list[Example]) -> float:
     """Mean task loss (option cross-entropy, or target NLL) of ``examples`` under ``bundle`` as lm-eval
-    applies it (``MariLM``: the prompt computed under its edits, then the options scored)."""
+    applies it (``MariLM``: the prompt computed under its edits, then the options scored). The
+    prompts' common head (``shared_length``) is computed once under the edit and extended for each
+    prompt (``encode_prefix``'s ``base``, as lm-eval's prefix cache does): the same numbers."""
+    from transformers.cache_utils import DynamicLayer
+
     from mari_eval.objectives import task_losses
 
-    plan = bundle.plan(session.model)
+    plan, hp = bundle.plan(session.model), bundle.config["hyperparameters"]
+    shared, head = shared_length(examples, int(hp["first"]), int(hp["last"])), None
+    if shared:
+        sites = [p for p in plan.prompt_sites(len(examples[0].context)) if p < shared]
+        head = encode_prefix(session.model, examples[0].context[:shared], apply=plan.apply, sites=sites)
+        if not all(type(layer) is DynamicLayer for layer in head.cache.layers):
+            head = None  # sliding-window layers: each prompt runs whole
     losses = []
     for ex in examples:
-        prefix = encode_prefix(session.model, ex.context[:-1], apply=plan.apply, sites=plan.prompt_sites(len(ex.context)))
-        run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, plan, max_tokens=session.max_tokens)
+        prefix = encode_prefix(session.model, ex.context[:-1], base=head, apply=plan.apply,
+                               sites=plan.prompt_sites(len(ex.context)))
+        run = runner.score_variants(session.model, prefix, ex.context[-1], ex.options, plan,
+                                    max_tokens=session.max_tokens)
         losses.append(float(task_losses(run.logprobs, ex.gold)[0]))
     return sum(losses) / len(losses)
 

@@ -32,6 +32,7 @@ def _one_at_a_time(monkeypatch):
 @pytest.mark.parametrize("preamble", [list(range(40, 52)), []])  # a preamble shared by every prompt, or none
 @pytest.mark.parametrize("max_tokens", [1024, 30])  # one packed pass per step, or several
 def test_packed_steps_fit_the_bundle_one_prompt_at_a_time_fitted(preamble, max_tokens, monkeypatch):
+    monkeypatch.setattr(reft_published, "MIN_STEPS", 4)  # the step rule's 100 steps are not what this tests
     model = tiny_model("llama").requires_grad_(False)
     session = _tiny_session(model)
     session.max_tokens = max_tokens
