@@ -8,7 +8,11 @@ What ITI computes (as in the original):
    layer's attention output projection, one ``head_dim`` slice per head) is read at the
    last token.
 2. One linear probe per head is fitted on 80% of D_train and scored on the other 20%
-   (the validation slice); the heads are ranked by validation accuracy.
+   (the validation slice, split by question); the heads are ranked by validation accuracy,
+   equal accuracies in a random order seeded by the training seed (``iti_heads.rank_heads``;
+   never by head index, which favoured the first layers). The chosen heads, their
+   accuracies and the ties at the K-th accuracy are recorded in the bundle's diagnostics
+   and shown in lm-eval's ``config.mari_diagnostics`` (``iti_heads``).
 3. For each of the top K heads, the *mass-mean* direction theta = mean(label 1) -
    mean(label 0) of its outputs, normalised, and sigma = the standard deviation of the
    outputs projected on it.
@@ -36,7 +40,8 @@ scikit-learn's logistic regression and plain accuracy.
 
 Published recipe (``--recipe published``, ``iti_published``; sources and remaining differences
 in its docstring). The authors' own pipeline: head outputs read on "Q: {question} A: {answer}"
-(NL-ITI: "Q: {question}\nA: {answer}") with no few-shot preamble, one L2 logistic regression
+(NL-ITI: "Q: {question}\nA: {answer}") with no few-shot preamble, for every true (1) and false
+(0) answer of TruthfulQA's MC2 targets (BBQ, SORRY-Bench: as above), one L2 logistic regression
 (scikit-learn's C = 1, lbfgs) per head on raw outputs ranked by plain validation accuracy
 (NL-ITI: a width-16 MLP with BatchNorm, 10 epochs of Adam, its best epoch; probes on the
 answer's last 4 tokens, directions and sigmas on its last 6), mass-mean directions, sigma the
@@ -57,11 +62,12 @@ import torch
 import torch.nn.functional as F
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_losses, validation_split
+from .iti_heads import RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 from mari_eval import devices, site
 from mari_eval.plan import BASE, Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
-from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
+from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 
 if TYPE_CHECKING:
@@ -246,13 +252,6 @@ def grid_plan(model: torch.nn.Module, cells: list[dict[int, torch.Tensor]]) -> P
     return Plan((BASE, *range(len(cells))), lambda ids, pos: shift_variants(model, tables, ids, pos))
 
 
-def rank_heads(accuracy: torch.Tensor) -> torch.Tensor:
-    """Flat head indices (layer * n_heads + head) by probe accuracy, best first; heads that tie
-    (frequent on a small validation slice) in head-index order, so that the chosen heads are
-    the same on every machine (an unstable sort ordered ties by float rounding and library build)."""
-    return torch.sort(accuracy, descending=True, stable=True).indices
-
-
 # ----------------------------------------------------------------------------- the method
 
 
@@ -280,7 +279,11 @@ class ITI(ScaledVector):
         "probe_C": Float(0, lo_open=True, optional=True), "probe_max_iter": Int(1, optional=True),
         "probe_width": Int(1, optional=True), "probe_epochs": Int(1, optional=True), "probe_lr": Float(0, lo_open=True, optional=True),
         "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
+        # What the published recipe's probe rows are (iti_published.probe_answers); absent before issue 36 (MC1's options).
+        "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")),
     }
+    # The record of the chosen heads (iti_heads.choice_record); other diagnostics are not checked.
+    config_fields = {"diagnostics": Obj(RECORD_FIELDS, optional=True)}
     label = "ITI"
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
                        "recipe": RECIPE_FIELD}
@@ -302,6 +305,11 @@ class ITI(ScaledVector):
         # ITI's published recipe shifts the answer's tokens only (after p*); other bundles from p* on.
         at_site = self.config["hyperparameters"].get("shift_from", "last_prompt_token") == "last_prompt_token"
         return site.shift_attention_from_site(model, self.shifts(model), positions, at_site=at_site)
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """lm-eval's ``config.mari_diagnostics``: also the heads the bundle shifts, with their probes'
+        validation accuracies and the ties at the K-th accuracy (``iti_heads.heads_summary``)."""
+        return {**super().summarize(records), **heads_summary(self.config, self.tensors["heads"])}
 
     def check_compatible(self, model: torch.nn.Module, model_name: str, allow_other_model: bool = False) -> None:
         super().check_compatible(model, model_name, allow_other_model)
@@ -338,7 +346,7 @@ class ITI(ScaledVector):
         if y[~is_fit].min() == y[~is_fit].max():
             raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
         accuracy = probe_accuracy(x[is_fit], y[is_fit], x[~is_fit], y[~is_fit], cls.probe, seed)
-        ranked = rank_heads(accuracy)
+        ranked = rank_heads(accuracy, seed)
         cells: dict[tuple[int, float], dict[int, torch.Tensor]] = {}  # (K, alpha) -> the shifts, in grid order
         for fraction in fractions:
             k = max(1, round(fraction * n_layers * n_heads))
@@ -366,8 +374,9 @@ class ITI(ScaledVector):
                                 "validation_fraction": VALIDATION_FRACTION, "probe_steps": PROBE_STEPS},
             "diagnostics": {"validation_loss": {f"{k_}:{a}": v for (k_, a), v in scores.items()},
                             SELECTION_KEY: scores[k, alpha],
-                            "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
-                            "heads": heads.tolist(), "validation_ids": [ex.id for ex in val_examples]},
+                            "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(), "heads": heads.tolist(),
+                            **choice_record(accuracy, ranked, k, n_heads, y[~is_fit]),
+                            "validation_ids": [ex.id for ex in val_examples]},
         }
         return cls(config, {"heads": heads.contiguous(), "directions": theta.contiguous(), "sigma": sigma.contiguous()})
 

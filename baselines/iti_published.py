@@ -3,12 +3,14 @@
 Published recipe. What the authors do, from their code:
 
 * ITI (Li et al., 2023; likenneth/honest_llama, ``utils.py`` and ``legacy/llama_validate_2fold.py``):
-  every (question, answer) pair of TruthfulQA is written "Q: {question} A: {answer}" with no
-  instruction or few-shot preamble (``format_truthfulqa``, ``tokenized_tqa``) and each head's
-  output is read at its last token. One scikit-learn ``LogisticRegression`` (default L2, C = 1,
-  lbfgs) per head is fitted on the raw outputs of 80% of the training questions and scored by
-  plain accuracy on the other 20% (``train_probes``); the heads are ranked by that accuracy
-  (``get_top_heads``). The direction of a head is the mass-mean difference true minus false over
+  every answer of TruthfulQA's MC2 targets, each true one labelled 1 and each false one 0
+  (``tokenized_tqa`` reads ``mc2_targets``), is written "Q: {question} A: {answer}" with no
+  instruction or few-shot preamble (``format_truthfulqa``) and each head's output is read at its
+  last token. One scikit-learn ``LogisticRegression`` (default L2, C = 1, lbfgs) per head is
+  fitted on the raw outputs of the answers of 80% of the training questions and scored by plain
+  accuracy on those of the other 20%, split by question (``train_probes``); the heads are ranked
+  by that accuracy, ``np.argsort(accs)[::-1]`` (``get_top_heads``). The direction of a head is
+  the mass-mean difference true minus false over
   the training and validation questions (``get_com_directions``, ``--use_center_of_mass``), unit
   length; sigma is the population standard deviation (``np.std``) of the projections on it of
   the "tuning" activations, read at the last token of "Q: {question} A: {answer} Q: {another
@@ -18,37 +20,51 @@ Published recipe. What the authors do, from their code:
   (``tqa_run_probs``: ``start_edit_location`` skips the question and its "\\nA: "), so the first
   answer token is scored by the unshifted model.
 * NL-ITI (Hoscilowicz et al., 2024; Samsung/NL-ITI, ``reproduce_table1_commands``): the same
-  pipeline with "Q: {question}\\nA: {answer}" (``prepare_dataset.format_qa``), the head outputs
+  pipeline on MC2's true and false answers (``prepare_dataset``: ``answers``, ``false_answers``;
+  ``split_activations`` splits by question; ``utils.get_top_heads`` the same reversed argsort),
+  with "Q: {question}\\nA: {answer}" (``prepare_dataset.format_qa``), the head outputs
   averaged over the last tokens of the answer (``get_activations.py``: the target after "A:"),
   4 of them for the probes and 6 for the direction and sigma; the probe is an MLP
   head_dim-16-1 with BatchNorm and ReLU (``probes.MLP_S``) trained 10 epochs with Adam (lr 5e-4,
   weight decay 1e-4, batches of 32, BCE), keeping each head's epoch of best validation accuracy
   (``probing.train_model``); sigma from "Q: {question}\\nA: {answer}\\n\\nQ: {another question}",
-  averaged over the other question's last 6 tokens (``format_endq``, ``--activations_std_format
-  endq``). The shift starts at the token before the answer line (``intervention.intervene``:
+  averaged over the other question's last 6 tokens (``format_endq``, on the same MC2 answers,
+  ``--activations_std_format endq``). The shift starts at the token before the answer line
+  (``intervention.intervene``:
   ``start_edit_location = answer_starts_at_idx - 1``), i.e. at p* here. Its reported numbers
   come from a grid of K in 16..96 and alpha in 5..30 whose best MC1 on the evaluation fold is
   kept (``-ht``, ``common.HT_HEADS``/``HT_ALPHA``, ``utils.get_best_result``); no fixed pair is
   published, so this recipe takes ``intervention.py``'s defaults, K = 48 and alpha = 15
   (``--heads``, ``--alpha``), the same as ITI's, rather than choose on a test split.
 
-What this recipe does: the above on D_train; ITI's probes are scikit-learn's own estimator
-(``logistic_accuracy``), NL-ITI's MLPs one batched network over all heads (``mlp_accuracy``),
-and heads that tie are ranked by head index (``iti.rank_heads``). K scales
+What this recipe does: the above on D_train. A TruthfulQA question gives one probe row per MC2
+answer (every true one 1, every false one 0; ``probe_answers``, read from the data file by the
+example's id), as both originals probe; BBQ keeps the correct option (1) against the others
+(0), SORRY-Bench the refusal target (1) against the compliance target (0): they have no MC2
+(``hyperparameters.probe_answers`` says which). ITI's probes are scikit-learn's own estimator
+(``logistic_accuracy``), NL-ITI's MLPs one batched network over all heads (``mlp_accuracy``).
+Equal accuracies are ordered by a random permutation seeded by the training seed
+(``iti_heads.rank_heads``: the originals' reversed argsort leaves ties to numpy's unstable
+sort; ordering them by head index favoured layers 0 and 1). The chosen heads with their
+validation accuracies, and how many heads share the K-th accuracy, are recorded in the
+bundle's diagnostics (``iti_heads.choice_record``) and shown in lm-eval's
+``config.mari_diagnostics``. K scales
 with the model: 48 / 1024 of its heads (13 of SmolLM2-135M's 30 x 9), so that the share of
 the model moved is the authors'; alpha is in units of sigma and stays 15. The probes are fitted
-on the 80% of ``common.validation_split`` and ranked on its 20% (as the authors' split); the
+on the answers of the 80% of the questions of ``common.validation_split`` and scored on those of
+its 20% (a split by question, as the authors'); the
 kept bundle's directions and sigmas come from all of D_train (as the authors' train + val), and
 ``validation_loss_selected`` is the task loss on the 20% with directions and sigmas from the
 80% alone. ITI's bundle records ``shift_from: answer`` (``ITI.applied``).
 
 Where it must still differ: the probes and directions are read from the authors' own prompt,
 but every method is evaluated (and the selection loss computed) on lm-eval's prompts, the
-6-shot TruthfulQA preamble included; BBQ and SORRY-Bench examples use the same Q/A format
-(the question with BBQ's context; the refusal and compliance targets as answers); TruthfulQA
-MC1 gives one true answer per question where the authors probed MC2's several; sigma's
-prompts come from D_train alone, their "other question" a seeded draw from the fit slice
-(honest_llama reads them on all 817 questions, unlabelled); a fit slice smaller
+6-shot TruthfulQA preamble included (the selection loss on TruthfulQA MC1, the suite's
+training task); BBQ and SORRY-Bench examples use the same Q/A format
+(the question with BBQ's context; the refusal and compliance targets as answers); sigma's
+prompts are MC2's answers (honest_llama reads the generation set's correct and incorrect
+answers, from which MC2's were drawn) on D_train alone, their "other question" a seeded draw
+from the fit slice (honest_llama reads them on all 817 questions, unlabelled); a fit slice smaller
 than one batch of 32 trains the MLPs on one batch; in generation, honest_llama's answer path
 also shifts the last prompt token (``start_edit_location='lt'``), which ``shift_from: answer``
 does not; and the model is SmolLM2-135M, not Llama-7B.
@@ -65,6 +81,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from .iti_heads import choice_record, rank_heads
 from mari_eval import site
 from mari_eval.objectives import COMPLIANCE_TARGET
 from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
@@ -156,6 +173,33 @@ def contrast_texts(ex: Example) -> tuple[list[str], list[str]]:
     return [ex.choices[ex.gold]], [c for i, c in enumerate(ex.choices) if i != ex.gold]
 
 
+def truthfulqa_mc2() -> dict[str, tuple[list[str], list[str]]]:
+    """TruthfulQA's MC2 answers by question id (``data.load_truthfulqa_mc``): (true, false) as
+    ``mc2_targets.labels`` marks them (1 true, 0 false), in the file's order."""
+    from mari_eval.data import load_truthfulqa_mc
+
+    out = {}
+    for record in load_truthfulqa_mc():
+        targets = record["mc2_targets"]
+        pairs = list(zip(targets["choices"], targets["labels"]))
+        out[record["id"]] = ([c for c, label in pairs if label == 1], [c for c, label in pairs if label != 1])
+    return out
+
+
+def probe_answers(attribute: str, examples: list[Example]) -> tuple[str, list[tuple[list[str], list[str]]]]:
+    """(what the rows are, each example's (true, false) answers): TruthfulQA's MC2 answers, as both
+    originals probe ("mc2"); elsewhere ``contrast_texts`` ("options": BBQ; "refusal": SORRY-Bench)."""
+    if attribute != "truthfulqa":
+        return ("refusal" if examples and examples[0].gold is None else "options"), [contrast_texts(ex) for ex in examples]
+    mc2 = truthfulqa_mc2()
+    missing = [ex.id for ex in examples if ex.id not in mc2]
+    if missing:
+        raise ValueError(f"the published ITI recipe probes TruthfulQA's MC2 answers, but {len(missing)} training example(s) "
+                         f"({', '.join(missing[:3])}) are not questions of the TruthfulQA data file "
+                         "(truthfulqa/mc.jsonl.gz under MARI_DATA_DIR): point MARI_DATA_DIR at the data the splits were made from")
+    return "mc2", [mc2[ex.id] for ex in examples]
+
+
 def other_questions(examples: list[Example], pool: list[Example], seed: int) -> list[str]:
     """A seeded question of ``pool`` for each example, never its own (the end of sigma's prompt)."""
     rng = random.Random(f"iti-published:end_q:{seed}")
@@ -167,29 +211,29 @@ def other_questions(examples: list[Example], pool: list[Example], seed: int) -> 
     return out
 
 
-def recipe_activations(session: Session, recipe: Recipe, examples: list[Example], others: list[str]) -> dict[str, torch.Tensor]:
-    """The recipe's activations of ``examples`` ([N, layers, heads, head_dim] each): ``probe``
-    and ``direction`` on the Q/A prompts (``labels``, ``owner``: the example's index), ``sigma``
-    on the prompts ending with another question (``sigma_owner``)."""
+def recipe_activations(session: Session, recipe: Recipe, examples: list[Example], others: list[str],
+                       answers: list[tuple[list[str], list[str]]]) -> dict[str, torch.Tensor]:
+    """The recipe's activations of ``examples``' (true, false) ``answers`` ([rows, layers, heads,
+    head_dim] each): ``probe`` and ``direction`` on the Q/A prompts (``labels``, ``owner``: the
+    example's index), ``sigma`` on the prompts ending with another question (``sigma_owner``)."""
     from tqdm import tqdm
 
     n_heads, head_dim = site.attention_heads(session.model)
     shape = lambda x: x.reshape(len(x), session.num_layers, n_heads, head_dim)
     parts: dict[str, list] = {"probe": [], "direction": [], "sigma": [], "labels": [], "owner": [], "sigma_owner": []}
-    for i, (ex, other) in enumerate(tqdm(list(zip(examples, others)), desc="published recipe: head outputs", leave=False)):
-        true, false = contrast_texts(ex)
-        answers = true + false
-        qa = [recipe.qa(ex.question, a) for a in answers]
-        end_q = [recipe.end_q(ex.question, a, other) for a in answers]
+    for i, (ex, other, (true, false)) in enumerate(tqdm(list(zip(examples, others, answers)),
+                                                          desc="published recipe: head outputs", leave=False)):
+        qa = [recipe.qa(ex.question, a) for a in true + false]
+        end_q = [recipe.end_q(ex.question, a, other) for a in true + false]
         # One pass for both prompts: they share "Q: {question} A:" (the probe window of the end_q rows is not used).
         probe, direction = window_outputs(session, qa + end_q, (recipe.probe_tokens, recipe.tokens))
-        m = len(answers)
+        m = len(qa)
         parts["probe"].append(shape(probe[:m]))
         parts["direction"].append(shape(direction[:m]))
         parts["sigma"].append(shape(direction[m:]))
         parts["labels"] += [1.0] * len(true) + [0.0] * len(false)
-        parts["owner"] += [i] * len(answers)
-        parts["sigma_owner"] += [i] * len(answers)
+        parts["owner"] += [i] * m
+        parts["sigma_owner"] += [i] * m
     return {k: torch.cat(v) if k in ("probe", "direction", "sigma") else torch.tensor(v) for k, v in parts.items()}
 
 
@@ -295,8 +339,6 @@ def num_heads_for(total_heads: int) -> int:
 def fit_published(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],
                   hyperparameters: dict[str, Any], seed: int) -> Intervention:
     """``cls`` (ITI or NL-ITI) trained by its authors' recipe, ``cls.published``."""
-    from .iti import rank_heads
-
     recipe: Recipe = cls.published
     fixed = sorted(set(hyperparameters) - {"recipe"})
     if fixed:
@@ -304,7 +346,8 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
                          f"drop --set {', '.join(fixed)} or use --recipe adapted, which chooses them on the validation slice")
     fit_examples, val_examples = validation_split(data.train, seed)
     examples = fit_examples + val_examples
-    acts = recipe_activations(session, recipe, examples, other_questions(examples, fit_examples, seed))
+    answer_kind, answers = probe_answers(data.attribute, examples)
+    acts = recipe_activations(session, recipe, examples, other_questions(examples, fit_examples, seed), answers)
     n_layers, n_heads, head_dim = acts["probe"].shape[1:]
     flat = {k: acts[k].reshape(len(acts[k]), n_layers * n_heads, head_dim) for k in ("probe", "direction", "sigma")}
     y = acts["labels"]
@@ -317,11 +360,16 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     else:
         accuracy = mlp_accuracy(x_fit, y[is_fit], x_val, y[~is_fit], seed)
     k = num_heads_for(n_layers * n_heads)
-    top = rank_heads(accuracy)[:k]
+    ranked = rank_heads(accuracy, seed)
+    top = ranked[:k]
     heads = torch.stack([top // n_heads, top % n_heads], 1)
+    choice = choice_record(accuracy, ranked, k, n_heads, y[~is_fit])
+    log.info("%s (published): %d of %d heads share the K-th validation accuracy %.4f, %d of them chosen by the seeded "
+             "tie order", cls.method, choice["heads_tied_at_boundary"], len(accuracy), choice["boundary_accuracy"],
+             choice["tied_heads_chosen"])
 
     hp = {"recipe": "published", "alpha": ALPHA, "num_heads": k, "head_fraction": HEAD_FRACTION, "probe": recipe.probe,
-          "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
+          "probe_answers": answer_kind, "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
           **recipe.formats(), "validation_fraction": VALIDATION_FRACTION}
     hp.update({"probe_C": LOGISTIC_C, "probe_max_iter": LBFGS_ITERATIONS} if recipe.probe == "linear"
               else {f"probe_{name}": value for name, value in MLP.items()})
@@ -343,4 +391,4 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     everything = torch.ones_like(is_fit)
     return bundle(everything, torch.ones_like(sigma_fit), {
         SELECTION_KEY: selected, "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
-        "heads": heads.tolist(), "validation_ids": [ex.id for ex in val_examples]})
+        "heads": heads.tolist(), **choice, "validation_ids": [ex.id for ex in val_examples]})

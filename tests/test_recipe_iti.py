@@ -1,8 +1,10 @@
 """ITI's and NL-ITI's published recipes (``baselines.iti_published``): what the fit records, the
 round trip of its bundle, and each piece the authors' recipe changes against an independent
-computation: scikit-learn's logistic regression, NL-ITI's probe as torch.nn modules trained
-head by head, numpy's mass mean and population std, the heads' outputs read from the whole
-sequence, and the answer-only shift against hooks on the heads themselves."""
+computation: the probe rows (TruthfulQA's MC2 answers), scikit-learn's logistic regression,
+NL-ITI's probe as torch.nn modules trained head by head, numpy's mass mean and population std,
+the heads' outputs read from the whole sequence, and the answer-only shift against hooks on
+the heads themselves; and, for both recipes (``baselines.iti_heads``), the order of heads that
+tie and the record of the chosen heads."""
 
 import dataclasses
 
@@ -10,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from baselines import iti, iti_published
+from baselines import iti, iti_heads, iti_published
 from baselines.common import SELECTION_KEY
 from mari_eval import runner, site
+from mari_eval.bundle_spec import BundleError
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import AttributeData, Example
 
@@ -35,6 +38,20 @@ def _data(examples):
     return AttributeData("truthfulqa", None, [], examples, [], [])
 
 
+def _mc2(examples):
+    """Made-up MC2 answers, none of them an MC1 option, 1 to 3 true and 2 to 4 false per question."""
+    return {ex.id: ([f"true {i}.{j}" for j in range(1 + i % 3)], [f"false {i}.{j} no" for j in range(2 + i % 3)])
+            for i, ex in enumerate(examples)}
+
+
+@pytest.fixture
+def mc2(monkeypatch):
+    """The examples' MC2 answers, served where the published fit reads TruthfulQA's data file."""
+    served = {}
+    monkeypatch.setattr(iti_published, "truthfulqa_mc2", lambda: served)
+    return served
+
+
 def _config(model):
     return {"base_model": {"name": "tiny", "hidden_size": model.config.hidden_size, "num_layers": site.num_layers(model)},
             "site": {"layer": 1, "position": "last prompt token"}}
@@ -42,24 +59,75 @@ def _config(model):
 
 @pytest.mark.parametrize("cls, probe, probe_tokens, tokens, shift_from", [
     (iti.ITI, "linear", 1, 1, "answer"), (iti.NLITI, "mlp", 4, 6, "last_prompt_token")])
-def test_published_fit_records_its_recipe_and_round_trips(tmp_path, cls, probe, probe_tokens, tokens, shift_from):
+def test_published_fit_records_its_recipe_and_round_trips(tmp_path, mc2, cls, probe, probe_tokens, tokens, shift_from):
     model = tiny_model("llama")
     session = _chat_free_session(model)
     examples = _examples(session)
+    mc2.update(_mc2(examples))
     fitted = cls.fit(session, _data(examples), _config(model), {"recipe": "published"}, seed=0)
     hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
     assert (hp["recipe"], hp["alpha"], hp["probe"], hp["probe_tokens"], hp["tokens"], hp["shift_from"]) == \
         ("published", 15.0, probe, probe_tokens, tokens, shift_from)
     assert hp["num_heads"] == 1 and hp["head_fraction"] == 48 / 1024  # 48/1024 of 16 heads rounds to 1
     assert hp["prompt_format"] == ("Q: {question} A: {answer}" if cls is iti.ITI else "Q: {question}\nA: {answer}")
+    assert hp["probe_answers"] == "mc2"
     assert np.isfinite(diag[SELECTION_KEY]) and np.isfinite(diag["validation_loss_base"])
     assert diag[SELECTION_KEY] != diag["validation_loss_base"]  # the shift moves the validation loss
     assert set(diag["validation_ids"]) < {ex.id for ex in examples} and len(diag["validation_ids"]) == 2
     loaded = reloaded(fitted, tmp_path / cls.method)
     assert loaded.config["hyperparameters"] == hp
+    # bundle.json names the shifted heads with their probes' accuracies, and lm-eval's diagnostics show them.
+    chosen = loaded.config["diagnostics"]["chosen_heads"]
+    assert [[c["layer"], c["head"]] for c in chosen] == fitted.tensors["heads"].tolist()
+    assert [c["validation_accuracy"] for c in chosen] == pytest.approx(diag["probe_accuracy"], abs=1e-6)
+    summary = loaded.summarize([])
+    assert summary["chosen_heads"] == chosen and summary["heads_tied_at_boundary"] >= 1
     prefix = encode_prefix(model, [5, 17, 33, 2])
     runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (fitted, loaded)]
     assert torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_questions(mc2, monkeypatch):
+    """honest_llama ``tokenized_tqa`` and NL-ITI ``prepare_dataset``: one row per answer of
+    ``mc2_targets``, label 1 for each true answer, 0 for each false one, split by question."""
+    model = tiny_model("llama")
+    session = _chat_free_session(model)
+    examples = _examples(session)
+    mc2.update(_mc2(examples))
+    seen, texts = {}, []
+    scored = iti_published.logistic_accuracy
+
+    def spy(x_fit, y_fit, x_val, y_val, seed):
+        seen.update(fit=y_fit.clone(), val=y_val.clone())
+        return scored(x_fit, y_fit, x_val, y_val, seed)
+
+    read = iti_published.window_outputs
+    monkeypatch.setattr(iti_published, "logistic_accuracy", spy)
+    monkeypatch.setattr(iti_published, "window_outputs", lambda s, t, w: texts.extend(t) or read(s, t, w))
+    fitted = iti.ITI.fit(session, _data(examples), _config(model), {"recipe": "published"}, seed=0)
+    val_ids = set(fitted.config["diagnostics"]["validation_ids"])
+    for part, ids in (("fit", {ex.id for ex in examples} - val_ids), ("val", val_ids)):
+        true, false = sum(len(mc2[i][0]) for i in ids), sum(len(mc2[i][1]) for i in ids)
+        assert (len(seen[part]), int(seen[part].sum())) == (true + false, true), part
+    assert fitted.config["diagnostics"]["probe_validation"]["rows"] == len(seen["val"])
+    answers = {target for _, target in texts}
+    assert answers >= {f" {a}" for true, false in mc2.values() for a in true + false}
+    assert not answers & {f" {c}" for ex in examples for c in ex.choices}  # no MC1 option is probed
+
+
+def test_probe_rows_elsewhere_are_the_options_or_the_refusal():
+    session = _chat_free_session(tiny_model("llama"))
+    examples = _examples(session, n=2)
+    kind, answers = iti_published.probe_answers("bbq", examples)
+    assert kind == "options" and answers[1] == ([examples[1].choices[1]], [examples[1].choices[0], examples[1].choices[2]])
+    refusal = Example("s", [1], [[2]], None, question="Do it", choices=["I can't."])
+    assert iti_published.probe_answers("sorry_bench", [refusal]) == ("refusal", [(["I can't."], [iti_published.COMPLIANCE_TARGET])])
+
+
+def test_a_training_question_missing_from_the_truthfulqa_file_is_named(mc2):
+    session = _chat_free_session(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"probes TruthfulQA's MC2 answers, but 2 training example\(s\) \(ex0, ex1\).*MARI_DATA_DIR"):
+        iti_published.probe_answers("truthfulqa", _examples(session, n=2))
 
 
 def test_published_recipe_refuses_the_adapted_grid():
@@ -73,6 +141,52 @@ def test_k_is_itis_share_of_the_heads():
     assert iti_published.num_heads_for(1024) == 48  # Llama-7B: the authors' K
     assert iti_published.num_heads_for(30 * 9) == 13  # SmolLM2-135M
     assert iti_published.num_heads_for(16) == 1
+
+
+def test_heads_that_tie_are_ordered_by_the_seed_not_by_their_index():
+    # SmolLM2's 30 x 9 heads on 4 accuracies, as a validation slice of a few questions scores them.
+    n_layers, n_heads = 30, 9
+    accuracy = torch.tensor([0.5, 0.75, 0.625, 1.0])[torch.arange(n_layers * n_heads) * 7 % 4]
+    ranked = iti_heads.rank_heads(accuracy, seed=0)
+    assert sorted(ranked.tolist()) == list(range(n_layers * n_heads))
+    assert accuracy[ranked].tolist() == sorted(accuracy.tolist(), reverse=True)  # best first
+    assert torch.equal(ranked, iti_heads.rank_heads(accuracy, seed=0))  # the same seed, the same order
+    assert not torch.equal(ranked, iti_heads.rank_heads(accuracy, seed=1))
+    best = ranked[: int((accuracy == 1.0).sum())].tolist()
+    assert best != sorted(best) and best != sorted(best, reverse=True)  # neither by index nor by reversed index
+    # No layer is favoured: with every head tied, the top 13's mean layer over 200 seeds is the middle one, 14.5
+    # (ties by index gave 0.3, the reversed stable argsort 28.7).
+    tied = torch.full((n_layers * n_heads,), 0.5)
+    layers = torch.stack([iti_heads.rank_heads(tied, seed)[:13] // n_heads for seed in range(200)]).float()
+    assert abs(layers.mean().item() - 14.5) < 1.0
+
+
+def test_the_choice_record_names_the_heads_and_counts_those_tied_at_the_kth_accuracy():
+    accuracy = torch.tensor([0.6, 0.9, 0.8, 0.8, 0.5, 0.8, 0.7, 0.8, 0.4])  # 3 layers x 3 heads; four at 0.8
+    labels = torch.tensor([1.0, 0, 0, 0, 1, 0])
+    record = iti_heads.choice_record(accuracy, iti_heads.rank_heads(accuracy, seed=3), 3, 3, labels)
+    chosen = record["chosen_heads"]
+    assert chosen[0] == {"layer": 0, "head": 1, "validation_accuracy": 0.9}
+    assert [c["validation_accuracy"] for c in chosen[1:]] == [0.8, 0.8]
+    assert {(c["layer"], c["head"]) for c in chosen[1:]} < {(0, 2), (1, 0), (1, 2), (2, 1)}
+    assert (record["boundary_accuracy"], record["heads_tied_at_boundary"], record["tied_heads_chosen"]) == (0.8, 4, 2)
+    assert record["probe_validation"] == {"rows": 6, "true_rows": 2, "majority_accuracy": round(4 / 6, 6),
+                                          "accuracy_min": 0.4, "accuracy_max": 0.9}
+    with pytest.raises(ValueError, match="K = 10 heads asked of 9"):
+        iti_heads.choice_record(accuracy, iti_heads.rank_heads(accuracy), 10, 3)
+
+
+def test_a_bundle_without_the_record_loads_and_shows_its_heads_and_a_damaged_record_is_refused(tmp_path):
+    model = tiny_model("llama")
+    plain = _published_bundle(model, "answer")
+    old = iti.ITI({**plain.config, "diagnostics": {"probe_accuracy": [0.9, 0.75], "heads": [[1, 0], [2, 3]]}}, plain.tensors)
+    summary = reloaded(old, tmp_path / "old").summarize([])
+    assert summary["chosen_heads"] == [{"layer": 1, "head": 0, "validation_accuracy": 0.9},
+                                       {"layer": 2, "head": 3, "validation_accuracy": 0.75}]
+    assert summary["head_tie_rule"].startswith("not recorded") and "heads_tied_at_boundary" not in summary
+    damaged = {"chosen_heads": [{"layer": 1, "head": 0, "validation_accuracy": 1.5}]}
+    with pytest.raises(BundleError, match=r"diagnostics\.chosen_heads\[0\]\.validation_accuracy is 1\.5"):
+        iti.ITI({**plain.config, "diagnostics": damaged}, plain.tensors)
 
 
 def _newton_logistic(x: np.ndarray, y: np.ndarray, C: float = 1.0) -> tuple[np.ndarray, float]:
@@ -252,5 +366,13 @@ def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270(truthful
     assert hp["num_heads"] == 13 and fitted.tensors["directions"].shape == (13, 64) and hp["shift_from"] == "answer"
     assert len(set(map(tuple, diag["heads"]))) == 13
     assert diag["probe_accuracy"] == sorted(diag["probe_accuracy"], reverse=True)
+    # The probes read every MC2 answer of the validation questions, as the data file lists them.
+    from mari_eval.data import load_truthfulqa_mc
+
+    mc2 = {r["id"]: r["mc2_targets"]["labels"] for r in load_truthfulqa_mc()}
+    assert hp["probe_answers"] == "mc2"
+    assert diag["probe_validation"]["rows"] == sum(len(mc2[i]) for i in diag["validation_ids"])
+    assert diag["probe_validation"]["true_rows"] == sum(sum(mc2[i]) for i in diag["validation_ids"])
+    assert [[c["layer"], c["head"]] for c in diag["chosen_heads"]] == diag["heads"]
     assert np.isfinite(diag[SELECTION_KEY]) and diag[SELECTION_KEY] != diag["validation_loss_base"]
     assert (fitted.tensors["sigma"] > 0).all()
