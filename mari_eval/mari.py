@@ -28,7 +28,11 @@ the bundle; see DEFAULTS):
 * alpha_probe = 1: the probe is trained and used as h + alpha_probe delta_phi(h)
   (eq:probe_update at training as at calibration and inference), so at strength 1 it is a
   task-sized update. The paper calls the update "small" and its analysis is first-order in
-  alpha; repro/sensitivity.py measures alpha_probe = 0.1, 0.3 and 1 (--alphas).
+  alpha (eq:energy_nonapp_compact_main); repro/sensitivity.py measures alpha_probe = 0.1, 0.3
+  and 1 twice: retrained at each (--alphas), and over the one probe trained at 1, injected at
+  each strength at inference (probe_alpha=..., --probe-alphas). Calibration stores E(x; alpha)
+  of D_ctrl at mari_fit.PROBE_ALPHAS and the trained alpha (gate.probe_alphas), so that
+  ``probe_alpha=A`` recomputes tau_E from the energies at A.
 * T_ent = 8 greedy steps for generation routing (eq:entropy_gen).
 * labels = "loss": a control example is applicable when the routed expert lowers its task
   loss (the paper's text); "flip" and "source" are the other readings (mari_eval.gate_labels),
@@ -44,7 +48,8 @@ from typing import Any
 import torch
 
 from mari_eval import gate_labels, runner
-from mari_eval.mari_equations import apply_variants, energy_threshold, gate_open, option_entropy, run_energy
+from mari_eval.mari_equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
+                                      run_energy)
 from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
 from mari_eval.options import Option
@@ -79,7 +84,8 @@ DEFAULTS: dict[str, Any] = {
 class MARI(Intervention):
     """A trained MARI bundle. Tensors: expert_U/V [K, d, r], expert_b [K, r], single_U/V/b,
     probe_U/V [d, r_p], probe_b [r_p], pca_basis [d, k], ctrl_energy [N], ctrl_applicable [N],
-    ctrl_applicable_single [N], ctrl_flip [N], ctrl_flip_single [N] (gate_labels)."""
+    ctrl_applicable_single [N], ctrl_flip [N], ctrl_flip_single [N] (gate_labels), ctrl_energy_by_alpha
+    [n_alpha, N] (E(x; alpha) of the trained probe at each gate.probe_alphas; absent from older bundles)."""
 
     # bundle.json (bundle_spec.check_bundle): what inference reads is required; training's record when present.
     hyperparameter_fields = {
@@ -100,14 +106,19 @@ class MARI(Intervention):
                      "rho": Float(0, 1, lo_open=True, optional=True), "n_ctrl": Int(0, optional=True),
                      "labels": Str(optional=True, choices=gate_labels.LABELINGS),
                      "n_applicable": Int(0, optional=True), "quantile": Str(optional=True),
-                     "ctrl_sources": List(Str(), optional=True)}, optional=True),
+                     "ctrl_sources": List(Str(), optional=True),
+                     # the probe strengths of ctrl_energy_by_alpha's rows (mari_fit.probe_alpha_grid)
+                     "probe_alphas": List(Float(0, lo_open=True), optional=True)}, optional=True),
     }
 
     @classmethod
     def tensor_spec(cls, config, names):
         hp = config["hyperparameters"]
+        alphas = (config.get("gate") or {}).get("probe_alphas")
         sizes = {"K": hp["K"], "rank": hp["rank"], "probe_rank": hp["probe_rank"], "pca_rank": hp["pca_rank"],
                  "hidden_size": config["base_model"]["hidden_size"]}
+        if alphas is not None or "ctrl_energy_by_alpha" in names:  # energies without their strengths: refused
+            sizes["n_probe_alphas"] = len(alphas or ())
         lowrank = lambda n: {"U": (n, "hidden_size", "rank"), "V": (n, "hidden_size", "rank"), "b": (n, "rank")}
         specs = {f"expert_{k}": TensorSpec(shape) for k, shape in lowrank("K").items()}
         # The one-adapter ablation (`mari-eval train --single`): all three tensors or none.
@@ -119,7 +130,9 @@ class MARI(Intervention):
                      ctrl_applicable_single=TensorSpec(("n_ctrl",), "int"),
                      # Bundles trained before the flip labels were recorded have none (labels=flip refused).
                      ctrl_flip=TensorSpec(("n_ctrl",), "int", optional=True),
-                     ctrl_flip_single=TensorSpec(("n_ctrl",), "int", optional=True))
+                     ctrl_flip_single=TensorSpec(("n_ctrl",), "int", optional=True),
+                     # Bundles trained before the fixed-probe grid was recorded have neither (probe_alpha= refused).
+                     ctrl_energy_by_alpha=TensorSpec(("n_probe_alphas", "n_ctrl"), optional=alphas is None))
         return sizes, specs
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
@@ -132,12 +145,14 @@ class MARI(Intervention):
 
     option_fields = {"gate": Option(bool, "gate=false"), "rho": Option(float, "rho=0.9"),
                      "labels": Option(str, "labels=loss, labels=flip or labels=source"),
-                     "experts": Option(str, "experts=routed, experts=single or experts=0")}
+                     "experts": Option(str, "experts=routed, experts=single or experts=0"),
+                     "probe_alpha": Option(float, "probe_alpha=0.1", finite=True)}
 
     def configure(self, gate: bool = True, rho: float | None = None, experts: str = "routed",
-                  labels: str | None = None) -> None:
+                  labels: str | None = None, probe_alpha: float | None = None) -> None:
         """Ablation switches (lm_eval model_args): gate on/off, rho, the applicability labels tau_E
-        is calibrated on (default: the bundle's), and which experts answer.
+        is calibrated on (default: the bundle's), which experts answer, and the strength the
+        gate's trained probe is injected at (default: alpha_probe, the one it was trained at).
 
         experts: "routed" (entropy routing over the K experts), "single" (the one-adapter
         ablation), or an expert index to force.
@@ -151,6 +166,7 @@ class MARI(Intervention):
                 raise ValueError(f"experts={forced} is out of range: this bundle has K={self.K} experts (0..{self.K - 1})")
         if experts == "single" and "single_U" not in self.tensors:
             raise ValueError("experts=single: this bundle has no single adapter (train it with `mari-eval train --single`)")
+        strength = self._probe_strength(probe_alpha)  # refused before any switch is changed
         self.gate = bool(gate)
         self.experts = experts
         self.rho = float(self.config["hyperparameters"]["rho"] if rho is None else rho)
@@ -158,11 +174,41 @@ class MARI(Intervention):
             raise ValueError(f"rho={self.rho} must lie in [0, 1]")
         self.labels = labels if labels is not None else self.config["hyperparameters"].get("labels", "loss")
         applicable = self.applicable(self.labels, single=experts == "single")  # refuses unknown or missing labels
-        self.tau = energy_threshold(self.tensors["ctrl_energy"], applicable, self.rho) if self.gate else -math.inf
+        self.probe_alpha, self.probe_index = strength
+        self.tau = energy_threshold(self.calibration_energies, applicable, self.rho) if self.gate else -math.inf
+
+    def _probe_strength(self, probe_alpha: float | None) -> tuple[float, int | None]:
+        """(alpha the probe is injected at, its index in gate.probe_alphas; None: the trained alpha_probe)."""
+        trained = float(self.config["hyperparameters"]["alpha_probe"])
+        if probe_alpha is None or math.isclose(probe_alpha, trained, rel_tol=1e-9):
+            return trained, None  # variant K + 1 and ctrl_energy: exactly the default evaluation
+        stored = self.stored_probe_alphas
+        if "ctrl_energy_by_alpha" not in self.tensors or stored is None:
+            raise ValueError(f"probe_alpha={probe_alpha:g}: this bundle holds the control energies at its trained "
+                             f"alpha_probe={trained:g} only (it was trained before the energies at other probe "
+                             "strengths were recorded); retrain it with `mari-eval train`, or drop probe_alpha")
+        index = next((j for j, a in enumerate(stored) if math.isclose(probe_alpha, a, rel_tol=1e-9)), None)
+        if index is None:
+            raise ValueError(f"probe_alpha={probe_alpha:g}: this bundle holds the control energies (for tau_E) at "
+                             f"probe_alpha={', '.join(f'{a:g}' for a in stored)} only (gate.probe_alphas; its probe "
+                             f"was trained at alpha_probe={trained:g}): use one of them")
+        return float(stored[index]), index
+
+    @property
+    def stored_probe_alphas(self) -> list[float] | None:
+        return (self.config.get("gate") or {}).get("probe_alphas")
+
+    @property
+    def calibration_energies(self) -> torch.Tensor:
+        """E(x; alpha) of D_ctrl at the strength the probe is injected at (eq:prop_energy_def): tau_E's sample."""
+        if self.probe_index is None:
+            return self.tensors["ctrl_energy"]
+        return self.tensors["ctrl_energy_by_alpha"][self.probe_index]
 
     def edit_fingerprint(self) -> str:
         """The bundle's alone: the options (gate, rho, labels, experts) choose which variants run and
-        answer, and the gate's threshold, but never change a variant's edit."""
+        answer, and the gate's threshold, but never change a variant's edit; probe_alpha chooses
+        another probe variant (a distinct id per stored strength, mari_equations.probe_variant)."""
         return self.fingerprint()
 
     def applicable(self, labels: str, single: bool = False) -> torch.Tensor:
@@ -183,7 +229,7 @@ class MARI(Intervention):
 
     @property
     def probe_id(self) -> int:
-        return self.K + 1
+        return probe_variant(self.K, self.probe_index)
 
     def answering_variants(self) -> list[int]:
         if self.experts == "routed":
@@ -203,8 +249,9 @@ class MARI(Intervention):
 
     def edit_variants(self, hidden: torch.Tensor, variant_ids: torch.Tensor) -> torch.Tensor:
         """h + alpha gamma s_k U_k (V_k^T h + b_k) per row (eq:act_phi, eq:act_lowrank); probe rows get
-        h + alpha_probe delta_phi(h) (eq:probe_update); BASE rows pass through."""
-        return apply_variants(self.tensors_like(hidden), self.config["hyperparameters"], hidden, variant_ids)
+        h + alpha delta_phi(h) (eq:probe_update), alpha_probe or a stored probe_alpha by id; BASE rows pass through."""
+        return apply_variants(self.tensors_like(hidden), self.config["hyperparameters"], hidden, variant_ids,
+                              self.stored_probe_alphas or ())
 
     # ------------------------------------------------------------------ routing and gate
 
@@ -239,7 +286,7 @@ class MARI(Intervention):
         if variant == self.single_id:
             return "the single adapter"
         if variant == self.probe_id:
-            return "the gate's probe"
+            return "the gate's probe" + ("" if self.probe_index is None else f" (probe_alpha={self.probe_alpha:g})")
         return super().variant_name(variant) if variant == runner.BASE else f"expert {variant}"
 
     @property
@@ -273,8 +320,11 @@ class MARI(Intervention):
             "expert_counts": usage,
         }
         if self.gate:  # no prompt seen: no rate (not 0)
-            out.update(rho=self.rho, labels=self.labels, tau_E=self.tau,
+            out.update(rho=self.rho, labels=self.labels, tau_E=self.tau, probe_alpha=self.probe_alpha,
+                       alpha_probe_trained=float(self.config["hyperparameters"]["alpha_probe"]),
                        gate_rate=sum(r["gate_open"] for r in records) / n if n else None)
+            if self.probe_index is not None:
+                out["energy_linearity"] = self.energy_linearity()
         agree = [r["routing_agrees"] for r in records if r.get("routing_agrees") is not None]
         if agree:
             out["routing_agreement"] = sum(agree) / len(agree)
@@ -283,20 +333,28 @@ class MARI(Intervention):
         out["control_separation"] = self.control_separation()
         return out
 
+    def energy_linearity(self) -> float | None:
+        """Median over D_ctrl of E(x; probe_alpha) / ((probe_alpha / alpha_probe) E(x; alpha_probe)): 1 where the
+        energy is first-order in the probe's strength (eq:first_order_expand_app); None without a positive energy."""
+        trained = float(self.config["hyperparameters"]["alpha_probe"])
+        at, base = self.calibration_energies.double(), self.tensors["ctrl_energy"].double()
+        ratio = at[base > 0] / (self.probe_alpha / trained * base[base > 0])
+        return float(ratio.median()) if ratio.numel() else None
+
     def control_separation(self) -> dict[str, Any]:
-        """Per labelling the bundle holds: how well energy separates applicable from non-applicable
-        D_ctrl examples (AUROC over all, and within each source; mari_eval.gate_labels)."""
+        """Per labelling the bundle holds: how well energy (at the probe strength in use) separates
+        applicable from non-applicable D_ctrl examples (AUROC over all, and within each source; gate_labels)."""
         out = {}
         for labels in gate_labels.LABELINGS:
             try:
                 applicable = self.applicable(labels)
             except ValueError:  # not recorded in this (older) bundle
                 continue
-            out[labels] = gate_labels.separation(self.tensors["ctrl_energy"], applicable, self.ctrl_sources)
+            out[labels] = gate_labels.separation(self.calibration_energies, applicable, self.ctrl_sources)
         return out
 
     def control_energy_summary(self) -> dict[str, Any]:
-        e, a = self.tensors["ctrl_energy"], self.applicable(self.labels)
+        e, a = self.calibration_energies, self.applicable(self.labels)
         def stats(x):
             return {"n": int(x.numel()), "mean": float(x.mean()) if x.numel() else None,
                     "median": float(x.median()) if x.numel() else None}

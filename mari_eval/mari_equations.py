@@ -13,6 +13,7 @@ is the stated intent. We use the rho-quantile (linear interpolation).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -114,8 +115,12 @@ def gate_open(energy: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 def apply_variants(tensors: dict[str, torch.Tensor], hp: dict[str, Any], hidden: torch.Tensor,
-                   variant_ids: torch.Tensor) -> torch.Tensor:
-    """The edit of every variant on its rows (shared by the trained bundle and by training)."""
+                   variant_ids: torch.Tensor, probe_alphas: Sequence[float] = ()) -> torch.Tensor:
+    """The edit of every variant on its rows (shared by the trained bundle and by training).
+
+    Ids 0..K-1: the experts; K: the single adapter; K + 1: the probe at its trained strength,
+    h + alpha_probe delta_phi(h) (eq:probe_update); K + 2 + j: the same probe at
+    ``probe_alphas[j]`` (the fixed-probe strengths of ``probe_variant``)."""
     K = tensors["expert_U"].shape[0]
     out = hidden
     experts = (variant_ids >= 0) & (variant_ids < K)
@@ -132,7 +137,18 @@ def apply_variants(tensors: dict[str, torch.Tensor], hp: dict[str, Any], hidden:
     if probe.any():
         delta = probe_delta(hidden, tensors)
         out = torch.where(probe[:, None], out + hp["alpha_probe"] * delta, out)
+    if probe_alphas and bool((variant_ids >= K + 2).any()):
+        delta = probe_delta(hidden, tensors)
+        for j, alpha in enumerate(probe_alphas):  # one trained probe, injected at another strength
+            out = torch.where((variant_ids == probe_variant(K, j))[:, None], out + alpha * delta, out)
     return out
+
+
+def probe_variant(K: int, index: int | None) -> int:
+    """The variant id of the gate's probe: K + 1 at the trained alpha_probe (``index`` None), K + 2 +
+    ``index`` at the bundle's ``index``-th stored inference strength (gate.probe_alphas). A distinct id
+    per strength keeps a variant's edit fixed by the bundle alone (``Intervention.edit_fingerprint``)."""
+    return K + 1 if index is None else K + 2 + index
 
 
 def probe_delta(hidden: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

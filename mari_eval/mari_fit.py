@@ -19,7 +19,7 @@ import torch
 from mari_eval import devices, gate_labels, generation, runner
 from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
-                                      routed_loss, run_energy)
+                                      probe_variant, routed_loss, run_energy)
 from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
@@ -29,6 +29,17 @@ if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
+
+# Probe strengths alpha at which calibration also measures E(x; alpha) over D_ctrl with the one trained
+# probe (absolute values in h + alpha delta_phi(h), eq:probe_update, eq:prop_energy_def): evaluation's
+# probe_alpha= reads them to recompute tau_E without retraining (issue 36.7c; the paper's bound,
+# eq:energy_nonapp_compact_main, is first-order in alpha). The trained alpha_probe is always added.
+PROBE_ALPHAS = (0.1, 0.3, 1.0)
+
+
+def probe_alpha_grid(trained: float) -> list[float]:
+    """The inference strengths a bundle trained at alpha_probe=``trained`` stores, ascending."""
+    return sorted({*PROBE_ALPHAS, float(trained)})
 
 
 def _lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator,
@@ -145,21 +156,29 @@ def routing_entropies(model: torch.nn.Module, prompt: list[int], plan: Plan, win
 @torch.no_grad()
 def calibrate(session: Session, examples: list[Example], tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
     """Energies of D_ctrl, its loss and flip applicability labels (routed expert and single adapter;
-    mari_eval.gate_labels), routing agreement."""
+    mari_eval.gate_labels), routing agreement; and E(x; alpha) of the same trained probe at every
+    strength of ``probe_alpha_grid`` ("ctrl_energy_by_alpha" [n_alpha, N], the grid as "probe_alphas"):
+    a site-only row at p* per extra strength, in the same run."""
     from tqdm import tqdm
 
     K = tensors["expert_U"].shape[0]
     has_single = "single_U" in tensors
-    variants = [runner.BASE, *range(K), *([K] if has_single else []), K + 1]
+    grid = probe_alpha_grid(hp["alpha_probe"])
+    # The trained strength's energy is ctrl_energy itself (variant K + 1); the others get their own rows.
+    extra = {j: probe_variant(K, j) for j, alpha in enumerate(grid) if alpha != hp["alpha_probe"]}
+    probes = [probe_variant(K, None), *extra.values()]
+    variants = [runner.BASE, *range(K), *([K] if has_single else []), *probes]
     layers = list(range(session.layer, session.num_layers))
-    energies, applicable, applicable_single, flip, flip_single, agrees = [], [], [], [], [], []
+    energies, by_alpha, applicable, applicable_single, flip, flip_single, agrees = [], [], [], [], [], [], []
     def edit(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return apply_variants(like(tensors, h), hp, h, ids)
+        return apply_variants(like(tensors, h), hp, h, ids, grid)
 
     experts = Plan.at_site(session.model, session.layer, edit, list(range(K)))
     for ex in tqdm(examples, desc="calibrating the energy gate on D_ctrl", leave=False):
-        run = session.run(ex, variants, edit, capture=layers, site_only=[K + 1])
-        energies.append(float(run_energy(run, K + 1, layers)))
+        run = session.run(ex, variants, edit, capture=layers, site_only=probes)
+        energies.append(float(run_energy(run, probe_variant(K, None), layers)))
+        by_alpha.append([float(run_energy(run, extra[j], layers)) if j in extra else energies[-1]
+                         for j in range(len(grid))])
         expert_rows = [run.row(k) for k in range(K)]
         if ex.gold is None:  # generation: route as inference does, over the first T_ent greedy steps
             u = routing_entropies(session.model, ex.context, experts, hp["T_ent"])
@@ -173,7 +192,7 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
             applicable_single.append(gate_labels.loss_label(losses, run.row(K), base))
             flip_single.append(gate_labels.flip_label(run.logprobs, ex.gold, run.row(K), base))
         agrees.append(routed == int(losses[expert_rows].argmin()))  # Appendix C.2: entropy vs lowest-loss expert
-    bad = [ex.id for ex, e in zip(examples, energies) if not math.isfinite(e)]
+    bad = [ex.id for ex, row in zip(examples, by_alpha) if not all(map(math.isfinite, row))]
     if bad:  # tau_E would be NaN (every gate comparison False) or infinite: refuse, naming the examples
         raise FloatingPointError(
             f"gate calibration: the propagation energy E(x) is not finite for {len(bad)} of {len(energies)} D_ctrl "
@@ -181,12 +200,14 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
             "overflowed there. Retrain with a lower --lr (or in float32, --dtype float32), or inspect these examples")
     out = {
         "ctrl_energy": torch.tensor(energies),
+        "ctrl_energy_by_alpha": torch.tensor(by_alpha).reshape(len(examples), len(grid)).T.contiguous(),  # [n_alpha, N]
         "ctrl_applicable": torch.tensor(applicable, dtype=torch.uint8),
         "ctrl_applicable_single": torch.tensor(applicable_single or applicable, dtype=torch.uint8),
         "ctrl_flip": torch.tensor(flip, dtype=torch.uint8),
         "ctrl_flip_single": torch.tensor(flip_single or flip, dtype=torch.uint8),
     }
     out["routing_agreement"] = sum(agrees) / max(1, len(agrees))
+    out["probe_alphas"] = grid
     return out
 
 
@@ -211,7 +232,7 @@ def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dic
     probe, logs["probe"] = fit_probe(session, data.train, pca_states, tensors["pca_basis"], hp, gen)
     tensors.update(probe)
     cal = calibrate(session, data.ctrl, tensors, hp)
-    agreement = cal.pop("routing_agreement")
+    agreement, probe_alphas = cal.pop("routing_agreement"), cal.pop("probe_alphas")
     tensors.update(cal)
     applicable = gate_labels.control_labels(cal, data.ctrl_source, hp["labels"])
     tau = energy_threshold(cal["ctrl_energy"], applicable, hp["rho"])
@@ -221,7 +242,7 @@ def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dic
         "gate": {"tau_E": tau, "rho": hp["rho"], "labels": hp["labels"],
                  "quantile": f"rho-quantile of the D_ctrl energies non-applicable by labels={hp['labels']}",
                  "n_ctrl": int(applicable.numel()), "n_applicable": int(applicable.sum()),
-                 "ctrl_sources": data.ctrl_source},
+                 "ctrl_sources": data.ctrl_source, "probe_alphas": probe_alphas},
         "diagnostics": {"training": logs, "ctrl_routing_agreement": agreement},
     }
     log.info("gate: tau_E %.4f (rho %.2f, labels %s), %d/%d control examples applicable, routing agreement %.3f",

@@ -1,23 +1,29 @@
 """Sensitivity to K (number of experts), rho (gate quantile) under each applicability labelling,
-and alpha_probe (the probe's strength): tables and line plots.
+and alpha_probe (the probe's strength), retrained and at inference: tables and line plots.
 
     python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6]
         [--rhos 0.7,0.8,0.9] [--labellings loss,flip,source] [--alphas 0.1,0.3,1]
+        [--probe-alphas 0.1,0.3,1]
 
-K: MARI is trained on TruthfulQA with K = 1..6 experts (everything else as the main
-table) and evaluated with its gate. rho: the K = 4 bundle evaluated with tau_E
-recomputed at each rho from the control energies non-applicable under each labelling
-(``rho=...,labels=...``: no retraining; mari_eval/gate_labels.py). alpha_probe: MARI
-trained on TruthfulQA with the probe trained and used at that strength (issue 22.3; the
-paper calls the probe's update "small", our default is 1), chosen on nothing: every value
-is shown. A Vanilla row (the base model) is the reference of every paired test. Columns: held-out TruthfulQA MC1/MC2 and MMLU (5-shot, under the TruthfulQA
-intervention), the fraction of TruthfulQA and MMLU documents on which the gate opened, and
-how well the bundle's energy separates applicable from non-applicable D_ctrl examples
-(AUROC over the whole control set, under the loss and the source labels). The paper
-shows these as figures only (no numbers to put beside ours).
+Rows that train a bundle each: K (MARI trained on TruthfulQA with K = 1..6 experts, everything
+else as the main table, evaluated with its gate) and ``alpha_probe=X`` (--alphas: the probe
+trained and used at strength X, h + X delta_phi(h), eq:probe_update, eq:cal_objective; issue
+22.3), so each X has its own probe. Rows that evaluate the default bundle (K = 4, alpha_probe = 1)
+without retraining: rho (tau_E recomputed at each rho from the control energies non-applicable
+under each labelling, ``rho=...,labels=...``; mari_eval/gate_labels.py) and ``probe_alpha=X
+(fixed probe)`` (--probe-alphas, issue 36.7c: the one probe trained at 1, injected at strength
+X by the gate, tau_E recomputed from the D_ctrl energies at X that training stored,
+``probe_alpha=X``; what the paper's first-order claim about a "small" probe update,
+eq:energy_nonapp_compact_main, speaks of). Every value is shown, chosen on nothing. A Vanilla
+row (the base model) is the reference of every paired test. Columns: held-out TruthfulQA
+MC1/MC2 and MMLU (5-shot, under the TruthfulQA intervention), the fraction of TruthfulQA and
+MMLU documents on which the gate opened, and how well the row's energy separates applicable
+from non-applicable D_ctrl examples (AUROC over the whole control set, under the loss and the
+source labels; a fixed-probe row's from the stored energies at its X). The paper shows these
+as figures only (no numbers to put beside ours).
 Writes results/sensitivity.{json,md,tex} and results/sensitivity_k.png,
 results/sensitivity_rho.png, results/sensitivity_alpha.png (a panel per score, and one
-for the gate rates).
+for the gate rates; retrained and fixed-probe lines side by side).
 """
 
 from __future__ import annotations
@@ -38,12 +44,38 @@ def rho_label(rho: float, labels: str) -> str:
     return f"rho={rho}, labels={labels}"
 
 
+def probe_label(alpha: float) -> str:
+    return f"probe_alpha={alpha} (fixed probe)"
+
+
+def _options(model_args: str) -> dict[str, str]:
+    """A row's evaluation options (``rho=0.8,labels=source``) as ``Intervention.configure_from`` takes them."""
+    return dict(part.split("=", 1) for part in model_args.split(",") if part)
+
+
+def _row_bundle(bundle, model_args: str):
+    """``bundle`` loaded and configured as the row with ``model_args`` evaluates it. A bundle the repro
+    cache kept from before what the row needs was stored (the energies at other probe strengths of
+    ``probe_alpha=``) is refused now, before any evaluation, naming the bundle and the fix."""
+    from mari_eval.methods import load_bundle
+
+    loaded = load_bundle(bundle)
+    try:
+        loaded.configure_from(_options(model_args))
+    except ValueError as e:
+        if "retrain" not in str(e):  # a bad value, not an older bundle (whose refusals say to retrain it)
+            raise SystemExit(f"sensitivity.py: {e}") from None
+        skip = ", or leave the fixed-probe rows out with --probe-alphas ''" if "probe_alpha" in model_args else ""
+        raise SystemExit(f"sensitivity.py: {e}. The cached bundle {bundle} predates what this row needs: delete that "
+                         f"directory (the next run retrains it){skip}") from None
+    return loaded
+
+
 def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float], labellings: list[str],
-        alphas: list[float]) -> dict:
+        alphas: list[float], probe_alphas: list[float] = ()) -> dict:
     from tqdm import tqdm
 
     from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
-    from mari_eval.methods import load_bundle
 
     cells: dict = {}
     # Each point: (row label, hyperparameters it trains with, lm-eval model_args it evaluates with).
@@ -51,20 +83,25 @@ def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list
     points += [(rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
                for labels in labellings for r in rhos]
     points += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
-    steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
     defaults = {**MARI_DEFAULTS, **profile.hyperparameters}
+    # The default bundle's probe at other strengths: at its trained one, the default evaluation itself.
+    points += [(probe_label(a), {}, "" if a == defaults["alpha_probe"] else f"probe_alpha={a}") for a in probe_alphas]
+    steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
     rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed): every point's bundle, scored together
     for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity: training", unit="point"):
         # A value equal to the default is the main table's bundle: leave it out of the cache key.
         trained = {k: v for k, v in trained.items() if v != defaults[k]}
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, trained or None)
+        if model_args:  # an option the cached bundle cannot serve stops the run here, before any evaluation
+            _row_bundle(bundle, model_args)
         # The Vanilla row (the base model on the same documents) is the reference of the paired tests.
         rows.setdefault((model, seed), {"Vanilla": ({}, "")})[label] = ({"truthfulqa": bundle}, model_args)
     for (model, seed), by_label in rows.items():
         for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, by_label).items():
             if label != "Vanilla":
                 scores = tables.add_gate_rates(scores, GATE_COLUMNS)
-                separation = load_bundle(by_label[label][0]["truthfulqa"]).control_separation()
+                bundles, model_args = by_label[label]
+                separation = _row_bundle(bundles["truthfulqa"], model_args).control_separation()
                 for column, labels in AUROC_COLUMNS.items():
                     n = separation[labels]["n_applicable"] + separation[labels]["n_non_applicable"]
                     auroc = separation[labels]["auroc"]  # None where D_ctrl holds one class only
@@ -97,32 +134,49 @@ def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], p
 
 def main(argv: list[str] | None = None) -> int:
     from mari_eval.gate_labels import LABELINGS
+    from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
+    from mari_eval.mari_fit import probe_alpha_grid
+
+    stored = ",".join(f"{a:g}" for a in probe_alpha_grid(MARI_DEFAULTS["alpha_probe"]))
 
     def points(parser):
         parser.add_argument("--ks", default="1,2,3,4,5,6")
         parser.add_argument("--rhos", default="0.7,0.8,0.9")
         parser.add_argument("--labellings", default=",".join(LABELINGS), help="applicability labellings of the rho sweep")
         parser.add_argument("--alphas", default="0.1,0.3,1", help="alpha_probe values (each trains a bundle)")
+        parser.add_argument("--probe-alphas", default=stored,
+                            help="probe_alpha values at which the default bundle's one probe is injected at inference "
+                                 f"(no retraining; among the strengths training stores: {stored}; '' for none)")
 
     args, profile, store, command = profiles.start(__doc__, "sensitivity.py", argv, points)
     ks, rhos = [int(k) for k in args.ks.split(",")], [float(r) for r in args.rhos.split(",")]
     alphas, labellings = [float(a) for a in args.alphas.split(",")], args.labellings.split(",")
+    probe_alphas = [float(a) for a in args.probe_alphas.split(",") if a.strip()]
     unknown = [name for name in labellings if name not in LABELINGS]
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")
+    unstored = [f"{a:g}" for a in probe_alphas if a not in probe_alpha_grid(MARI_DEFAULTS["alpha_probe"])]
+    if unstored:
+        raise SystemExit(f"--probe-alphas: {', '.join(unstored)} not among the strengths training stores the control "
+                         f"energies at ({stored}); use some of them (--alphas retrains the probe at any strength)")
     started = time.time()
-    cells = run(profile, store, ks, rhos, labellings, alphas)
+    cells = run(profile, store, ks, rhos, labellings, alphas, probe_alphas)
     out = Path(args.out)
-    tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe",
-                        "Scores in %; gate columns: fraction of documents on which the gate opened; auroc columns: "
-                        "energy vs applicability over the bundle's whole D_ctrl under the loss and source labels "
-                        "(0.5: no separation). The paper shows figures only.", cells,
+    tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe (retrained; "
+                        "and at inference over one fixed probe)",
+                        "Scores in %; alpha_probe=X rows train a probe at X, probe_alpha=X (fixed probe) rows inject "
+                        f"the default bundle's probe (trained at {MARI_DEFAULTS['alpha_probe']:g}) at X; gate columns: "
+                        "fraction of documents on which the gate opened; auroc columns: the row's energy vs applicability over the bundle's whole "
+                        "D_ctrl under the loss and source labels (0.5: no separation). The paper shows figures only.",
+                        cells,
                         [c[0] for c in COLUMNS] + list(GATE_COLUMNS) + list(AUROC_COLUMNS), lambda model: ("(figures only)", {}),
                         profile, command, time.time() - started, store)
     plot(cells, "K", {"": [(k, f"K={k}") for k in ks]}, out / "sensitivity_k.png")
     plot(cells, "rho", {f"labels={name}": [(r, rho_label(r, name)) for r in rhos] for name in labellings},
          out / "sensitivity_rho.png")
-    plot(cells, "alpha_probe", {"": [(a, f"alpha_probe={a}") for a in alphas]}, out / "sensitivity_alpha.png")
+    plot(cells, "alpha_probe", {"retrained": [(a, f"alpha_probe={a}") for a in alphas],
+                                "fixed probe": [(a, probe_label(a)) for a in probe_alphas]},
+         out / "sensitivity_alpha.png")
     return 0
 
 

@@ -436,14 +436,17 @@ def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
     config = json.loads((out / "bundle.json").read_text())
     assert config["method"] == "mari" and config["hyperparameters"]["K"] == 2 and config["seed"] == 3
     assert config["base_model"] == {"name": "smollm2-135m-instruct", "hidden_size": 576, "num_layers": 30}
-    assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 12
+    assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 18
     assert not set(config["splits"]["train_used"]) & set(config["splits"]["test"])
     # Every labelling of the control set is stored (issue 22): loss and flip labels, and the sources.
     assert config["gate"]["labels"] == config["hyperparameters"]["labels"] == "loss"
-    assert config["gate"]["ctrl_sources"] == ["attribute"] * 6 + ["arc_easy"] * 6
+    assert config["gate"]["ctrl_sources"] == ["attribute"] * 6 + ["arc_easy"] * 6 + ["mmlu"] * 6
     loaded = methods.load_bundle(out)
-    assert {"ctrl_flip", "ctrl_flip_single"} <= set(loaded.tensors) and loaded.tensors["ctrl_flip"].numel() == 12
+    assert {"ctrl_flip", "ctrl_flip_single"} <= set(loaded.tensors) and loaded.tensors["ctrl_flip"].numel() == 18
     assert set(loaded.summarize([])["control_separation"]) == {"loss", "flip", "source"}
+    # ... and the energies of its one probe at every stored strength (probe_alpha=, issue 36.7c)
+    assert config["gate"]["probe_alphas"] == mari_fit.probe_alpha_grid(1.0) == [0.1, 0.3, 1.0]
+    assert torch.equal(loaded.tensors["ctrl_energy_by_alpha"][2], loaded.tensors["ctrl_energy"])
     results = tmp_path / "results"
     evaluate = subprocess.run(
         ["lm_eval", "--model", "mari", "--model_args", f"pretrained=smollm2-135m-instruct,bundle={out}",

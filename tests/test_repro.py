@@ -200,7 +200,9 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
     if script == "sensitivity.py":  # the rho sweep per labelling, the alpha_probe axis (issue 22)
         rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
         assert list(rows) == ["Vanilla", "K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
-                              "alpha_probe=0.5"]  # Vanilla: the reference of the paired tests (issue 26)
+                              "alpha_probe=0.5", "probe_alpha=0.1 (fixed probe)", "probe_alpha=0.3 (fixed probe)",
+                              "probe_alpha=1.0 (fixed probe)"]  # Vanilla: the reference of the paired tests (issue 26)
+        assert rows["K=4"]["ours"] == rows["probe_alpha=1.0 (fixed probe)"]["ours"]  # the trained strength: the bundle as is
         assert rows["Vanilla"]["ours"]["tqa_mc1"]["difference"] is None
         assert rows["K=4"]["ours"]["tqa_mc1"]["difference"]["reference"] == "Vanilla"
         assert rows["K=4"]["ours"] == rows["alpha_probe=1.0"]["ours"]  # the same bundle and evaluation
