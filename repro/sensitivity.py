@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                         "D_ctrl under the loss and source labels (0.5: no separation). The paper shows figures only.",
                         cells,
                         [c[0] for c in COLUMNS] + list(GATE_COLUMNS) + list(AUROC_COLUMNS), lambda model: ("(figures only)", {}),
-                        profile, command, time.time() - started, store)
+                        profile, command, time.time() - started, store,
+                        comparisons=[("K=4", "K=1")])  # several experts against one, paired (issue 36.7)
     plot(cells, "K", {"": [(k, f"K={k}") for k in ks]}, out / "sensitivity_k.png")
     plot(cells, "rho", {f"labels={name}": [(r, rho_label(r, name)) for r in rhos] for name in labellings},
          out / "sensitivity_rho.png")
