@@ -148,6 +148,7 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     root = tmp_path / "data"
     shutil.copytree(data.data_dir() / "truthfulqa", root / "truthfulqa")
     shutil.copytree(data.data_dir() / "arc", root / "arc")
+    shutil.copytree(data.data_dir() / "mmlu", root / "mmlu")  # D_ctrl's MMLU validation questions
     path = root / "truthfulqa" / "mc.jsonl.gz"
     lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines(keepends=True)
     with gzip.open(path, "wt", encoding="utf-8") as fh:
