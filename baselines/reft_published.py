@@ -44,11 +44,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from .reft_parameters import continuous_rows, distance_from_init, dropped, initial_parameters
 from mari_eval import devices, runner
 from mari_eval.bundle_spec import check_hyperparameters
 from mari_eval.epochs import EpochLoop
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import Prefix, encode_prefix
+
 
 if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session
@@ -85,26 +87,6 @@ def published_hyperparameters(cls: type[ReFT], given: dict[str, Any], num_layers
     return hp
 
 
-def linear_init(generator: torch.Generator, *shape: int) -> torch.Tensor:
-    """``torch.nn.Linear``'s default initialisation of a layer reading ``shape[-1]`` inputs, for its
-    weight and its bias alike: uniform in +-1/sqrt(fan_in) (kaiming_uniform with a = sqrt(5))."""
-    return (torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
-
-
-def linear_init_bias(generator: torch.Generator, fan_in: int, *shape: int) -> torch.Tensor:
-    """The bias of that layer: uniform in +-1/sqrt(fan_in)."""
-    return (torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(fan_in)
-
-
-def continuous_rows(free: torch.Tensor) -> torch.Tensor:
-    """``reft.orthonormal_rows`` ([r, d] or [L, r, d]) with the signs that give QR's triangular factor a
-    positive diagonal: the one factorisation continuous in ``free``. LAPACK's Householder QR takes the
-    signs from the pivots', so a pivot crossing 0 in training flips a row of R and the edit jumps."""
-    q, r = torch.linalg.qr(free.mT)
-    signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
-    return (q * torch.where(signs == 0, 1.0, signs).unsqueeze(-2)).mT
-
-
 def step_plan(n_fit: int, batch: int, min_epochs: int, min_steps: int | None = None) -> tuple[int, int, int]:
     """(optimizer steps per epoch, epochs, total steps) for ``n_fit`` examples in batches of ``batch``:
     at least ``min_epochs`` epochs and at least ``min_steps`` (default MIN_STEPS) steps (module docstring)."""
@@ -131,34 +113,6 @@ def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / (warmup + 1)
     return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def initial_parameters(generator: torch.Generator, layers: int, rank: int, d: int) -> dict[str, torch.Tensor]:
-    """The parameters the fit starts from, drawn from ``generator`` in this order: ``free`` (R =
-    ``continuous_rows(free)``, a random orthonormal R), then W and b at torch.nn.Linear(d, rank)'s default."""
-    free = torch.randn(layers, rank, d, generator=generator)
-    W = linear_init(generator, layers, rank, d)
-    return {"free": free, "W": W, "b": linear_init_bias(generator, d, layers, rank)}
-
-
-def distance_from_init(initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
-    """How far the learned edit moved from its start, per layer (mean and max over the layers):
-    ||W - W0|| / ||W0||, ||R - R0|| / ||R0|| (Frobenius; ||R0|| = sqrt(rank)), ||b - b0||, ||b - b0|| / ||b0||."""
-    out = {}
-    for key, name, relative in (("W_relative", "W", 1), ("R_relative", "R", 1), ("b", "b", 0), ("b_relative", "b", 1)):
-        a, b = initial[name].double().flatten(1), final[name].double().flatten(1)
-        values = (b - a).norm(dim=1) / (a.norm(dim=1) if relative else 1)
-        out[key] = {"mean": round(float(values.mean()), 6), "max": round(float(values.max()), 6)}
-    return out
-
-
-def dropped(hidden: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
-    """Inverted dropout of the edited states (pyreft's dropout on the intervention's output), its
-    mask drawn from ``generator`` so that a resumed run draws the same masks."""
-    if p == 0:
-        return hidden
-    keep = torch.rand(hidden.shape, generator=generator) >= p
-    return hidden * keep.to(hidden) / (1 - p)
 
 
 def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config: dict[str, Any],

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines import reft, reft_published
+from baselines import reft, reft_parameters, reft_published
 from baselines.common import SELECTION_KEY
 from mari_eval.train import Example
 
@@ -45,7 +45,7 @@ def test_packed_steps_fit_the_bundle_one_prompt_at_a_time_fitted(preamble, max_t
         reference = reft.ReFT.fit(session, SimpleNamespace(train=examples), CONFIG, given, seed=0)
     for name in ("R", "W", "b"):
         torch.testing.assert_close(fitted.tensors[name], reference.tensors[name], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(fitted.tensors["W"][0], reft_published.linear_init(torch.Generator().manual_seed(0), 8, 32))
+    assert not torch.allclose(fitted.tensors["W"][0], reft_parameters.linear_init(torch.Generator().manual_seed(0), 8, 32))
     got, expected = fitted.config["diagnostics"], reference.config["diagnostics"]
     assert got[SELECTION_KEY] == pytest.approx(expected[SELECTION_KEY], abs=1e-5)
     for a, b in zip(got["history"], expected["history"]):
