@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -45,11 +45,14 @@ class GeneralControl:
     splits_field: str  # the ``data.Splits`` field holding its ids
     split: str  # the task split the ids come from
     shots: int  # few-shot examples before each question, as the test task has them
+    task: str  # the lm-eval task that renders a record: a format string over the record's fields
+    records: Callable[[str], list[dict]]  # the source's records of a split (``data``'s loader)
 
 
 GENERAL_CONTROLS = (
-    GeneralControl("arc_easy", "ctrl_arc", "train", data.ARC_CTRL_SHOTS),  # task arc_easy_first25
-    GeneralControl("mmlu", "ctrl_mmlu", "validation", data.MMLU_CTRL_SHOTS),  # task mmlu_<subject>
+    GeneralControl("arc_easy", "ctrl_arc", "train", data.ARC_CTRL_SHOTS, "arc_easy_first25",
+                   lambda split: data.load_arc("arc_easy", split)),
+    GeneralControl("mmlu", "ctrl_mmlu", "validation", data.MMLU_CTRL_SHOTS, "mmlu_{subject}", data.load_mmlu),
 )
 
 
@@ -147,21 +150,17 @@ def _sorry_examples(session: "Session", records: dict[str, dict], ids: Sequence[
 
 
 def general_controls(session: "Session", manager, control: GeneralControl, ids: Sequence[str]) -> list[Example]:
-    """The control examples ``ids`` of one general source, rendered as its test task renders them."""
-    if control.source == "arc_easy":
-        task, docs = _task_docs(manager, "arc_easy_first25", control.split)
-        return _mc_examples(session, task, docs, ids, control.shots)
-    if control.source == "mmlu":
-        subject_of = {r["id"]: r["subject"] for r in data.load_mmlu(control.split)}
-        by_subject: dict[str, list[str]] = {}
-        for i in ids:
-            by_subject.setdefault(subject_of[i], []).append(i)
-        rendered: dict[str, Example] = {}
-        for subject, subject_ids in by_subject.items():
-            task, docs = _task_docs(manager, f"mmlu_{subject}", control.split)
-            rendered.update((ex.id, ex) for ex in _mc_examples(session, task, docs, subject_ids, control.shots))
-        return [rendered[i] for i in ids]
-    raise ValueError(f"no renderer for the control source {control.source!r}")
+    """The control examples ``ids`` of one general source, each rendered by its test task
+    (``control.task`` over its record: one task for ARC-Easy, its subject's for MMLU)."""
+    task_of = {r["id"]: control.task.format(**r) for r in control.records(control.split)}
+    by_task: dict[str, list[str]] = {}
+    for i in ids:
+        by_task.setdefault(task_of[i], []).append(i)
+    rendered: dict[str, Example] = {}
+    for name, task_ids in by_task.items():
+        task, docs = _task_docs(manager, name, control.split)
+        rendered.update((ex.id, ex) for ex in _mc_examples(session, task, docs, task_ids, control.shots))
+    return [rendered[i] for i in ids]
 
 
 def attribute_data(session: "Session", attribute: str, seed: int, max_train: int | None = None,
