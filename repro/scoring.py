@@ -121,18 +121,24 @@ def _ensure_judge() -> None:
     atexit.register(_JUDGE.close)
 
 
-def score(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple], bundles: dict[str, Path | None],
-          model_args: str = "") -> dict[str, dict]:
-    """{column: {"value", "n", "diagnostics"}} for ``columns`` (BENCHMARKS-like tuples), each task
-    evaluated under the bundle of its attribute (none: the base model); tasks that share a bundle,
-    a document limit and a generation length run together."""
+def task_groups(profile: Profile, columns: list[tuple]) -> dict[tuple, list[str]]:
+    """{(attribute, document limit, generation length): the profile's tasks of ``columns``}: the
+    tasks evaluated together, under one bundle, in one lm-eval run."""
     groups: dict[tuple, list[str]] = {}
     for column, task, metric, attribute in columns:
         key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task))
         if profile.task(task) not in groups.setdefault(key, []):
             groups[key].append(profile.task(task))
+    return groups
+
+
+def score(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple], bundles: dict[str, Path | None],
+          model_args: str = "") -> dict[str, dict]:
+    """{column: {"value", "n", "diagnostics"}} for ``columns`` (BENCHMARKS-like tuples), each task
+    evaluated under the bundle of its attribute (none: the base model); tasks that share a bundle,
+    a document limit and a generation length run together."""
     evaluated: dict[str, dict] = {}
-    for (attribute, limit, gen_tokens), tasks in groups.items():
+    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
         evaluated.update(store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed))
     out = {}
     for column, task, metric, attribute in columns:
@@ -156,27 +162,25 @@ def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: l
     """``score`` for every row of a table on the same documents: {row label: {column: result}}.
 
     The rows whose evaluations are not stored are evaluated one after the other over one
-    ``SharedPass`` per group of tasks (mari_eval/shared_pass.py): the frozen model's prefix and
+    ``SharedPass`` per list of tasks (mari_eval/shared_pass.py): the frozen model's prefix and
     untouched option rows are computed once for all of them, each row's lm-eval run still
-    scoring its own metrics. Rows that evaluate the same thing (same bundle and model_args)
-    join once."""
-    groups: dict[tuple, list[str]] = {}
-    for column, task, metric, attribute in columns:
-        key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task))
-        if profile.task(task) not in groups.setdefault(key, []):
-            groups[key].append(profile.task(task))
-    for (attribute, limit, gen_tokens), tasks in groups.items():
-        todo: dict[tuple, tuple] = {}  # (bundle, model_args) -> the evaluation's arguments, once each
+    scoring its own metrics. The same tasks under several attributes' bundles (MMLU and ARC
+    under the TruthfulQA, BBQ and SORRY-Bench ones) share one pass too. Rows that evaluate the
+    same thing (same bundle and model_args: Vanilla under every attribute) join once."""
+    runs: dict[tuple, dict[tuple, tuple]] = {}  # (tasks, limit, generation length) -> {(bundle, model_args): arguments}
+    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
+        todo = runs.setdefault((tuple(tasks), limit, gen_tokens), {})
         for bundles, model_args in rows.values():
             bundle = bundles.get(attribute)
             args = (model, tasks, limit, bundle, model_args, gen_tokens, seed)
             if (bundle, model_args) not in todo and store.missing(*args):
                 todo[bundle, model_args] = args
+    for (tasks, _, _), todo in runs.items():
         if len(todo) > 1:
             shared = _shared_pass(model, store.placement)
             lms = {key: _mari_lm(model, key[0], key[1], store.placement, shared) for key in todo}  # all joined first
             for key, args in todo.items():
                 store.evaluations(*args, lm=lms.pop(key))
-            log.info("shared pass over %d rows of %s: %s", len(todo), ", ".join(tasks), dict(shared.stats))
+            log.info("shared pass over %d runs of %s: %s", len(todo), ", ".join(tasks), dict(shared.stats))
     return {label: score(store, profile, model, seed, columns, bundles, model_args)
             for label, (bundles, model_args) in rows.items()}

@@ -109,6 +109,40 @@ def test_a_profile_scores_some_columns_under_more_seeds():
     assert Profile("p", ["m"], [0, 1], {}, None, {}).seeded_columns(BENCHMARKS[:1]) == {0: BENCHMARKS[:1], 1: BENCHMARKS[:1]}
 
 
+def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch):
+    # MMLU under the TruthfulQA, BBQ and SORRY-Bench bundles (issue 36.3): one shared pass for the
+    # three attributes' runs, Vanilla joined once, each run still its own cached evaluation.
+    from repro import scoring
+    from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, PROFILES
+
+    columns = [c for c in BENCHMARKS if c[0] == "mmlu"] + [c for c in GENERAL_UNDER_OTHERS if c[0].startswith("mmlu")]
+    passes, evaluated = [], []
+
+    class Store:
+        placement = None
+
+        def missing(self, *args):
+            return True
+
+        def evaluations(self, model, tasks, limit, bundle, model_args, gen_tokens, seed, lm=None):
+            evaluated.append((tuple(tasks), bundle, model_args, lm))
+            return {t: {"metrics": {"acc,none": 0.5}, "n": 1, "documents": {}} for t in tasks}
+
+    class Pass:
+        stats: dict = {}
+
+    monkeypatch.setattr(scoring, "_shared_pass", lambda model, placement: passes.append(Pass()) or passes[-1])
+    monkeypatch.setattr(scoring, "_mari_lm", lambda model, bundle, args, placement, shared: (bundle, shared))
+    bundles = {a: f"{a}-bundle" for a in ("truthfulqa", "bbq", "sorry_bench")}
+    rows = {"Vanilla": ({}, ""), "MARI": (bundles, ""), "MARI ungated": (bundles, "gate=false")}
+    out = scoring.score_rows(Store(), PROFILES["quick"], "m", 0, columns, rows)
+    assert len(passes) == 1
+    joined = [(bundle, args) for tasks, bundle, args, lm in evaluated if lm is not None]
+    assert joined == [(None, "")] + [(bundles[a], args) for a in ("truthfulqa", "bbq", "sorry_bench") for args in ("", "gate=false")]
+    assert all(lm[1] is passes[0] for *_, lm in evaluated if lm is not None)
+    assert set(out) == set(rows) and set(out["MARI"]) == {c[0] for c in columns}
+
+
 def _finished(runs) -> set[str]:
     """Cells stored under ``runs``: evaluation files and complete bundle directories."""
     bundles = {p.name for p in (runs / "bundles").glob("*") if (p / "bundle.json").is_file() and "." not in p.name}
