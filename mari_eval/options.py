@@ -54,8 +54,15 @@ def as_bool(value: Any, name: str) -> bool:
 
 
 def given(values: dict[str, Any]) -> dict[str, Any]:
-    """The options actually set: lm-eval passes an unset one as None, a shell an empty string."""
-    return {k: v for k, v in values.items() if v is not None and v != ""}
+    """The options actually set: lm-eval passes an unset one as None. An empty one (``scale=``: an
+    unset shell variable in a sweep) is refused, never read as the bundle's default."""
+    empty = [name for name, value in values.items() if isinstance(value, str) and not value.strip()]
+    if empty:
+        listed = ", ".join(f"{name}=" for name in empty)
+        raise ValueError(f"{listed} in --model_args {'is' if len(empty) == 1 else 'are'} empty (an unset shell "
+                         f"variable?): give {'a value' if len(empty) == 1 else 'values'}, or leave "
+                         f"{'it' if len(empty) == 1 else 'them'} out for the bundle's own setting")
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any],

@@ -45,6 +45,15 @@ def test_an_empty_bundle_is_refused_not_read_as_no_bundle(value):
         get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={value}")
 
 
+@pytest.mark.parametrize("arg", ["scale=", "rho=", "gate=", "experts=", "labels= ", "diagnostics=", "allow_other_model="])
+def test_an_empty_option_is_refused_not_read_as_the_bundles_default(arg, tmp_path):
+    # scale=$UNSET in a sweep evaluated the bundle's own strength (issue 37). Refused before the
+    # bundle or the model is read (the bundle directory here does not even exist).
+    name = arg.split("=")[0]
+    with pytest.raises(ValueError, match=f"{name}= in --model_args is empty .*unset shell variable.*give a value"):
+        get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={tmp_path / 'b'},{arg}")
+
+
 @pytest.mark.parametrize("arg", ["gate=false", "rho=0.5", "experts=1", "diagnostics=d.json", "allow_other_model=true"])
 def test_mari_switches_without_a_bundle_are_refused(arg):
     name = arg.split("=")[0]
