@@ -146,7 +146,8 @@ def read_samples(path: str | Path) -> tuple[list[dict], dict]:
     if not path.is_file():
         raise J.JudgeError(f"{path} is not a file: pass a samples_sorry_bench*.jsonl file written by lm_eval "
                            f"--log_samples, or a generations file named in a judge error")
-    items, run, seen = [], {}, set()
+    items, run, seen = [], None, set()
+    body = []  # the item lines as written, for a generations file's digest
     with path.open(encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -156,40 +157,75 @@ def read_samples(path: str | Path) -> tuple[list[dict], dict]:
             except json.JSONDecodeError as e:
                 raise J.JudgeError(f"{path}, line {lineno}: not JSON ({e.msg}); the file is damaged or not JSON lines") from None
             if isinstance(row, dict) and row.get("kind") == KIND:
-                run = row.get("run") or {}
+                if run is not None or items:
+                    raise J.JudgeError(f"{path}, line {lineno}: a second generations header; a generations file has one, "
+                                       "on its first line (two files joined?): judge each file on its own")
+                run = row
                 continue
-            item = _item(row)
+            item, problem = _item(row)
             if item is None:
-                raise J.JudgeError(f"{path}, line {lineno}: not a SORRY-Bench response: expected an lm-eval sample of "
-                                   f"sorry_bench or sorry_bench_heldout (a doc with 'instruction' and 'category', and "
-                                   f"'filtered_resps') or an object with {list(FIELDS)}")
+                raise J.JudgeError(f"{path}, line {lineno}: not a SORRY-Bench response: {problem}. Expected an lm-eval "
+                                   f"sample of sorry_bench or sorry_bench_heldout (a doc with 'instruction' and "
+                                   f"'category', and 'filtered_resps') or an object with {list(FIELDS)}")
             if item["id"] in seen:
                 raise J.JudgeError(f"{path}, line {lineno}: doc {item['id']!r} appears twice (one file per task and "
                                    f"filter, please)")
             seen.add(item["id"])
             items.append(item)
+            body.append(line if line.endswith("\n") else line + "\n")
     if not items:
         raise J.JudgeError(f"{path} holds no responses")
-    return items, run
+    if run is not None:
+        _check_complete(path, run, len(items), "".join(body))
+    return items, (run or {}).get("run") or {}
 
 
-def _item(row) -> dict | None:
+def _check_complete(path: Path, header: dict, n: int, body: str) -> None:
+    """Refuse a generations file that does not hold what its header says: fewer or more responses
+    than ``items`` (a copy cut at a line boundary, a full disk, lines added), or, for a file still
+    under the name ``save_generations`` gave it, lines that are not the ones it wrote."""
+    claimed = header.get("items")
+    if type(claimed) is not int or claimed < 1:
+        raise J.JudgeError(f"{path}: its header gives items={claimed!r}, not a count of responses; the file is damaged: "
+                           "use the generations file as written, or generate again")
+    if claimed != n:
+        raise J.JudgeError(f"{path}: its header says the run had {claimed} responses, but the file holds {n}: it was "
+                           f"{'cut short (an interrupted copy or a full disk)' if n < claimed else 'added to'}, and a "
+                           f"refusal rate over {n} of them would not be the run's. Copy the file again from where it "
+                           "was saved, or generate again")
+    name = path.name.removesuffix(".jsonl").split("-")
+    if len(name) == 3 and name[0] == "sorry_bench" and name[1] == str(claimed):
+        written = {k: v for k, v in header.items() if k != "created"}
+        digest = hashlib.sha256((json.dumps(written, sort_keys=True, default=str) + body).encode("utf-8")).hexdigest()[:16]
+        if digest != name[2]:
+            raise J.JudgeError(f"{path}: its content does not match the digest in its name ({name[2]}; the content gives "
+                               f"{digest}): a response or its header was changed after it was saved. Copy the file again "
+                               "from where it was saved, or generate again")
+
+
+def _item(row) -> tuple[dict | None, str]:
+    """(the response of a file's line, "") or (None, what is wrong with it, naming the field)."""
     if not isinstance(row, dict):
-        return None
+        return None, f"the line holds a JSON {type(row).__name__}, not an object"
     if all(k in row for k in FIELDS):
         item = {k: row[k] for k in FIELDS}
     elif isinstance(row.get("doc"), dict) and isinstance(row.get("filtered_resps"), list) and row["filtered_resps"]:
         doc = row["doc"]
-        if "instruction" not in doc or "category" not in doc:
-            return None
+        missing = [k for k in ("instruction", "category") if k not in doc]
+        if missing:
+            return None, f"its doc lacks {' and '.join(repr(k) for k in missing)}"
         item = {"id": doc.get("id", row.get("doc_id")), "category": doc["category"], "instruction": doc["instruction"],
                 "response": row["filtered_resps"][0]}
     else:
-        return None
-    if not isinstance(item["instruction"], str) or not isinstance(item["response"], str):
-        return None
+        missing = [k for k in FIELDS if k not in row]
+        return None, f"it lacks {', '.join(repr(k) for k in missing)} (and is not an lm-eval sample)"
+    for field in ("instruction", "response"):
+        if not isinstance(item[field], str):
+            return None, f"field {field!r} is {json.dumps(item[field])[:40]}, not text"
     item["category"] = str(item["category"])
-    return item if item["category"] in CATEGORIES else None
+    if item["category"] not in CATEGORIES:
+        return None, f"field 'category' is {item['category']!r}, not a SORRY-Bench category (1 to {len(CATEGORIES)})"
+    return item, ""
 
 
 def judge_file(path: str | Path, *, base_url: str | None = None, model: str | None = None, cache: str | Path | None = None,

@@ -640,6 +640,63 @@ def test_judge_command_refuses_a_file_that_holds_no_sorry_bench_responses(tmp_pa
         judge_samples.read_samples(tmp_path / "missing.jsonl")
 
 
+def _saved_generations(tmp_path, monkeypatch, n=4):
+    from mari_eval import judge_samples
+
+    monkeypatch.setenv(J.ENV_CACHE, str(tmp_path / "cache.jsonl"))
+    items = [{"id": f"d{i}", "category": str(i + 1), "instruction": f"do {i}", "response": f"answer {i}"} for i in range(n)]
+    return judge_samples.save_generations(items, {"model": "mari"})
+
+
+def test_a_generations_file_cut_short_or_grown_is_refused_not_judged_as_the_run(tmp_path, monkeypatch):
+    # Issue 37: the header says how many responses the run had; a file cut at a line boundary (an
+    # interrupted copy, a full disk) gave a refusal rate over part of the run with exit code 0.
+    from mari_eval import judge_samples
+
+    saved = _saved_generations(tmp_path, monkeypatch)
+    items, run = judge_samples.read_samples(saved)  # as written: read whole
+    assert len(items) == 4 and run == {"model": "mari"}
+    lines = saved.read_text().splitlines(keepends=True)
+    cut = tmp_path / "copy.jsonl"
+    cut.write_text("".join(lines[:3]))
+    with pytest.raises(J.JudgeError, match=r"header says the run had 4 responses, but the file holds 2: it was cut short"):
+        judge_samples.read_samples(cut)
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text("".join(lines) + lines[1].replace('"d0"', '"d9"'))
+    with pytest.raises(J.JudgeError, match=r"had 4 responses, but the file holds 5: it was added to"):
+        judge_samples.read_samples(grown)
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text("".join(lines[:3]) + "".join(lines[:1]) + "".join(lines[3:]))
+    with pytest.raises(J.JudgeError, match=r"line 4: a second generations header"):
+        judge_samples.read_samples(joined)
+
+
+def test_a_saved_generations_file_edited_after_saving_is_refused(tmp_path, monkeypatch):
+    from mari_eval import judge_samples
+
+    saved = _saved_generations(tmp_path, monkeypatch)
+    saved.chmod(0o644)
+    saved.write_text(saved.read_text().replace("answer 2", "I cannot help with that."))
+    with pytest.raises(J.JudgeError, match=r"does not match the digest in its name .*changed after it was saved"):
+        judge_samples.read_samples(saved)
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"id": "d", "category": "99", "instruction": "q", "response": "a"}, r"field 'category' is '99', not a SORRY-Bench category"),
+    ({"id": "d", "category": "3", "instruction": "q", "response": None}, r"field 'response' is null, not text"),
+    ({"id": "d", "category": "3", "instruction": "q"}, r"it lacks 'response'"),
+    ({"doc": {"instruction": "q"}, "filtered_resps": ["a"]}, r"its doc lacks 'category'"),
+    ([1, 2], r"the line holds a JSON list, not an object"),
+])
+def test_a_bad_line_names_the_field_that_is_wrong(tmp_path, row, problem):
+    from mari_eval import judge_samples
+
+    path = tmp_path / "samples.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(J.JudgeError, match=rf"line 1: not a SORRY-Bench response: {problem}"):
+        judge_samples.read_samples(path)
+
+
 # ----------------------------------------------------------------------------- a real judge server
 
 PAIRS = [
