@@ -93,7 +93,7 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
         if uri.revision is not None and revision is not None and uri.revision != revision:
             raise ValueError(f"{reference!r} names revision {uri.revision!r}, and revision {revision!r} is given "
                              "too (bundle_revision=, --revision): give it once")
-        return HubRef(uri.id, uri.type, uri.revision or revision, uri.path_in_repo.strip("/"))
+        return HubRef(uri.id, uri.type, uri.revision or revision, _folder(reference, uri.path_in_repo))
     if not bare_ok or reference.count("/") != 1 or reference.startswith((".", "/", "~")):
         return None
     try:
@@ -101,6 +101,16 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
     except HFValidationError:
         return None
     return HubRef(reference, revision=revision)
+
+
+def _folder(reference: str, path_in_repo: str) -> str:
+    """The repository folder of ``reference``: refused when a part is ``..`` or ``.`` (it would reach
+    outside the snapshot, or outside ``push --to-dir``, while the results name the repository)."""
+    parts = [part for part in path_in_repo.strip("/").split("/") if part]
+    if any(part in ("..", ".") for part in parts) or "\\" in path_in_repo:
+        raise ValueError(f"{reference!r}: the folder {path_in_repo!r} steps outside the repository ('..', '.' or a "
+                         "backslash); name the folder as the repository holds it, e.g. hf://org/name/bundles/tqa")
+    return "/".join(parts)
 
 
 def resolve(reference: str | Path, revision: str | None = None) -> Resolved:

@@ -145,6 +145,21 @@ def test_hub_refusals_name_the_fix(tmp_path, cache):
         hub.load_bundle("hf://org/damaged")
 
 
+@pytest.mark.parametrize("folder", ["..", "tqa/../..", "./tqa", "../../../etc"])
+def test_a_folder_stepping_outside_the_repository_is_refused_when_read_and_pushed(tmp_path, cache, folder):
+    # Issue 37: hf://org/name/../x loaded the snapshot's parent (any local directory) while the
+    # results recorded the repository and its commit; push --to-dir wrote outside its directory.
+    local = _saved(tmp_path / "b")
+    cache_repo(cache, "org/name", local, in_repo="tqa")
+    with pytest.raises(ValueError, match=r"steps outside the repository .*hf://org/name/bundles/tqa"):
+        hub.load_bundle(f"hf://org/name/{folder}")
+    out = tmp_path / "upload" / "inner"
+    with pytest.raises(ValueError, match=r"steps outside the repository"):
+        hub.push(local, f"hf://org/name/{folder}", to_dir=out)
+    assert not (tmp_path / "upload").exists()  # nothing written, inside or out
+    assert hub.load_bundle("hf://org/name/tqa").fingerprint() == methods.load_bundle(local).fingerprint()
+
+
 # ----------------------------------------------------------------------------- push
 
 
