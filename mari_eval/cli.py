@@ -73,6 +73,22 @@ def _judge(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # not every HTTP request
     logging.getLogger("mari_eval").setLevel(logging.INFO)
+    if args.forget_cached:
+        import os
+
+        from mari_eval.judge import ENV_MODEL, JudgeCache
+
+        model = args.model or os.environ.get(ENV_MODEL)
+        if not model:
+            raise SystemExit(f"mari-eval judge --forget-cached: name the judge whose verdicts to remove, --model NAME "
+                             f"(or {ENV_MODEL})")
+        cache = JudgeCache(args.cache)
+        print(f"removed {cache.forget(model)} cached verdict(s) of judge {model!r} from {cache.path}")
+        if args.samples is None:
+            return 0
+    elif args.samples is None:
+        raise SystemExit("mari-eval judge: give SAMPLES (a samples_sorry_bench*.jsonl or generations file), "
+                         "or --forget-cached to clear a judge's cached verdicts")
     result = judge_file(args.samples, base_url=args.base_url, model=args.model, cache=args.cache, prompt=args.prompt,
                         out=args.out)
     print_result(result)
@@ -157,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with the judge MARI_JUDGE_* configures, through the same cache, and print the "
                                    "metrics the task reports. The API key comes from MARI_JUDGE_API_KEY (else "
                                    "OPENAI_API_KEY), never from the command line.")
-    p.add_argument("samples", help="samples_sorry_bench*.jsonl, or a generations file")
+    p.add_argument("samples", nargs="?", help="samples_sorry_bench*.jsonl, or a generations file")
+    p.add_argument("--forget-cached", action="store_true",
+                   help="first remove every cached verdict of the judge --model (or $MARI_JUDGE_MODEL) names, e.g. "
+                        "after finding that its server answered with another model; then judge SAMPLES, if given, "
+                        "afresh")
     p.add_argument("--base-url", help="the judge's OpenAI-compatible /v1 URL (default: $MARI_JUDGE_BASE_URL)")
     p.add_argument("--model", help="the judge's served model name (default: $MARI_JUDGE_MODEL)")
     p.add_argument("--cache", help="the verdict cache file (default: $MARI_JUDGE_CACHE, else the user cache)")

@@ -105,6 +105,36 @@ class JudgeCache:
                 os.close(fd)
             records[record["key"]] = record
 
+    def forget(self, model: str) -> int:
+        """Remove every verdict of judge ``model`` (the name it was asked under) from the cache file;
+        how many were removed. The file is rewritten under the same lock appends take, then
+        renamed over the old one; lines cut short by a crash go with it."""
+        removed = 0
+        with self._lock:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                kept = []
+                for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
+                    try:
+                        record = json.loads(line)
+                        mine = record.get("judge_model") == model
+                    except (json.JSONDecodeError, AttributeError):
+                        continue
+                    removed += mine
+                    if not mine:
+                        kept.append(line + "\n")
+                tmp = self.path.with_name(f".{self.path.name}.forget-{os.getpid()}")
+                tmp.write_text("".join(kept), encoding="utf-8")
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, self.path)
+            except OSError as e:
+                raise JudgeError(f"Could not rewrite the judge cache {self.path} ({e.strerror or e}): {self._fix()}") from None
+            finally:
+                os.close(fd)
+            self._records = None  # read again on next use
+        return removed
+
     def _read(self) -> dict[str, dict]:
         self._refuse_directory()
         if not self.path.exists():

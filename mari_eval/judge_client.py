@@ -27,6 +27,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -91,6 +92,7 @@ class Judge:
         self._failure_lock = threading.Lock()
         self._deadline: float | None = None  # time.monotonic() at which the current judging step ends
         self._local = threading.local()  # per requesting thread: what is asked, tries made, last failure
+        self.served: Counter[str] = Counter()  # the model each verdict's reply named (``describe``)
 
     # ------------------------------------------------------------------ public
 
@@ -103,6 +105,9 @@ class Judge:
             "prompt_sha256": self.prompt.sha256,
             "max_tokens": self.config.max_tokens,
             "cache": str(self.cache.path),
+            # {the model each verdict's reply named: verdicts} over what this judge judged (cached ones
+            # included; "not recorded": cached before replies were recorded, or a reply naming none)
+            "served_models": dict(self.served),
         }
 
     def judge(self, pairs: Sequence[tuple[str, str]]) -> list[Judgement]:
@@ -114,6 +119,12 @@ class Judge:
         for k in keys:
             record = self._usable(self.cache.get(k))
             out.append(Judgement(record["label"], record["raw"], cached=k not in fresh))
+            self.served[record.get("served_model") or "not recorded"] += 1
+        others = sorted(set(self.served) - {self.config.model, "not recorded"})
+        if others:
+            log.warning("The judge's replies name the model %s, not %s=%s: if the server answered with another model "
+                        "than meant, remove its verdicts from the cache (mari-eval judge --forget-cached --model %s) "
+                        "and judge again", ", ".join(others), ENV_MODEL, self.config.model, self.config.model)
         return out
 
     def labels(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
@@ -226,12 +237,14 @@ class Judge:
         if self._down.is_set():
             return False
         try:
-            raw = self._redact(self._ask(self.prompt.render(instruction, response)))  # a server may echo the key
+            answer, served = self._ask(self.prompt.render(instruction, response))
+            raw = self._redact(answer)  # a server may echo the key
             record = {
                 "key": key,
                 "label": parse_verdict(raw),  # read from the whole answer; the cache keeps its start
                 "raw": raw[:MAX_RAW_CHARS],
                 "judge_model": self.config.model,
+                "served_model": served,  # the model the server said answered (None: it did not say)
                 "prompt": self.prompt.name,
                 "prompt_sha256": self.prompt.sha256,
                 "max_tokens": self.config.max_tokens,
@@ -245,7 +258,8 @@ class Judge:
             raise
         return True
 
-    def _ask(self, text: str) -> str:
+    def _ask(self, text: str) -> tuple[str, str | None]:
+        """The judge's answer to ``text``, and the model its reply says answered (None if it does not say)."""
         def request(client):
             with client.chat.completions.with_streaming_response.create(
                 model=self.config.model,
@@ -253,7 +267,9 @@ class Judge:
                 temperature=0.0,
                 max_tokens=self.config.max_tokens,
             ) as response:
-                return self._completion_text(self._json_reply(response, "a judgement request"))
+                data = self._json_reply(response, "a judgement request")
+                served = data.get("model") if isinstance(data, dict) else None
+                return self._completion_text(data), served if isinstance(served, str) and served else None
 
         return self._call(request, what="a judgement request")
 

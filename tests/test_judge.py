@@ -619,6 +619,33 @@ def test_a_huge_reply_is_refused_without_being_read(fake, tmp_path, declare):
     assert sum(sent) < total
 
 
+def test_the_model_a_reply_names_is_recorded_and_a_judges_verdicts_can_be_forgotten(fake, tmp_path, caplog, capsys):
+    # Issue 37: verdicts cached under the configured name were served for good, even once the server was
+    # found to answer with another model. Each verdict now keeps the model its reply named, the judge's
+    # description counts them (with a warning when they differ from the configured name), and
+    # `mari-eval judge --forget-cached --model NAME` removes that judge's verdicts only.
+    from mari_eval import cli
+
+    other = dict(completion("#thescore: 0"), model="tiny-llama")
+    server = fake(scripted(then=(200, other)))
+    judge = make_judge(server.url, tmp_path)
+    with caplog.at_level("WARNING"):
+        judge.judge([("q1", REFUSING), ("q2", REFUSING)])
+    assert [r["served_model"] for r in cache_lines(tmp_path / "cache.jsonl")] == ["tiny-llama", "tiny-llama"]
+    assert judge.describe()["served_models"] == {"tiny-llama": 2}
+    assert "name the model tiny-llama, not MARI_JUDGE_MODEL=judge-m" in caplog.text
+    keep = fake(scripted())  # another judge sharing the cache, whose reply names "m"
+    J.Judge(J.JudgeConfig(base_url=keep.url, model="other-judge"), J.load_prompt(J.OWN_PROMPT),
+            tmp_path / "cache.jsonl").judge([("q1", REFUSING)])
+    assert cli.main(["judge", "--forget-cached", "--model", "judge-m", "--cache", str(tmp_path / "cache.jsonl")]) == 0
+    assert "removed 2 cached verdict(s) of judge 'judge-m'" in capsys.readouterr().out
+    assert [r["judge_model"] for r in cache_lines(tmp_path / "cache.jsonl")] == ["other-judge"]
+    fresh = make_judge(server.url, tmp_path)
+    assert [j.cached for j in fresh.judge([("q1", REFUSING)])] == [False]  # asked again, not served from the cache
+    with pytest.raises(SystemExit, match="give SAMPLES"):
+        cli.main(["judge"])
+
+
 def test_a_long_answer_is_judged_whole_and_cached_cut_short(fake, tmp_path):
     answer = "#thescore: 0\n" + "because " * 20000  # 160 kB, under the body cap
     server = fake(scripted(then=(200, completion(answer))))
