@@ -28,6 +28,37 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
+def check_writable_file(path: Path, option: str, example_name: str) -> None:
+    """Refuse (ValueError), before the work it will hold, an output file that could not be written
+    at the end: a directory, or a place this process cannot create files in. ``option`` is how the
+    user gave it (``--out``, ``diagnostics=``), ``example_name`` a file name to suggest inside a directory."""
+    if path.is_dir():
+        raise ValueError(f"{option}{path} is a directory: give a file name, e.g. {option}{path / example_name}")
+    _check_creatable(path.parent, f"{option}{path}")
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """Refuse (ValueError), before the work it will hold, an output directory that cannot be created
+    or written in (``push --to-dir``). An existing file there is refused too."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option}{path} is a file, not a directory: give a new directory")
+    _check_creatable(path, f"{option}{path}")
+
+
+def _check_creatable(folder: Path, named: str) -> None:
+    """Create a file in ``folder`` (and the folders missing above it), then remove what was created."""
+    first_missing = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".check-", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
+    finally:
+        if first_missing is not None and first_missing.is_dir():
+            shutil.rmtree(first_missing, ignore_errors=True)  # only folders this check made, now empty
+
+
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

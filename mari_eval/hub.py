@@ -255,6 +255,10 @@ def push(directory: str | Path, repo: str, *, revision: str | None = None, priva
     if target is not None and target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"--to-dir {target} exists and is not an empty directory: give a new one, so that it "
                               "holds exactly what would be uploaded")
+    if target is not None:
+        from mari_eval.files import check_writable_dir
+
+        check_writable_dir(target, "--to-dir ")
     with tempfile.TemporaryDirectory(prefix="mari-push-") as tmp:
         staged = Path(tmp) / "bundle"
         staged.mkdir()

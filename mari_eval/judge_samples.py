@@ -231,6 +231,10 @@ def _item(row) -> tuple[dict | None, str]:
 def judge_file(path: str | Path, *, base_url: str | None = None, model: str | None = None, cache: str | Path | None = None,
                prompt: str | None = None, out: str | Path | None = None) -> dict:
     """Judge the responses in ``path`` as the task would; ``{"metrics", "summary", ...}`` (also written to ``out``)."""
+    if out is not None:  # before any verdict is asked for, not after
+        from mari_eval.files import check_writable_file
+
+        check_writable_file(Path(out), "--out ", "judge.json")
     items, run = read_samples(path)
     config = J.JudgeConfig.from_env(base_url, model)
     judge = J.Judge(config, J.load_prompt(prompt), cache)

@@ -7,13 +7,13 @@ multiple-choice tasks, for the method's diagnostics (``Intervention.record_outco
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from mari_eval import options
+from mari_eval.files import check_writable_file
 from mari_eval.plan import VariantRun
 
 if TYPE_CHECKING:
@@ -57,14 +57,7 @@ def bundle_args(bundle, bundle_revision=None, **given) -> None:
 
 def check_writable(path: Path) -> None:
     """Refuse, before anything is scored, a ``diagnostics=`` file that could not be written at the end."""
-    if path.is_dir():
-        raise ValueError(f"diagnostics={path} is a directory: give a file name, e.g. diagnostics={path / 'diagnostics.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
-            pass
-    except OSError as e:
-        raise ValueError(f"diagnostics={path} cannot be written ({e.strerror or e}): choose a writable path") from None
+    check_writable_file(path, "diagnostics=", "diagnostics.json")
 
 
 class NonFiniteError(ArithmeticError):

@@ -177,6 +177,15 @@ def test_push_to_dir_writes_the_upload_that_loads_back_from_the_hub(tmp_path, ca
     assert cli.main(["push", str(local), "org/name", "--to-dir", str(out)]) == 1  # never mixed with other files
 
 
+def test_push_to_a_dir_that_cannot_be_written_is_refused_before_staging(tmp_path, capsys):
+    local = _saved(tmp_path / "b")
+    blocker = tmp_path / "file"
+    blocker.write_text("x\n")
+    assert cli.main(["push", str(local), "org/name", "--to-dir", str(blocker / "upload")]) == 1
+    assert f"--to-dir {blocker}/upload cannot be written" in capsys.readouterr().err
+    assert cli.main(["push", str(local), "org/name", "--to-dir", str(blocker)]) == 1
+
+
 def test_push_refuses_what_is_not_a_finished_bundle(tmp_path, capsys):
     def refused(directory, match):
         assert cli.main(["push", str(directory), "org/name", "--to-dir", str(tmp_path / "never")]) == 1

@@ -646,6 +646,25 @@ def test_the_model_a_reply_names_is_recorded_and_a_judges_verdicts_can_be_forgot
         cli.main(["judge"])
 
 
+def test_judge_out_that_cannot_be_written_is_refused_before_any_verdict(fake, tmp_path, monkeypatch):
+    # Issue 37: --out under a file (or in a directory one cannot write) failed after the judging, with a
+    # raw OS error on a temporary path. (Tests run as root, which any permission lets through: a file
+    # standing where a directory must be is what cannot be written here.)
+    from mari_eval import judge_samples
+
+    asked = []
+    server = fake(lambda path, headers, body: asked.append(path) or (200, {"object": "list", "data": []}
+                                                                       if path.endswith("/models") else completion("#thescore: 0")))
+    saved = _saved_generations(tmp_path, monkeypatch)
+    blocker = tmp_path / "results.txt"
+    blocker.write_text("a file\n")
+    with pytest.raises(ValueError, match=rf"--out {blocker}/judge.json cannot be written .*choose a writable path"):
+        judge_samples.judge_file(saved, base_url=server.url, model="judge-m", out=blocker / "judge.json")
+    with pytest.raises(ValueError, match=rf"--out {tmp_path} is a directory: give a file name, e.g. --out {tmp_path}/judge.json"):
+        judge_samples.judge_file(saved, base_url=server.url, model="judge-m", out=tmp_path)
+    assert asked == []
+
+
 def test_a_long_answer_is_judged_whole_and_cached_cut_short(fake, tmp_path):
     answer = "#thescore: 0\n" + "because " * 20000  # 160 kB, under the body cap
     server = fake(scripted(then=(200, completion(answer))))
