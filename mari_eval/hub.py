@@ -180,8 +180,13 @@ def _download(hub: HubRef, reference: str) -> Resolved:
         raise BundleError(f"{shown} holds no {prefix}{BUNDLE_JSON}: it is not a mari-eval bundle (`mari-eval push` "
                           "uploads one; for a bundle in a folder of the repository write hf://org/name/FOLDER)")
     if not (directory / BUNDLE_WEIGHTS).is_file():
-        raise BundleError(f"{shown} holds {prefix}{BUNDLE_JSON} but no {prefix}{BUNDLE_WEIGHTS}: the upload is "
-                          "incomplete; push the bundle again")
+        if constants.is_offline_mode():  # read from the cache alone: a download cut short looks the same
+            raise BundleError(f"{shown} holds {prefix}{BUNDLE_JSON} but no {prefix}{BUNDLE_WEIGHTS} in the Hugging Face "
+                              f"cache ({snapshot}): either a download was interrupted (run once without "
+                              "HF_HUB_OFFLINE to fetch the missing file) or the upload is incomplete (push the "
+                              "bundle again)")
+        raise BundleError(f"{shown} holds {prefix}{BUNDLE_JSON} but no {prefix}{BUNDLE_WEIGHTS}, read from the Hub just "
+                          "now: the upload is incomplete; push the bundle again")
     return Resolved(directory, hub, commit)
 
 
