@@ -11,7 +11,9 @@ whose files belong together (a bundle) is written the same way as a whole
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import math
@@ -23,7 +25,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,28 @@ def _check_creatable(folder: Path, named: str) -> None:
     finally:
         if first_missing is not None and first_missing.is_dir():
             shutil.rmtree(first_missing, ignore_errors=True)  # only folders this check made, now empty
+
+
+@contextlib.contextmanager
+def writing_alone(target: Path, option: str) -> Iterator[None]:
+    """Hold, for the block, the lock of output ``target`` (``.NAME.lock`` beside it, ``flock``): a
+    second process writing the same target meanwhile is refused (FileExistsError naming the first's
+    pid), where both would report success and one would overwrite the other."""
+    lock = target.parent / f".{target.name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise FileExistsError(f"{option}{target} is being written by another process (pid {holder}, lock {lock}): "
+                                  "wait for it to finish, or give another path") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> Path:

@@ -28,6 +28,7 @@ import torch
 
 from mari_eval import data, devices, memory, runner, site
 from mari_eval.devices import Placement
+from mari_eval.files import writing_alone
 from mari_eval.plan import Plan, VariantEdit, VariantRun
 from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, joined, own_part,
                                    with_cache)
@@ -364,14 +365,21 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     Training state is checkpointed after every epoch into ``checkpoints`` (default
     ``checkpoint_dir(out)``); a run killed before the bundle was saved resumes from the
     last epoch when started again with the same arguments."""
-    import hashlib
-    import json
-
     from mari_eval import methods
 
     cls = methods.method_class(method)
     check_arguments(cls, hyperparameters or {}, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training
+    with writing_alone(Path(out), "--out "):  # a second training into the same --out meanwhile is refused
+        return _train(cls, method, attribute, model, seed, out, layer, max_train, max_ctrl, max_pca, hyperparameters,
+                      checkpoints, placement, max_memory)
+
+
+def _train(cls, method, attribute, model, seed, out, layer, max_train, max_ctrl, max_pca, hyperparameters, checkpoints,
+           placement, max_memory) -> Path:
+    import hashlib
+    import json
+
     torch.manual_seed(seed)
     t0 = time.time()
     with devices.subnormals_flushed():  # speed only (see there)

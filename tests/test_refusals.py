@@ -206,3 +206,18 @@ def test_unreadable_request_text_names_the_task_and_document(tiny_lm):
     blank = [Instance("loglikelihood", {}, ("   ", " yes"), 0, metadata=("tqa", 4, 1))]
     with pytest.raises(ValueError, match=r"task tqa, document 4: the context has no tokens .*whitespace-only prompt"):
         lm.loglikelihood(blank)
+
+
+def test_a_second_training_into_the_same_out_is_refused_while_the_first_runs(tmp_path):
+    # Issue 37: two `mari-eval train ... --out DIR` at once both reported success, one bundle overwriting
+    # the other. The first holds DIR's lock (here, this test); the second is refused before loading anything.
+    from mari_eval.files import writing_alone
+    from mari_eval.train import train
+
+    out = tmp_path / "bundle"
+    with writing_alone(out, "--out "):
+        with pytest.raises(FileExistsError, match=rf"--out {out} is being written by another process \(pid \d+"):
+            train("caa", "truthfulqa", "smollm2-135m-instruct", 0, out)
+    with writing_alone(out, "--out "):  # released once the first finished: the next may write
+        pass
+    assert not out.exists()
