@@ -21,6 +21,7 @@ Conventions
 from __future__ import annotations
 
 import contextlib
+import math
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -37,6 +38,28 @@ _LAYER_PATHS = (
     "gpt_neox.layers",  # Pythia / GPT-NeoX
     "model.decoder.layers",  # OPT
 )
+
+
+class EditOverflowError(ArithmeticError):
+    """An edit that makes a hidden state so large that its square overflows float32 in the next
+    norm layer: the state is normed to 0 and every option scores the same, finite number."""
+
+
+def check_edit_magnitude(new: torch.Tensor, layer: int) -> None:
+    """Refuse an edited state [N, d] whose squares summed over d overflow float32, as the next
+    RMSNorm / LayerNorm computes its variance (in float32 even for a bf16 or fp16 model): its
+    output would be 0 and the scores uniform, with nothing non-finite to see. One number per edit
+    is read back (a synchronisation on a GPU, once per edited layer and forward pass)."""
+    if new.numel() == 0:
+        return
+    largest = float(new.detach().abs().amax())
+    limit = (torch.finfo(torch.float32).max / new.shape[-1]) ** 0.5
+    if math.isfinite(largest) and largest > limit:  # NaN and inf are left to the non-finite checks (they name the document)
+        raise EditOverflowError(
+            f"the edit after layer {layer} makes a hidden state of magnitude {largest:.3g}, whose square overflows "
+            f"float32 in the next norm layer (above {limit:.3g} for d = {new.shape[-1]}): the model would be normed to "
+            "0 and score every option the same. Lower the edit's strength (scale=, the bundle's multiplier or alpha) "
+            "or check the bundle's tensors")
 
 
 class SiteError(ValueError):
@@ -171,6 +194,7 @@ def edit_site(
         hidden = _hidden_of(output)
         rows, cols = _site_index(hidden, positions)
         new = edit(hidden[rows, cols]).to(hidden.dtype)
+        check_edit_magnitude(new, layer)
         state["calls"] += 1
         # Out of place, so that gradients flow to the editor during training.
         return _with_hidden(output, hidden.index_put((rows, cols), new))
@@ -193,7 +217,7 @@ def edit_from_site(
     (decode steps under ``generate``) is edited entirely. ``edit`` maps [N, d] -> [N, d].
     """
     check_layer(model, layer)
-    with _edit_output_from_site(decoder_layers(model)[layer], edit, positions) as state:
+    with _edit_output_from_site(decoder_layers(model)[layer], edit, positions, layer=layer) as state:
         yield state
 
 
@@ -217,12 +241,14 @@ def shift_attention_from_site(
         for layer, shift in shifts.items():
             check_layer(model, layer)
             edit = lambda h, shift=shift: h + shift.to(h)
-            states.append(stack.enter_context(_edit_output_from_site(attention_output(model, layer), edit, positions, at_site)))
+            states.append(stack.enter_context(_edit_output_from_site(attention_output(model, layer), edit, positions, at_site,
+                                                                     layer=layer)))
         yield states[0] if states else {"calls": 0}
 
 
 @contextmanager
-def _edit_output_from_site(module: nn.Module, edit: Edit, positions, at_site: bool = True) -> Iterator[dict]:
+def _edit_output_from_site(module: nn.Module, edit: Edit, positions, at_site: bool = True,
+                           layer: int = -1) -> Iterator[dict]:
     state = {"calls": 0}
 
     def hook(module, args, output):
@@ -238,7 +264,9 @@ def _edit_output_from_site(module: nn.Module, edit: Edit, positions, at_site: bo
         if rows is not None and not at_site:  # each site itself stays (several per row in a packed sequence)
             after = after.index_put((rows, cols), torch.zeros_like(rows, dtype=torch.bool))
         edited = edit(hidden.reshape(batch * length, -1)).reshape(hidden.shape).to(hidden.dtype)
-        return _with_hidden(output, torch.where(after[..., None], edited, hidden))
+        edited = torch.where(after[..., None], edited, hidden)
+        check_edit_magnitude(edited, layer)
+        return _with_hidden(output, edited)
 
     with forward_hook(module, hook):
         yield state

@@ -221,3 +221,18 @@ def test_a_second_training_into_the_same_out_is_refused_while_the_first_runs(tmp
     with writing_alone(out, "--out "):  # released once the first finished: the next may write
         pass
     assert not out.exists()
+
+
+@pytest.mark.parametrize("multiplier", [4e18, 1e30])
+def test_an_edit_whose_square_overflows_the_norm_layer_stops_scoring(tiny_lm, tmp_path, multiplier):
+    # Issue 37: a strength large enough that the edited state stays finite (4e18 is enough at d = 32) but its
+    # square overflows float32 in the next RMSNorm (variance inf, the state normed to 0): every option of
+    # every question got the same finite log-likelihood (tokens x -log(vocabulary size)), and the accuracy
+    # was what ties produce.
+    from baselines.caa import CAA
+
+    caa = CAA({"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1},
+               "hyperparameters": {"multiplier": 1.0}}, {"vector": torch.full((32,), multiplier)})
+    lm = _lm(tiny_lm, caa.save(tmp_path / "caa"), allow_other_model=True)
+    with pytest.raises(ArithmeticError, match=r"layer 1.* magnitude .*overflows float32 in the next norm layer"):
+        lm.loglikelihood(_requests())
