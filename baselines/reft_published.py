@@ -119,8 +119,9 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
                   given: dict[str, Any], seed: int, min_steps: int | None = None) -> ReFT:
     from .reft import _python_rng_state, edits_at_layers, loreft, pyreft_positions
 
-    min_steps = MIN_STEPS if min_steps is None else min_steps
     hp = published_hyperparameters(cls, given, session.num_layers)
+    # The least number of steps: --set min_steps=N (a profile's budget: the quick one's), else MIN_STEPS.
+    min_steps = hp.pop("min_steps", None) or (MIN_STEPS if min_steps is None else min_steps)
     layers, rank, d = hp["layers"], hp["rank"], session.hidden_size
     gen = torch.Generator().manual_seed(seed)
     initial = initial_parameters(gen, len(layers), rank, d)
