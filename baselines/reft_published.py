@@ -19,8 +19,9 @@ What carries over is the number of steps, so:
 MIN_STEPS is pyreft's own recipe for very little data, the README's "a few demonstrations"
 example (stanfordnlp/pyreft README.md, steps 3-4): 10 examples, batch 10, 100 epochs, i.e.
 100 optimizer steps. On their commonsense data the rule changes nothing; here it gives 100
-epochs of one step at 20 fit examples (quick profile), 34 epochs of 3 steps at 80 (TruthfulQA's
-whole D_train). Learning rate, schedule shape, batch and clipping stay the commonsense ones;
+epochs of one step at 20 fit examples, 34 epochs of 3 steps at 80 (TruthfulQA's whole D_train).
+``--set min_steps=N`` replaces MIN_STEPS: the quick profile's 20 (repro/profiles.py
+``QUICK_REFT_STEPS``, for its hour on 2 CPU cores), recorded in the bundle. Learning rate, schedule shape, batch and clipping stay the commonsense ones;
 the warm-up ramp starts a step earlier than Hugging Face's (``warmup_linear``) so that the
 first step learns. The fit records the steps, every epoch's validation loss and how far the
 edit moved from its start (``diagnostics.distance_from_init``). R is orthonormalised with its
