@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 DEFAULTS = {"rank": 4, "first": 5, "last": 5, "lr": 5e-3, "epochs": 3, "batch": 8}
 # Settings only the published recipe reads (``baselines.reft_published``); the adapted fit refuses them.
-PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm")
+PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm", "min_steps")
 
 
 def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ class ReFT(Intervention):
         "layers": List(Int(0), optional=True), "dropout": Float(0, 1, hi_open=True, optional=True),
         "warmup_ratio": Float(0, 1, optional=True), "weight_decay": Float(0, optional=True),
         "max_grad_norm": Float(0, lo_open=True, optional=True), "loss": Str(optional=True),
-        "schedule": Str(optional=True), "positions": Str(optional=True),
+        "schedule": Str(optional=True), "positions": Str(optional=True), "min_steps": Int(1, optional=True),
     }
 
     label = "ReFT"

@@ -75,6 +75,9 @@ class Profile:
     # Per column: seeds it is scored under beyond ``seeds`` (the quick profile's TruthfulQA columns
     # over 3 seeds, for their std, where the other columns keep one to stay within the hour).
     column_seeds: dict[str, list[int]] = field(default_factory=dict)
+    # Per baseline: settings of its published recipe this profile changes for its budget (the quick
+    # profile: ReFT's least number of optimizer steps), recorded in every bundle and cache key.
+    published: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def task(self, name: str) -> str:
         return self.tasks.get(name, name)
@@ -104,6 +107,12 @@ PAPER_MODELS = {
 # The paper's model closest to each embedded one (same family where there is one, else the smallest).
 CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B", **{v: k for k, v in PAPER_MODELS.items()}}
 
+# Published ReFT's least number of optimizer steps in the quick profile, for its hour on 2 CPU
+# cores (the rule's MIN_STEPS = 100 elsewhere: baselines/reft_published.py). At 100 steps a step
+# cost 20 s on BBQ (every layer edited, no shared preamble): 100 steps were 33 minutes of one
+# bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (README: ReFT).
+QUICK_REFT_STEPS = 20
+
 PROFILES = {
     # Every script end to end in a few minutes (tests).
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
@@ -129,7 +138,8 @@ PROFILES = {
                       "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
                      tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
-                     column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]}),
+                     column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]},
+                     published={"reft": {"min_steps": QUICK_REFT_STEPS}}),
     # All 535 held-out TruthfulQA questions, 504 BBQ, 10 per MMLU subject (570), 200 ARC-Easy and 200
     # ARC-Challenge through lm-eval's own arc tasks (25 shots drawn per question), 90 SORRY-Bench
     # prompts (2 per category), 50 GSM8K, and larger training sets (20 validation examples or more):

@@ -28,8 +28,11 @@ MAIN_TABLE_RECIPE = "published"
 def recipe_bundle(store: Store, method: str, attribute: str, model: str, seed: int, profile: Profile,
                   recipe: str) -> Path:
     """The bundle of ``method`` trained with ``recipe``; the adapted one is the bundle every table
-    trained before recipes existed (the same cache key: no recipe in its hyperparameters)."""
-    return store.bundle(method, attribute, model, seed, profile, None if recipe == "adapted" else {"recipe": recipe})
+    trained before recipes existed (the same cache key: no recipe in its hyperparameters); the
+    published one with the profile's changes to it (``Profile.published``)."""
+    if recipe == "adapted":
+        return store.bundle(method, attribute, model, seed, profile)
+    return store.bundle(method, attribute, model, seed, profile, {"recipe": recipe, **profile.published.get(method, {})})
 
 
 def validation_loss_selected(bundle: Path) -> float:

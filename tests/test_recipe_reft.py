@@ -69,11 +69,10 @@ def _answer_logprobs(model, bundle, context, answer):
     return logits.log_softmax(-1).gather(-1, torch.tensor(answer)[:, None])[:, 0]
 
 
-def test_published_fit_records_the_authors_settings_and_round_trips(tiny, tmp_path, monkeypatch):
+def test_published_fit_records_the_authors_settings_and_round_trips(tiny, tmp_path):
     model, session, examples = tiny
-    # The rule's least step count, MIN_STEPS (100), lowered to 12 for speed: ReFT.fit reads it.
-    monkeypatch.setattr(reft_published, "MIN_STEPS", 12)
-    fitted = reft.ReFT.fit(session, SimpleNamespace(train=examples), CONFIG, {"recipe": "published"}, seed=0)
+    # The rule's least step count, MIN_STEPS (100), lowered to 12 for speed as a profile lowers it (--set min_steps=12).
+    fitted = reft.ReFT.fit(session, SimpleNamespace(train=examples), CONFIG, {"recipe": "published", "min_steps": 12}, seed=0)
     hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
     assert hp["recipe"] == "published"
     # stanfordnlp/pyreft examples/loreft/README.md, commonsense reasoning: -l all -r 8 -p f7+l7 -e 6 -lr 9e-4,
@@ -96,6 +95,31 @@ def test_published_fit_records_the_authors_settings_and_round_trips(tiny, tmp_pa
         torch.testing.assert_close(R @ R.T, torch.eye(8), atol=1e-5, rtol=0)
     loaded = reloaded(fitted, tmp_path / "reft")
     assert loaded.config["hyperparameters"] == hp and loaded.prompt_sites(9) == [0, 1, 2, 3, 5, 6, 7]
+
+
+def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_adapted_recipe_refuses_it():
+    # The quick profile's budget (repro/profiles.py QUICK_REFT_STEPS): published ReFT's least step count,
+    # passed as --set min_steps=N, so it is in the bundle's hyperparameters and its cache key.
+    from repro import recipes
+    from repro.profiles import PROFILES, QUICK_REFT_STEPS
+
+    asked = []
+
+    class Store:
+        def bundle(self, method, attribute, model, seed, profile, hyperparameters=None):
+            asked.append((method, hyperparameters))
+
+    for method in ("reft", "caa"):
+        for recipe in ("published", "adapted"):
+            recipes.recipe_bundle(Store(), method, "bbq", "m", 0, PROFILES["quick"], recipe)
+    recipes.recipe_bundle(Store(), "reft", "bbq", "m", 0, PROFILES["large"], "published")
+    assert asked == [("reft", {"recipe": "published", "min_steps": QUICK_REFT_STEPS}), ("reft", None),
+                     ("caa", {"recipe": "published"}), ("caa", None), ("reft", {"recipe": "published"})]
+    assert reft_published.published_hyperparameters(reft.ReFT, {"min_steps": 20}, 4)["min_steps"] == 20
+    with pytest.raises(ValueError, match=r"hyperparameters.min_steps is 0"):
+        reft_published.published_hyperparameters(reft.ReFT, {"min_steps": 0}, 4)
+    with pytest.raises(ValueError, match=r"adapted recipe does not read \['min_steps'\]"):
+        reft.ReFT.fit(None, None, CONFIG, {"min_steps": 20}, seed=0)
 
 
 def test_the_step_rule_gives_at_least_100_steps_and_6_epochs():
