@@ -112,6 +112,12 @@ CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "L
 # cost 20 s on BBQ (every layer edited, no shared preamble): 100 steps were 33 minutes of one
 # bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (README: ReFT).
 QUICK_REFT_STEPS = 20
+# D_ctrl per source in the quick profile (a seeded 40 of the attribute's hold-outs, 40 of the ARC-Easy
+# and 40 of the MMLU controls): MARI's gate calibration runs every expert and the probe on each
+# control, and the general controls carry their tasks' shots (25 for ARC, 5 for MMLU, whose preamble
+# differs per subject). With the whole D_ctrl (about 300 controls) one MARI bundle took 15 minutes
+# on 2 busy cores, 5.5 of them encoding the MMLU controls' 74 preambles, 6.5 calibrating.
+QUICK_CTRL = 40
 
 PROFILES = {
     # Every script end to end in a few minutes (tests).
@@ -120,10 +126,9 @@ PROFILES = {
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
-    # The embedded model on 2 CPU cores in about an hour from an empty runs/: seeded subsets of 24
-    # training examples per attribute; D_ctrl whole (max_ctrl None): for seed 0, 82 TruthfulQA / ~100
-    # BBQ / 45 SORRY-Bench hold-outs, each beside 100 ARC-Easy (25-shot) and 100 MMLU (5-shot)
-    # controls. Test documents (issue 36): the first 200 held-out TruthfulQA questions of each seed's
+    # The embedded model on 2 CPU cores: seeded subsets of 24 training examples per attribute; D_ctrl
+    # a seeded 40 per source (QUICK_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
+    # 40 ARC-Easy (25-shot) and 40 MMLU (5-shot) controls). Test documents (issue 36): the first 200 held-out TruthfulQA questions of each seed's
     # split (MC1 and MC2; the held-out tasks list them in a seeded order), under seeds 0, 1 and 2 in
     # the main table (``column_seeds``: 600 questions over three splits, as many as the 535 of one
     # split before, and a std over seeds); 504 BBQ disambiguated ones (72 in each of its 7 local
@@ -133,7 +138,7 @@ PROFILES = {
     # through arc_*_first25: the same 25 shots (the first 25 train questions) before every question,
     # computed once, where lm-eval's arc tasks draw 25 anew per question (the large profile keeps
     # those; README: ARC's shots).
-    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, None,
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, QUICK_CTRL,
                      {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                       "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
