@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ class MariLM(HFLM):
         checks.bundle_args(bundle, bundle_revision, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
         if diagnostics:
             checks.check_writable(Path(diagnostics))
+        if checks.is_lm_eval_command(sys.argv):  # results written after the run: checked before it
+            checks.check_lm_eval_output(sys.argv[1:])
         # The bundle is read and its options applied before the model is loaded, so a bad one fails fast.
         self.intervention: methods.Intervention | None = None
         if bundle is not None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mari_eval import options
-from mari_eval.files import check_writable_file
+from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
 if TYPE_CHECKING:
@@ -53,6 +53,37 @@ def bundle_args(bundle, bundle_revision=None, **given) -> None:
     if bundle is None and given:
         raise ValueError(f"{', '.join(given)} in --model_args need a bundle: add bundle=DIR, or drop them to "
                          "evaluate the plain model (bundle= also takes a Hub repository: bundle=hf://org/name)")
+
+
+def is_lm_eval_command(argv: list[str]) -> bool:
+    """Whether this process is the ``lm_eval`` command line (``lm_eval ...`` or ``python -m lm_eval ...``)."""
+    program = Path(argv[0]) if argv else Path()
+    return program.name in ("lm_eval", "lm-eval") or (program.name == "__main__.py" and program.parent.name == "lm_eval")
+
+
+def lm_eval_output_path(argv: list[str]) -> str | None:
+    """The ``--output_path`` (``-o``) of an ``lm_eval`` command line, or None."""
+    for i, arg in enumerate(argv):
+        if arg in ("--output_path", "-o") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--output_path="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_lm_eval_output(argv: list[str]) -> None:
+    """Refuse, before the model is loaded, an ``lm_eval --output_path`` that cannot be written:
+    lm-eval writes results and samples after the whole evaluation and, when that fails, logs a
+    warning and exits 0 (its writer catches the error). A path ending in .json is a file, any
+    other a directory, as lm-eval reads it."""
+    given = lm_eval_output_path(argv)
+    if given is None:
+        return
+    path = Path(given).expanduser()
+    if path.suffix == ".json":
+        check_writable_file(path, "lm_eval --output_path ", "results.json")
+    else:
+        check_writable_dir(path, "lm_eval --output_path ")
 
 
 def check_writable(path: Path) -> None:

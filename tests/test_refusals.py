@@ -236,3 +236,19 @@ def test_an_edit_whose_square_overflows_the_norm_layer_stops_scoring(tiny_lm, tm
     lm = _lm(tiny_lm, caa.save(tmp_path / "caa"), allow_other_model=True)
     with pytest.raises(ArithmeticError, match=r"layer 1.* magnitude .*overflows float32 in the next norm layer"):
         lm.loglikelihood(_requests())
+
+
+def test_an_lm_eval_output_path_that_cannot_be_written_is_refused_before_the_model_loads(tiny_lm, tmp_path, monkeypatch):
+    # Issue 37: lm-eval writes results and samples after the whole run and, failing, warns and exits 0.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x\n")
+    for given, shown in ((["--output_path", str(blocker / "out")], f"{blocker}/out"),
+                         ([f"--output_path={blocker}/r.json"], f"{blocker}/r.json"), (["-o", str(blocker)], str(blocker))):
+        monkeypatch.setattr("sys.argv", ["/usr/bin/lm_eval", "--model", "mari", *given])
+        with pytest.raises(ValueError, match=rf"lm_eval --output_path {re.escape(shown)} (cannot be written|is a file)"):
+            _lm(tiny_lm)
+    assert lm_checks.is_lm_eval_command(["/x/site-packages/lm_eval/__main__.py"])
+    assert not lm_checks.is_lm_eval_command(["/x/site-packages/pytest/__main__.py", "-o", "addopts="])
+    monkeypatch.setattr("sys.argv", ["/usr/bin/lm_eval", "--model", "mari", "--output_path", str(tmp_path / "new" / "out")])
+    _lm(tiny_lm)  # writable: accepted, and the check leaves nothing behind
+    assert not (tmp_path / "new").exists()
