@@ -171,8 +171,8 @@ def profile_from_args(args) -> Profile:
     profile = PROFILES[args.profile]
     if getattr(args, "model", None):
         profile = Profile(**{**profile.__dict__, "models": [args.model]})
-    if getattr(args, "seeds", None):
-        profile = Profile(**{**profile.__dict__, "seeds": [int(s) for s in args.seeds.split(",")]})
+    if getattr(args, "seeds", None):  # exactly these seeds, for every column (the profile's column_seeds dropped)
+        profile = Profile(**{**profile.__dict__, "seeds": [int(s) for s in args.seeds.split(",")], "column_seeds": {}})
     return profile
 
 
@@ -202,7 +202,8 @@ def add_common_args(parser) -> None:
                              "on a CUDA machine (see placement below)")
     parser.add_argument("--smoke", dest="profile", action="store_const", const="smoke", help="same as --profile smoke")
     parser.add_argument("--model", help="run this model (embedded alias or Hub id) instead of the profile's")
-    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's")
+    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's, for every column (the quick "
+                                        "profile's extra TruthfulQA seeds 1 and 2 are dropped too)")
     parser.add_argument("--runs", default=str(REPO / "runs"), help="where bundles and evaluations are cached")
     parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
     parser.add_argument("--force", action="store_true", help="recompute cached steps")
