@@ -107,6 +107,14 @@ def test_a_profile_scores_some_columns_under_more_seeds():
     by_seed = {seed: [c[0] for c in columns] for seed, columns in profile.seeded_columns(BENCHMARKS).items()}
     assert by_seed == {0: [c[0] for c in BENCHMARKS], 1: ["tqa_mc1"], 2: ["tqa_mc1", "tqa_mc2"]}
     assert Profile("p", ["m"], [0, 1], {}, None, {}).seeded_columns(BENCHMARKS[:1]) == {0: BENCHMARKS[:1], 1: BENCHMARKS[:1]}
+    # --seeds gives every column exactly those seeds: the quick profile's TruthfulQA seeds 1 and 2 go too.
+    from types import SimpleNamespace
+
+    from repro.profiles import profile_from_args
+
+    only = profile_from_args(SimpleNamespace(profile="quick", seeds="0", model=None))
+    assert only.seeds == [0] and list(only.seeded_columns(BENCHMARKS)) == [0]
+    assert list(profile_from_args(SimpleNamespace(profile="quick", seeds=None, model=None)).seeded_columns(BENCHMARKS)) == [0, 1, 2]
 
 
 def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch):
