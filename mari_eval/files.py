@@ -63,12 +63,17 @@ def _check_creatable(folder: Path, named: str) -> None:
 
 @contextlib.contextmanager
 def writing_alone(target: Path, option: str) -> Iterator[None]:
-    """Hold, for the block, the lock of output ``target`` (``.NAME.lock`` beside it, ``flock``): a
-    second process writing the same target meanwhile is refused (FileExistsError naming the first's
-    pid), where both would report success and one would overwrite the other."""
-    lock = target.parent / f".{target.name}.lock"
+    """Hold, for the block, a lock on output ``target`` (``flock`` on a file named by a hash of its
+    absolute path under the temporary directory's ``mari-eval-locks/``, so nothing is left beside
+    the output, even by a killed process): a second process writing the same target meanwhile is
+    refused (FileExistsError naming the first's pid), where both would report success and one
+    would overwrite the other. The kernel releases the lock when its holder exits, however it does."""
+    import hashlib
+
+    where = str(Path(target).expanduser().resolve())
+    lock = Path(tempfile.gettempdir()) / "mari-eval-locks" / (hashlib.sha256(where.encode()).hexdigest()[:32] + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

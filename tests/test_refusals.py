@@ -220,7 +220,7 @@ def test_a_second_training_into_the_same_out_is_refused_while_the_first_runs(tmp
             train("caa", "truthfulqa", "smollm2-135m-instruct", 0, out)
     with writing_alone(out, "--out "):  # released once the first finished: the next may write
         pass
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no lock file is left beside the output
 
 
 @pytest.mark.parametrize("multiplier", [4e18, 1e30])
