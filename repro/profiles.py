@@ -108,8 +108,8 @@ PAPER_MODELS = {
 CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B", **{v: k for k, v in PAPER_MODELS.items()}}
 
 # Published ReFT's least number of optimizer steps in the quick profile, for its hour on 2 CPU
-# cores (the rule's MIN_STEPS = 100 elsewhere: baselines/reft_published.py). At 100 steps a step
-# cost 20 s on BBQ (every layer edited, no shared preamble): 100 steps were 33 minutes of one
+# cores (the rule's MIN_STEPS = 100 elsewhere: baselines/reft_published.py). A step cost 11-19 s
+# on BBQ (every layer edited, no shared preamble): about half an hour for 100 steps of one
 # bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (README: ReFT).
 QUICK_REFT_STEPS = 20
 # D_ctrl per source in the quick profile (a seeded 40 of the attribute's hold-outs, 40 of the ARC-Easy
