@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--methods", default=",".join(recipes.BASELINES), help="a comma-separated subset of the baselines")
 
     args, profile, store, command = profiles.start(__doc__, "baseline_recipes.py", argv, options)
-    methods = args.methods.split(",")
+    methods = profiles.listed(args.methods, "--methods")
     unknown = sorted(set(methods) - set(recipes.BASELINES))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {','.join(recipes.BASELINES)}")

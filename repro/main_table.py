@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "repro/recipes.py)")
 
     args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, options)
-    methods = args.methods.split(",")
+    methods = profiles.listed(args.methods, "--methods")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")

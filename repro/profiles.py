@@ -171,8 +171,8 @@ def profile_from_args(args) -> Profile:
     profile = PROFILES[args.profile]
     if getattr(args, "model", None):
         profile = Profile(**{**profile.__dict__, "models": [args.model]})
-    if getattr(args, "seeds", None):  # exactly these seeds, for every column (the profile's column_seeds dropped)
-        profile = Profile(**{**profile.__dict__, "seeds": [int(s) for s in args.seeds.split(",")], "column_seeds": {}})
+    if getattr(args, "seeds", None) is not None:  # exactly these seeds, for every column (column_seeds dropped)
+        profile = Profile(**{**profile.__dict__, "seeds": listed(args.seeds, "--seeds", int), "column_seeds": {}})
     return profile
 
 
@@ -220,11 +220,31 @@ def describe(placement) -> str:
     return ", ".join(f"{k} {v}" for k, v in asdict(placement).items() if v is not None)
 
 
+def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) -> list:
+    """A comma-separated option value as a list of ``kind``, refused (SystemExit naming the option and
+    the fix) when it is empty or holds an empty item (``--seeds ''``, ``--ks 1,,4``: an unset shell
+    variable, a stray comma) or an item that is not a ``kind``. ``allow_empty``: '' means none."""
+    if not text.strip():
+        if allow_empty:
+            return []
+        raise SystemExit(f"{option} is empty (an unset shell variable?): give comma-separated values, or leave "
+                         f"{option} out for the default")
+    items = [item.strip() for item in text.split(",")]
+    if "" in items:
+        raise SystemExit(f"{option} {text!r} holds an empty item (a stray comma?): give comma-separated values, "
+                         "e.g. 1,2,4")
+    try:
+        return [kind(item) for item in items]
+    except ValueError:
+        raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind is int else 'a number'}, "
+                         "e.g. 1,2,4") from None
+
+
 def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
     """The benchmark columns named in ``--columns`` (all without it)."""
-    if not wanted:
+    if wanted is None:
         return columns
-    names = wanted.split(",")
+    names = listed(wanted, "--columns")
     unknown = sorted(set(names) - {c[0] for c in columns})
     if unknown:
         raise SystemExit(f"--columns: unknown {unknown}; this table has {[c[0] for c in columns]}")

@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"(no retraining; among the strengths training stores: {stored}; '' for none)")
 
     args, profile, store, command = profiles.start(__doc__, "sensitivity.py", argv, points)
-    ks, rhos = [int(k) for k in args.ks.split(",")], [float(r) for r in args.rhos.split(",")]
-    alphas, labellings = [float(a) for a in args.alphas.split(",")], args.labellings.split(",")
-    probe_alphas = [float(a) for a in args.probe_alphas.split(",") if a.strip()]
+    ks, rhos = profiles.listed(args.ks, "--ks", int), profiles.listed(args.rhos, "--rhos", float)
+    alphas, labellings = profiles.listed(args.alphas, "--alphas", float), profiles.listed(args.labellings, "--labellings")
+    probe_alphas = profiles.listed(args.probe_alphas, "--probe-alphas", float, allow_empty=True)
     unknown = [name for name in labellings if name not in LABELINGS]
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")

@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--labellings", default=",".join(LABELLINGS), help="applicability labellings of the rho sweep")
 
     args, profile, store, command = profiles.start(__doc__, "transfer_gsm8k.py", argv, options)
-    labellings = args.labellings.split(",")
+    labellings = profiles.listed(args.labellings, "--labellings")
     unknown = [name for name in labellings if name not in LABELINGS]
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")
     started = time.time()
-    cells = run(profile, store, [float(r) for r in args.rhos.split(",")], labellings)
+    cells = run(profile, store, profiles.listed(args.rhos, "--rhos", float), labellings)
     intro = ("Scores in %; gate columns (ours only): fraction of documents on which the gate opened. The MARI "
              "bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, strict exact match). "
              "Rows without a labels tag calibrate tau_E on the bundle's `loss` labels (the paper's text); "

@@ -151,6 +151,24 @@ def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch
     assert set(out) == set(rows) and set(out["MARI"]) == {c[0] for c in columns}
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", ""], r"--seeds is empty \(an unset shell variable\?\)"),
+    (["--seeds", "0,,1"], r"--seeds '0,,1' holds an empty item"),
+    (["--seeds", "0,x"], r"--seeds '0,x': every item must be an integer"),
+    (["--columns", ""], r"--columns is empty"),
+    (["--columns", "tqa_mc1,"], r"--columns 'tqa_mc1,' holds an empty item"),
+    (["--methods", "vanilla,,mari"], r"--methods 'vanilla,,mari' holds an empty item"),
+])
+def test_an_empty_or_half_empty_list_option_is_refused_not_read_as_the_default(argv, message, tmp_path):
+    # Issue 37's sweep: `--seeds ''` (an unset variable) ran the profile's seeds, `--ks 1,,4` failed with
+    # a bare int() error. Refused before anything is trained.
+    from repro import main_table
+
+    with pytest.raises(SystemExit, match=message):
+        main_table.main(["--smoke", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *argv])
+    assert not (tmp_path / "runs" / "bundles").exists()
+
+
 def _finished(runs) -> set[str]:
     """Cells stored under ``runs``: evaluation files and complete bundle directories."""
     bundles = {p.name for p in (runs / "bundles").glob("*") if (p / "bundle.json").is_file() and "." not in p.name}
