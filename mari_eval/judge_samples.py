@@ -89,6 +89,14 @@ def generations_dir() -> Path:
     return J.default_cache_path().parent / "generations"
 
 
+def _generations_name(header: Mapping, body: str) -> str:
+    """The name ``save_generations`` gives a generations file: its response count and a digest of its
+    header (without the time it was written) and item lines, so that ``read_samples`` can tell an edit."""
+    written = {k: v for k, v in header.items() if k != "created"}
+    digest = hashlib.sha256((json.dumps(written, sort_keys=True, default=str) + body).encode("utf-8")).hexdigest()[:16]
+    return f"sorry_bench-{header['items']}-{digest}.jsonl"
+
+
 def save_generations(items: Sequence[Mapping], run: Mapping | None = None) -> Path | None:
     """Write the task's responses (``FIELDS`` of each item) before they are judged; the file's path.
 
@@ -99,10 +107,9 @@ def save_generations(items: Sequence[Mapping], run: Mapping | None = None) -> Pa
     rows = [{k: item[k] for k in FIELDS} for item in items]
     header = {"kind": KIND, "items": len(rows), "run": dict(run or {})}
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    digest = hashlib.sha256((json.dumps(header, sort_keys=True, default=str) + body).encode("utf-8")).hexdigest()[:16]
+    name = _generations_name(header, body)
     header["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     text = json.dumps(header, ensure_ascii=False, default=str) + "\n" + body
-    name = f"sorry_bench-{len(rows)}-{digest}.jsonl"
     from mari_eval.files import atomic_write
 
     errors = []
@@ -194,13 +201,12 @@ def _check_complete(path: Path, header: dict, n: int, body: str) -> None:
                            f"refusal rate over {n} of them would not be the run's. Copy the file again from where it "
                            "was saved, or generate again")
     name = path.name.removesuffix(".jsonl").split("-")
-    if len(name) == 3 and name[0] == "sorry_bench" and name[1] == str(claimed):
-        written = {k: v for k, v in header.items() if k != "created"}
-        digest = hashlib.sha256((json.dumps(written, sort_keys=True, default=str) + body).encode("utf-8")).hexdigest()[:16]
-        if digest != name[2]:
-            raise J.JudgeError(f"{path}: its content does not match the digest in its name ({name[2]}; the content gives "
-                               f"{digest}): a response or its header was changed after it was saved. Copy the file again "
-                               "from where it was saved, or generate again")
+    if len(name) == 3 and name[0] == "sorry_bench" and name[1] == str(claimed):  # still under the name it was saved as
+        expected = _generations_name(header, body)
+        if expected != path.name:
+            raise J.JudgeError(f"{path}: its content does not match the digest in its name (the content gives "
+                               f"{expected}): a response or its header was changed after it was saved. Copy the file "
+                               "again from where it was saved, or generate again")
 
 
 def _item(row) -> tuple[dict | None, str]:

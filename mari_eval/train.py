@@ -365,37 +365,31 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     Training state is checkpointed after every epoch into ``checkpoints`` (default
     ``checkpoint_dir(out)``); a run killed before the bundle was saved resumes from the
     last epoch when started again with the same arguments."""
+    import hashlib
+    import json
+
     from mari_eval import methods
 
     cls = methods.method_class(method)
     check_arguments(cls, hyperparameters or {}, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training
     with writing_alone(Path(out), "--out "):  # a second training into the same --out meanwhile is refused
-        return _train(cls, method, attribute, model, seed, out, layer, max_train, max_ctrl, max_pca, hyperparameters,
-                      checkpoints, placement, max_memory)
-
-
-def _train(cls, method, attribute, model, seed, out, layer, max_train, max_ctrl, max_pca, hyperparameters, checkpoints,
-           placement, max_memory) -> Path:
-    import hashlib
-    import json
-
-    torch.manual_seed(seed)
-    t0 = time.time()
-    with devices.subnormals_flushed():  # speed only (see there)
-        session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
-        attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
-        log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
-        config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
-        config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
-        if max_pca is not None:
-            config["splits"]["max_pca"] = max_pca
-        run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}
-        session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
-                                               hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
-        intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
-    intervention.config["train_seconds"] = round(time.time() - t0, 1)
-    path = intervention.save(out)
-    session.checkpoints.clear()
-    log.info("saved %s bundle to %s (%.0fs)", method, path, time.time() - t0)
-    return path
+        torch.manual_seed(seed)
+        t0 = time.time()
+        with devices.subnormals_flushed():  # speed only (see there)
+            session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
+            attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
+            log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
+            config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
+            config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
+            if max_pca is not None:
+                config["splits"]["max_pca"] = max_pca
+            run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}
+            session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
+                                                   hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
+            intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
+        intervention.config["train_seconds"] = round(time.time() - t0, 1)
+        path = intervention.save(out)
+        session.checkpoints.clear()
+        log.info("saved %s bundle to %s (%.0fs)", method, path, time.time() - t0)
+        return path

@@ -128,9 +128,9 @@ PROFILES = {
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
     # The embedded model on 2 CPU cores: seeded subsets of 24 training examples per attribute; D_ctrl
     # a seeded 40 per source (QUICK_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
-    # 40 ARC-Easy (25-shot) and 40 MMLU (5-shot) controls). Test documents (issue 36): the first 200 held-out TruthfulQA questions of each seed's
-    # split (MC1 and MC2; the held-out tasks list them in a seeded order), under seeds 0, 1 and 2 in
-    # the main table (``column_seeds``: 600 questions over three splits, as many as the 535 of one
+    # 40 ARC-Easy (25-shot) and 40 MMLU (5-shot) controls). Test documents (issue 36): the first 200
+    # held-out TruthfulQA questions of each seed's split (MC1 and MC2; the held-out tasks list them
+    # in a seeded order), under seeds 0, 1 and 2 in the main table (``column_seeds``: 600 questions over three splits, as many as the 535 of one
     # split before, and a std over seeds); 504 BBQ disambiguated ones (72 in each of its 7 local
     # categories, spread over templates and whole contexts), 60 SORRY-Bench prompts (round-robin
     # over its 45 categories), 5 questions per MMLU subject (285), the first 100 ARC-Easy and 100
