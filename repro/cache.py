@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mari_eval.files import atomic_write_json
+from repro.documents import documents_disagree
 from repro.profiles import Profile, describe
 
 # Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
@@ -138,7 +139,7 @@ class Store:
         config = _with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
-        cached = _cached_bundle_config(final)
+        cached = _cached_bundle_config(final, config)
         if cached is not None and (not self.force or final.name in self.computed):
             return self._used_bundle(final, cached)
         # Trained into a directory of this process's own, then renamed: a killed run leaves no
@@ -152,7 +153,7 @@ class Store:
               max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
               placement=self.placement, max_memory=self.max_memory)
         atomic_write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})
-        if self.force or _cached_bundle_config(final, warn=False) is None:  # a stale or damaged bundle is replaced
+        if self.force or _cached_bundle_config(final, config, warn=False) is None:  # a stale or damaged bundle is replaced
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.replace(tmp, final)
@@ -162,7 +163,7 @@ class Store:
             shutil.rmtree(tmp)  # another run finished the same bundle first; the same configuration gives the same bundle
         self.computed.append(final.name)
         self._fingerprints.pop(final, None)  # trained again: read its fingerprint afresh
-        return self._used_bundle(final, _cached_bundle_config(final) or {})
+        return self._used_bundle(final, _cached_bundle_config(final, config) or {})
 
     def _used_bundle(self, final: Path, config: dict) -> Path:
         seconds = config.get("train_seconds")
@@ -192,8 +193,8 @@ class Store:
     def missing(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
                 model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> list[str]:
         """The tasks of this evaluation not stored yet (or to recompute under --force)."""
-        paths, _ = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
-        return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t]))]
+        paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
+        return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t], configs[t]))]
 
     def _to_compute(self, path: Path, stored: dict | None) -> bool:
         """Whether an evaluation is (re)computed: not stored, or --force and not yet computed by this run."""
@@ -206,7 +207,7 @@ class Store:
         "documents"}. The tasks not stored yet are evaluated together, in one lm-eval run on one loaded
         model (``lm``: a MariLM built for this bundle and model_args, e.g. joined to a shared pass)."""
         paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
-        stored = {t: _cached_evaluation(paths[t]) for t in tasks}
+        stored = {t: _cached_evaluation(paths[t], configs[t]) for t in tasks}
         missing = [t for t in tasks if self._to_compute(paths[t], stored[t])]
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
@@ -224,50 +225,81 @@ class Store:
         return results
 
 
-def _cached_bundle_config(final: Path, warn: bool = True) -> dict | None:
-    """bundle.json of a stored bundle, or None when there is none or it cannot be read (then the
-    bundle is trained again and replaces it; a warning names the file)."""
+def _as_stored(config: dict) -> Any:
+    """``config`` as it reads back from a JSON file (tuples become lists)."""
+    return json.loads(json.dumps(config))
+
+
+def _read_json_object(path: Path) -> tuple[dict | None, str]:
+    """(the JSON object in ``path``, "") or (None, why it is not one)."""
+    try:
+        found = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return (found, "") if isinstance(found, dict) else (None, "not a JSON object")
+
+
+def _cached_bundle_config(final: Path, config: dict, warn: bool = True) -> dict | None:
+    """bundle.json of a stored bundle, or None when there is none, it cannot be read, or the
+    bundle's repro_config.json records another configuration than ``config`` (the one its
+    directory name is the hash of: a directory copied or renamed from another step's). Then the
+    bundle is trained again and replaces it; a warning names the file."""
     path = final / "bundle.json"
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        config, why = None, f"{type(e).__name__}: {e}"
-    else:
-        why = "not a JSON object"
-    if isinstance(config, dict):
-        return config
+    found, why = _read_json_object(path)
+    if found is not None:
+        recorded, why = _read_json_object(final / "repro_config.json")
+        if recorded is not None:
+            recorded.pop("placement_used", None)
+            if recorded == _as_stored(config):
+                return found
+            why = (f"{final.name}/repro_config.json records another configuration than its name's "
+                   f"({_first_difference(recorded, _as_stored(config))}): copied or renamed from another step?")
+            path = final / "repro_config.json"
+        else:
+            path, why = final / "repro_config.json", why or "missing"
     if warn:
         log.warning("%s is damaged (%s): the bundle is trained again and replaces it", path, why)
     return None
+
+
+def _first_difference(found: dict, expected: dict) -> str:
+    """The first key whose value differs between two configurations, as "key: found vs expected"."""
+    key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
+    return f"{key}: {found.get(key)!r} where {expected.get(key)!r} is expected"
 
 
 # What every stored evaluation holds (``repro.scoring.evaluate``'s record), by type.
 _EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float), "documents": dict}
 
 
-def _cached_evaluation(path: Path) -> dict | None:
-    """A stored evaluation, or None when there is none or it is damaged: not JSON, or missing
-    one of ``_EVALUATION_FIELDS``. A damaged one is evaluated again and replaced, with a warning
-    naming the file: it is a cache of a computation this run can redo, and nothing in it can
-    be trusted once part of it is wrong (files are written whole, so damage comes from outside:
-    a full disk, a copy, a hand edit)."""
+def _cached_evaluation(path: Path, config: dict) -> dict | None:
+    """A stored evaluation, or None when there is none or it is damaged. Then it is evaluated
+    again and replaced, with a warning naming the file and the fault: it is a cache of a
+    computation this run can redo, and nothing in it can be trusted once part of it is wrong
+    (files are written whole, so damage comes from outside: a full disk, a copy, a hand edit).
+
+    Damaged: not JSON; missing one of ``_EVALUATION_FIELDS``; its recorded configuration is not
+    ``config`` (the one its name is the hash of: a file copied or renamed from another step's);
+    or its content disagrees with its own header: a metric's per-document scores do not number
+    ``n`` documents, or their mean is not the metric's figure (``documents_disagree``)."""
     if not path.is_file():
         return None
-    try:
-        result = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        why = f"{type(e).__name__}: {e}"
-    else:
-        if not isinstance(result, dict):
-            why = "not a JSON object"
-        else:
-            wrong = [k for k, kind in _EVALUATION_FIELDS.items()
-                     if not isinstance(result.get(k), kind) or isinstance(result.get(k), bool)]
-            if not wrong:
-                return result
+    result, why = _read_json_object(path)
+    if result is not None:
+        wrong = [k for k, kind in _EVALUATION_FIELDS.items()
+                 if not isinstance(result.get(k), kind) or isinstance(result.get(k), bool)]
+        if wrong:
             why = f"missing or malformed: {', '.join(wrong)}"
+        elif not isinstance(result.get("config"), dict) or result["config"] != _as_stored(config):
+            why = ("it records another configuration than its name's ("
+                   + (_first_difference(result["config"], _as_stored(config)) if isinstance(result.get("config"), dict)
+                      else "none recorded") + "): copied or renamed from another step?")
+        else:
+            why = documents_disagree(result["documents"], result["metrics"], result["n"])
+            if why is None:
+                return result
     log.warning("%s is damaged (%s): evaluating again, the new result replaces it", path, why)
     return None
 

@@ -135,6 +135,29 @@ def check_against(documents: DocumentScores, metrics: dict[str, Any], task: str)
                              "figure: this is a bug in repro/documents.py or the task's metrics, report it")
 
 
+def documents_disagree(documents: Any, metrics: dict[str, Any], n: int) -> str | None:
+    """What in a stored evaluation's per-document scores contradicts its header, or None.
+
+    Each metric's scores must be a {document: number or None} of ``n`` documents (one per
+    document evaluated: a group's subtasks together) whose mean is the metric's figure, as
+    ``check_against`` tied them when the evaluation was run; a file cut short, merged or edited
+    by hand breaks one of these."""
+    for metric, scores in documents.items():
+        if not isinstance(scores, dict) or not all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in scores.values()):
+            return f"documents {metric!r} is not a map of document to score"
+        if len(scores) != n:
+            return f"documents {metric!r} holds {len(scores)} documents, its header says n = {n}"
+        values = [v for v in scores.values() if v is not None]
+        reported = metrics.get(metric)
+        if not values or not isinstance(reported, (int, float)) or isinstance(reported, bool):
+            return f"documents {metric!r} has no scores or no figure in metrics"
+        mean = sum(values) / len(values)
+        if not math.isfinite(mean) or math.isnan(reported) or abs(mean - reported) > TOLERANCE * max(1.0, abs(reported)):
+            return f"the mean of documents {metric!r} is {mean!r}, its figure in metrics is {reported!r}"
+    return None
+
+
 def _aggregated_otherwise(metric: str) -> bool:
     """Metrics whose aggregate is not the mean of per-document numbers (BBQ's accuracies by
     context and bias scores, computed from per-document tuples or subsets)."""

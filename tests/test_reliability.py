@@ -9,6 +9,7 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -450,6 +451,82 @@ def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it
     assert calls == [["arc_easy", "arc_challenge"], ["arc_easy"]]  # the damaged one only
     assert again == first and json.loads(path.read_text())["seconds"] == 4.0
     assert f"{path} is damaged (" in caplog.text and "evaluating again, the new result replaces it" in caplog.text
+
+
+def _cut_one_document(stored):
+    del stored["documents"]["acc,none"]["1"]  # a file merged or cut by hand: 1 document behind n = 2
+
+
+def _edit_the_figure(stored):
+    stored["metrics"]["acc,none"] = 0.9  # the figure edited, the documents left: mean 0.75
+
+
+def _claim_more_documents(stored):
+    stored["n"] = 3
+
+
+def _copied_from_another_task(stored):
+    stored["config"]["task"] = "arc_challenge"  # arc_challenge's file copied under arc_easy's name
+
+
+@pytest.mark.parametrize("damage, why", [
+    (_cut_one_document, "documents 'acc,none' holds 1 documents, its header says n = 2"),
+    (_claim_more_documents, "documents 'acc,none' holds 2 documents, its header says n = 3"),
+    (_edit_the_figure, "the mean of documents 'acc,none' is 0.75, its figure in metrics is 0.9"),
+    (_copied_from_another_task, "it records another configuration than its name's (task: 'arc_challenge' where 'arc_easy' is "
+                                "expected): copied or renamed from another step?"),
+])
+def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_evaluated_again(
+        tmp_path, monkeypatch, caplog, damage, why):
+    """Its documents against its n and its figure, its recorded configuration against the one its name is the hash of:
+    each was read back as it stood before (a table from 1 document under n = 2, or another task's figures)."""
+    from repro import cache, scoring
+
+    calls = []
+
+    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
+        calls.append(tasks)
+        return {t: {"metrics": {"acc,none": 0.75}, "n": 2, "seconds": 4.0,
+                    "documents": {"acc,none": {"0": 1.0, "1": 0.5}}} for t in tasks}
+
+    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    first = cache.Store(tmp_path).evaluations("smollm2-135m-instruct", ["arc_easy"], 2)
+    (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
+    stored = json.loads(path.read_text())
+    damage(stored)
+    path.write_text(json.dumps(stored))
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        store = cache.Store(tmp_path)
+        assert store.missing("smollm2-135m-instruct", ["arc_easy"], 2) == ["arc_easy"]
+        again = store.evaluations("smollm2-135m-instruct", ["arc_easy"], 2)
+    assert calls == [["arc_easy"], ["arc_easy"]] and again == first
+    assert f"{path} is damaged ({why}" in caplog.text
+
+
+def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp_path, monkeypatch, caplog):
+    """A bundle directory copied under another step's name (another seed's) was used as that step's bundle."""
+    from repro import cache, profiles
+
+    trained = []
+
+    def train(method, attribute, model, seed, out, **kwargs):
+        trained.append(seed)
+        return _bundle().save(out)
+
+    monkeypatch.setattr("mari_eval.train.train", train)
+    smoke = profiles.PROFILES["smoke"]
+    seed0 = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, smoke)
+    seed1 = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 1, smoke)
+    shutil.rmtree(seed1)
+    shutil.copytree(seed0, seed1)
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        again = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 1, smoke)
+    assert again == seed1 and trained == [0, 1, 1]
+    assert json.loads((seed1 / "repro_config.json").read_text())["seed"] == 1
+    assert (f"{seed1 / 'repro_config.json'} is damaged ({seed1.name}/repro_config.json records another configuration "
+            "than its name's (seed: 0 where 1 is expected)") in caplog.text
+    assert cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, smoke) == seed0
+    assert trained == [0, 1, 1]  # the original still read back
 
 
 def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog):
