@@ -48,8 +48,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mari_eval.files import write_results_json
+from repro.profiles import at_least, listed
 
 REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("mc", "gen")  # truthfulqa_mc2 log-likelihoods; SORRY-Bench generations
 
 
 # ----------------------------------------------------------------------------- one measurement (subprocess)
@@ -261,12 +263,12 @@ def main() -> int:
                    help="a trained bundle to time (repeatable); ARGS: model args, e.g. mari_open=DIR,gate=false")
     p.add_argument("--gen-bundle", action="append", default=[], metavar="NAME=DIR",
                    help="the bundle NAME is timed with on the gen workload (default: its --bundle)")
-    p.add_argument("--limit", type=int, default=0, help="truthfulqa_mc2 questions (0 = all 817)")
-    p.add_argument("--gen-prompts", type=int, default=50)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--workloads", default="mc,gen")
+    p.add_argument("--limit", type=at_least(0), default=0, help="truthfulqa_mc2 questions (0 = all 817)")
+    p.add_argument("--gen-prompts", type=at_least(1), default=50)
+    p.add_argument("--gen-tokens", type=at_least(1), default=128)
+    p.add_argument("--batch-size", type=at_least(1), default=8)
+    p.add_argument("--repeats", type=at_least(1), default=1)
+    p.add_argument("--workloads", default="mc,gen", help="comma-separated, of: " + ", ".join(WORKLOADS))
     p.add_argument("--out", default=str(REPO / "results"))
     add_placement_arguments(p.add_argument_group(
         "placement", "Where every entry (hf included) loads the model: mari-eval train's flags."))
@@ -304,7 +306,13 @@ def main() -> int:
     entries = {"hf": {}, "vanilla": {}}
     for name in [*mc_bundles, *gen_bundles]:
         entries[name] = {"mc": mc_bundles.get(name), "gen": gen_bundles.get(name, mc_bundles.get(name))}
-    workloads = args.workloads.split(",")
+    try:
+        workloads = listed(args.workloads, "--workloads")
+    except SystemExit as e:
+        p.error(str(e))
+    if set(workloads) - set(WORKLOADS):  # an unknown name was timed as gen before
+        p.error(f"--workloads {args.workloads!r}: unknown {sorted(set(workloads) - set(WORKLOADS))}; choose from "
+                + ", ".join(WORKLOADS))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {

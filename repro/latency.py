@@ -61,11 +61,13 @@ def paper_figures(model: str):
 
 def main(argv: list[str] | None = None) -> int:
     def sizes(parser):
-        parser.add_argument("--prompts", type=int, default=10)
-        parser.add_argument("--tokens", type=int, default=128)
+        parser.add_argument("--prompts", type=profiles.at_least(1), help="SORRY-Bench prompts timed (default 10; smoke 2)")
+        parser.add_argument("--tokens", type=profiles.at_least(1), help="greedy tokens per prompt (default 128; smoke 4)")
 
     args, profile, store, command = profiles.start(__doc__, "latency.py", argv, sizes)
-    prompts, tokens = (2, 4) if profile.name == "smoke" else (args.prompts, args.tokens)
+    smoke = profile.name == "smoke"  # the smoke profile's sizes are defaults only: given ones are used
+    prompts = args.prompts if args.prompts is not None else 2 if smoke else 10
+    tokens = args.tokens if args.tokens is not None else 4 if smoke else 128
     started = time.time()
     cells = run(profile, store, prompts, tokens)
     intro = (f"{prompts} SORRY-Bench prompts, {tokens} greedy tokens each, one at a time; medians. "

@@ -240,6 +240,24 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
                          "e.g. 1,2,4") from None
 
 
+def at_least(least: int):
+    """An argparse ``type`` for a count option: an integer >= ``least`` (``--repeats 0`` would be a
+    median of nothing, ``--prompts -1`` a slice from the end), refused with a usage error."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}: give an integer >= {least}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"  # argparse's "invalid <name> value" names the rule
+    return parse
+
+
 def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
     """The benchmark columns named in ``--columns`` (all without it)."""
     if wanted is None:

@@ -48,6 +48,18 @@ def test_bench_refuses_a_bundle_argument_without_a_bundle(tmp_path):
     assert proc.returncode == 2 and "expected NAME=DIR with DIR/bundle.json" in proc.stderr
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--workloads", "mc,gpu"], "--workloads 'mc,gpu': unknown ['gpu']; choose from mc, gen"),  # timed as gen before
+    (["--workloads", ""], "--workloads is empty"),  # an unset shell variable: timed as gen before
+    (["--repeats", "0"], "argument --repeats: 0 is below 1"),  # a median of no repeats
+    (["--gen-prompts", "-1"], "argument --gen-prompts: -1 is below 1"),  # a slice from the end
+])
+def test_bench_refuses_an_unknown_workload_or_a_count_below_its_least(tmp_path, args, error):
+    proc = subprocess.run([sys.executable, str(REPO / "repro" / "bench.py"), "--out", str(tmp_path), *args],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and error in proc.stderr and not (tmp_path / "bench.json").exists()
+
+
 # ----------------------------------------------------------------------------- the paper's tables, smoke mode
 
 
@@ -238,7 +250,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     ("sensitivity.py", ["--ks", "4", "--rhos", "0.8", "--labellings", "loss,source", "--alphas", "1,0.5"],
      ["sensitivity.json", "sensitivity_k.png", "sensitivity_rho.png", "sensitivity_alpha.png"]),
     ("diagnostics.py", ["--columns", "tqa_mc1,bbq_acc"], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
-    ("latency.py", [], ["latency.json", "latency.md", "latency.tex"]),
+    ("latency.py", ["--prompts", "3"], ["latency.json", "latency.md", "latency.tex"]),
     ("baseline_recipes.py", ["--methods", "caa"], ["baseline_recipes.json", "baseline_recipes.md", "baseline_recipes.tex"]),
 ])
 def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs):
@@ -273,6 +285,8 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
         assert list(rows) == ["Vanilla", "CAA (adapted)", "CAA (published)"]
         assert ["notes" in rows[f"CAA ({r})"] for r in ("adapted", "published")] == [False, True]
         assert all(row["ours"]["val_loss"]["mean"] > 0 for row in rows.values())  # reported beside, not used to choose
+    if script == "latency.py":  # the smoke profile's 2 prompts are a default: a given --prompts was ignored (issue 37)
+        assert "3 SORRY-Bench prompts, 4 greedy tokens each" in (smoke_dirs[1] / "latency.md").read_text()
     if script == "diagnostics.py":
         rates = record["gate_rates"]["smollm2-135m-instruct"]
         assert set(rates) == {"loss", "flip", "source"}
