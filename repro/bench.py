@@ -47,7 +47,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from mari_eval.files import write_results_json
+from mari_eval.files import check_writable_dir, write_results_json
 from repro.profiles import at_least, listed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,6 +290,19 @@ def main() -> int:
         worker(args)
         return 0
 
+    try:
+        workloads = listed(args.workloads, "--workloads")
+    except SystemExit as e:
+        p.error(str(e))
+    if set(workloads) - set(WORKLOADS):  # an unknown name was timed as gen before
+        p.error(f"--workloads {args.workloads!r}: unknown {sorted(set(workloads) - set(WORKLOADS))}; choose from "
+                + ", ".join(WORKLOADS))
+    out = Path(args.out)
+    try:
+        check_writable_dir(out, "--out ")  # before the timings it will hold
+    except ValueError as e:
+        p.error(str(e))
+
     def bundles(items: list[str], flag: str) -> dict[str, str]:
         out = {}
         for item in items:
@@ -306,14 +319,6 @@ def main() -> int:
     entries = {"hf": {}, "vanilla": {}}
     for name in [*mc_bundles, *gen_bundles]:
         entries[name] = {"mc": mc_bundles.get(name), "gen": gen_bundles.get(name, mc_bundles.get(name))}
-    try:
-        workloads = listed(args.workloads, "--workloads")
-    except SystemExit as e:
-        p.error(str(e))
-    if set(workloads) - set(WORKLOADS):  # an unknown name was timed as gen before
-        p.error(f"--workloads {args.workloads!r}: unknown {sorted(set(workloads) - set(WORKLOADS))}; choose from "
-                + ", ".join(WORKLOADS))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "command": "python repro/bench.py " + " ".join(sys.argv[1:]),

@@ -282,6 +282,13 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     if extra_args is not None:
         extra_args(parser)
     args = parser.parse_args(argv)
+    from mari_eval.files import check_writable_dir
+
+    for option, folder in (("--out ", args.out), ("--runs ", args.runs)):  # before the work they will hold
+        try:
+            check_writable_dir(Path(folder), option)
+        except ValueError as e:
+            parser.error(str(e))
     setup_logging()
     command = (f"python repro/{script} " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     profile = profile_from_args(args)

@@ -60,6 +60,28 @@ def test_bench_refuses_an_unknown_workload_or_a_count_below_its_least(tmp_path, 
     assert proc.returncode == 2 and error in proc.stderr and not (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.parametrize("option", ["--out", "--runs"])
+def test_a_repro_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, option):
+    """--out under a file (or --runs): the tables were written, or the first bundle saved, only after the work."""
+    from repro import main_table
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    others = {"--out": ["--runs", str(tmp_path / "runs")], "--runs": ["--out", str(tmp_path / "results")]}[option]
+    with pytest.raises(SystemExit) as exit_:
+        main_table.main(["--smoke", option, str(blocker / "sub"), *others])
+    assert exit_.value.code == 2
+    assert f"{option} {blocker / 'sub'} cannot be written (" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing trained, nothing left
+
+
+def test_bench_refuses_an_output_that_cannot_be_written_before_timing(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    proc = subprocess.run([sys.executable, str(REPO / "repro" / "bench.py"), "--out", str(tmp_path / "a-file")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and f"--out {tmp_path / 'a-file'} is a file, not a directory" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- the paper's tables, smoke mode
 
 
