@@ -137,12 +137,14 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
     """{column: {"value", "n", "diagnostics"}} for ``columns`` (BENCHMARKS-like tuples), each task
     evaluated under the bundle of its attribute (none: the base model); tasks that share a bundle,
     a document limit and a generation length run together."""
-    evaluated: dict[str, dict] = {}
+    # Keyed by attribute and task: the same task (MMLU, ARC) runs under several attributes' bundles.
+    evaluated: dict[tuple[str | None, str], dict] = {}
     for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
-        evaluated.update(store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed))
+        found = store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed)
+        evaluated.update({(attribute, task): result for task, result in found.items()})
     out = {}
     for column, task, metric, attribute in columns:
-        result = evaluated[profile.task(task)]
+        result = evaluated[attribute, profile.task(task)]
         scale = 100 if column in PERCENT_COLUMNS else 1
         value = result["metrics"].get(metric)
         value = float("nan") if value is None else float(value) * scale

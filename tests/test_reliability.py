@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -527,6 +528,25 @@ def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp
             "than its name's (seed: 0 where 1 is expected)") in caplog.text
     assert cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, smoke) == seed0
     assert trained == [0, 1, 1]  # the original still read back
+
+
+def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its_own_column(tmp_path, monkeypatch):
+    """MMLU under the TruthfulQA bundle (column mmlu) and under the BBQ bundle (mmlu@bbq): the second attribute's
+    evaluation replaced the first's, so every mmlu column showed the last bundle's figures."""
+    from repro import cache, profiles, scoring
+
+    bundles = {"truthfulqa": _bundle().save(tmp_path / "tqa"), "bbq": _bundle(layer=7).save(tmp_path / "bbq")}
+    accuracy = {bundles["truthfulqa"].name: 0.25, bundles["bbq"].name: 0.75}
+
+    def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
+        return {t: {"metrics": {"acc,none": accuracy[Path(bundle).name]}, "n": 4, "seconds": 1.0,
+                    "documents": {}} for t in tasks}
+
+    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    columns = [("mmlu", "mmlu", "acc,none", "truthfulqa"), ("mmlu@bbq", "mmlu", "acc,none", "bbq")]
+    out = scoring.score(cache.Store(tmp_path / "runs"), profiles.PROFILES["smoke"], "smollm2-135m-instruct", 0,
+                        columns, bundles)
+    assert {c: out[c]["value"] for c in ("mmlu", "mmlu@bbq")} == {"mmlu": 25.0, "mmlu@bbq": 75.0}
 
 
 def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog):
