@@ -1,6 +1,6 @@
 """Table 1: every method trained on each attribute and evaluated through lm-eval, ours beside the paper's.
 
-    python repro/main_table.py                 # quick profile: the embedded model on 2 CPU cores (meant for at most 75 min)
+    python repro/main_table.py                 # quick profile: the embedded model on 2 CPU cores (about 3 h of computation)
     python repro/main_table.py --seeds 0       # the same with seed 0 alone (TruthfulQA's seeds 1 and 2 dropped)
     python repro/main_table.py --profile paper # the paper's models, full test sets, 3 seeds (GPU: bf16, device_map auto)
     python repro/main_table.py --dtype bfloat16 # the embedded model in bf16 (cached apart from float32)
