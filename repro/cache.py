@@ -249,25 +249,31 @@ def _cached_bundle_config(final: Path, config: dict, warn: bool = True) -> dict 
         return None
     found, why = _read_json_object(path)
     if found is not None:
-        recorded, why = _read_json_object(final / "repro_config.json")
+        path = final / "repro_config.json"
+        recorded, why = _read_json_object(path)
         if recorded is not None:
             recorded.pop("placement_used", None)
-            if recorded == _as_stored(config):
+            other = _other_configuration(recorded, config)
+            if other is None:
                 return found
-            why = (f"{final.name}/repro_config.json records another configuration than its name's "
-                   f"({_first_difference(recorded, _as_stored(config))}): copied or renamed from another step?")
-            path = final / "repro_config.json"
-        else:
-            path, why = final / "repro_config.json", why or "missing"
+            why = f"{final.name}/repro_config.json {other}"
     if warn:
         log.warning("%s is damaged (%s): the bundle is trained again and replaces it", path, why)
     return None
 
 
-def _first_difference(found: dict, expected: dict) -> str:
-    """The first key whose value differs between two configurations, as "key: found vs expected"."""
-    key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
-    return f"{key}: {found.get(key)!r} where {expected.get(key)!r} is expected"
+def _other_configuration(recorded: Any, config: dict) -> str | None:
+    """None when a stored step records ``config`` (the configuration its name is the hash of), else
+    what differs: the first differing key, or that none is recorded."""
+    expected = _as_stored(config)
+    if recorded == expected:
+        return None
+    if isinstance(recorded, dict):
+        key = next(k for k in sorted(set(recorded) | set(expected)) if recorded.get(k) != expected.get(k))
+        difference = f"{key}: {recorded.get(key)!r} where {expected.get(key)!r} is expected"
+    else:
+        difference = "none recorded"
+    return f"records another configuration than its name's ({difference}): copied or renamed from another step?"
 
 
 # What every stored evaluation holds (``repro.scoring.evaluate``'s record), by type.
@@ -292,10 +298,8 @@ def _cached_evaluation(path: Path, config: dict) -> dict | None:
                  if not isinstance(result.get(k), kind) or isinstance(result.get(k), bool)]
         if wrong:
             why = f"missing or malformed: {', '.join(wrong)}"
-        elif not isinstance(result.get("config"), dict) or result["config"] != _as_stored(config):
-            why = ("it records another configuration than its name's ("
-                   + (_first_difference(result["config"], _as_stored(config)) if isinstance(result.get("config"), dict)
-                      else "none recorded") + "): copied or renamed from another step?")
+        elif (other := _other_configuration(result.get("config"), config)) is not None:
+            why = f"it {other}"
         else:
             why = documents_disagree(result["documents"], result["metrics"], result["n"])
             if why is None:

@@ -126,13 +126,19 @@ def check_against(documents: DocumentScores, metrics: dict[str, Any], task: str)
             del documents[metric]  # no figure to tie the scores to: not kept
             continue
         mean = sum(values) / len(values)
-        if math.isnan(reported) or abs(mean - reported) > TOLERANCE * max(1.0, abs(reported)):
+        if not _mean_agrees(mean, reported):
             if _aggregated_otherwise(metric):
                 del documents[metric]
                 continue
             raise ValueError(f"{task} {metric}: the mean of its {len(values)} per-document scores is {mean!r}, "
                              f"lm-eval reported {reported!r}; the per-document scores would not describe the "
                              "figure: this is a bug in repro/documents.py or the task's metrics, report it")
+
+
+def _mean_agrees(mean: float, reported: float) -> bool:
+    """Whether the mean of a metric's per-document scores is the figure lm-eval reported (to
+    ``TOLERANCE``, relative above 1); a non-finite mean or a NaN figure never agrees."""
+    return math.isfinite(mean) and not math.isnan(reported) and abs(mean - reported) <= TOLERANCE * max(1.0, abs(reported))
 
 
 def documents_disagree(documents: Any, metrics: dict[str, Any], n: int) -> str | None:
@@ -153,7 +159,7 @@ def documents_disagree(documents: Any, metrics: dict[str, Any], n: int) -> str |
         if not values or not isinstance(reported, (int, float)) or isinstance(reported, bool):
             return f"documents {metric!r} has no scores or no figure in metrics"
         mean = sum(values) / len(values)
-        if not math.isfinite(mean) or math.isnan(reported) or abs(mean - reported) > TOLERANCE * max(1.0, abs(reported)):
+        if not _mean_agrees(mean, reported):
             return f"the mean of documents {metric!r} is {mean!r}, its figure in metrics is {reported!r}"
     return None
 
