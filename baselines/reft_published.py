@@ -326,7 +326,7 @@ def packed_nll(model: torch.nn.Module, head: Prefix | None, group: list[Example]
     tokens only, at its own positions, under ``plan``'s edits at ``sites(prompt length)`` and at p*
     (what ``_extended`` and ``runner.score_variants`` run for one example)."""
     from mari_eval.prefix_cache import broadcast_cache, with_cache
-    from mari_eval.train import packed_inputs
+    from mari_eval.prefix_cache import packed_inputs
 
     start = len(head.tokens) if head is not None else 0
     rows = [list(ex.context[start:]) + answer_of(ex)[:-1] for ex in group]

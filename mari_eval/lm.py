@@ -11,7 +11,8 @@ the last prompt token:
   (``prefix_cache.PrefixCache``); every option runs as a short suffix under every
   variant of the plan (``mari_eval.runner``), edited rows from the untouched rows'
   states at l*; the plan's ``choose`` picks the variant that answers. lm-eval's
-  ``batch_size`` does not apply to this path: each question is a few packed passes;
+  ``batch_size`` (``auto`` included) says how many questions share each pass
+  (``mari_eval.batching``); the default, 1, scores one question at a time;
 * generation requests are left-padded by HFLM, so p* is the last column of the prefill
   and a one-variant edit is applied once, before decoding (``mari_eval.site.edit_site``);
   a plan with several variants runs them all for its routing window first
@@ -42,7 +43,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from mari_eval import generation, hub, methods, options, runner
+from mari_eval import batching, generation, hub, methods, options, runner
 from mari_eval import lm_checks as checks
 from mari_eval.choice_log import ChoiceLog, prompt_order
 from mari_eval.models import DEFAULT_MODEL, resolve_model
@@ -181,31 +182,49 @@ class MariLM(HFLM):
                 raise ValueError(f"{where}: a continuation of {len(cont_enc)} tokens exceeds max_length={self.max_length}")
             question = (meta[i][0], meta[i][1]) if meta else (None, None)
             groups.setdefault((*question, tuple(context_enc)), []).append(i)
-        plan, iv = self.plan, self.intervention
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
-        runs = self.shared or OwnRuns(self.model, plan)
         # Sorted by context tokens, questions sharing a preamble are neighbours (PrefixCache).
+        ordered = []
         for (task, doc_id, context), idxs in sorted(groups.items(), key=lambda item: prompt_order(*item[0])):
             conts = [requests[i][2] for i in idxs]
             # Left-truncate like HFLM so that the longest row fits in max_length.
-            context = context[-(self.max_length + 1 - max(map(len, conts))):]
+            ordered.append((task, doc_id, context[-(self.max_length + 1 - max(map(len, conts))):], idxs, conts))
+        runs, batches = self._question_batches(ordered)
+        for batch in batches:
             with torch.no_grad():
-                run = runs.run(context, conts)
-            chosen, record = plan.pick(run)
-            checks.refuse_nonfinite(run, record, iv, f"task {task}, document {doc_id}")
-            row = run.row(chosen)
-            for m, i in enumerate(idxs):
-                answer = (float(run.logprobs[row, m]), bool(run.greedy[row, m]))
-                results[i] = answer
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-            if iv is not None:
-                doc = meta[idxs[0]][2] if meta else None
-                self._record(record, task, doc_id, run, checks.gold_options(task, doc, len(conts)), context)
-
-            pbar.update(len(idxs))
+                batch_runs = runs.run_many([(ordered[q][2], ordered[q][4]) for q in batch])
+            for q, run in zip(batch, batch_runs):
+                self._answer(requests, results, *ordered[q], run)
+                pbar.update(len(ordered[q][3]))
         pbar.close()
         return results
+
+    def _question_batches(self, ordered: list[tuple]) -> tuple[Any, list[list[int]]]:
+        """Who computes the runs, and the questions of ``ordered`` (task, doc_id, context, request
+        indices, continuations) cut into the batches lm-eval's ``batch_size`` asks for."""
+        if self.shared is not None:  # the shared pass goes question by question (SharedPass.run_many)
+            return self.shared, [[q] for q in range(len(ordered))]
+        how = batching.Batching.of(self.batch_size_per_gpu, self.max_batch_size, self.model)
+        runs = OwnRuns(self.model, self.plan, max_tokens=how.max_tokens)
+        rows = [sum(map(len, conts)) for *_, conts in ordered]
+        batches = batching.question_batches([q[2][:-1] for q in ordered], rows, [len(q[3]) for q in ordered], how)
+        return runs, batches
+
+    def _answer(self, requests, results, task, doc_id, context, idxs, conts, run: runner.VariantRun) -> None:
+        """The answers of one question's requests, from the variant its plan picks in ``run``."""
+        plan, iv = self.plan, self.intervention
+        meta = self._request_meta if self._request_meta and len(self._request_meta) == len(requests) else None
+        chosen, record = plan.pick(run)
+        checks.refuse_nonfinite(run, record, iv, f"task {task}, document {doc_id}")
+        row = run.row(chosen)
+        for m, i in enumerate(idxs):
+            answer = (float(run.logprobs[row, m]), bool(run.greedy[row, m]))
+            results[i] = answer
+            self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        if iv is not None:
+            doc = meta[idxs[0]][2] if meta else None
+            self._record(record, task, doc_id, run, checks.gold_options(task, doc, len(conts)), context)
 
     # ------------------------------------------------------------------ diagnostics
 

@@ -7,6 +7,9 @@ every option and every epoch: ``encode_prefix`` computes them once, and the runn
 ``PrefixCache`` shares the prompts' common prefixes (few-shot preambles) across
 questions visited in sorted order; ``own_part`` and ``joined`` let training keep one
 shared preamble and each example's own tokens apart (``train.Session.prepare``).
+``PackedPrompts`` holds several prompts in one cache (a shared preamble, then each
+prompt's own tokens), so that many questions' rows run in one forward pass
+(``packed_inputs``; ``runner.score_questions``, training's ``Session.prepare``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -220,3 +224,95 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> tuple[int, ...]:
         n = min(n, len(seq))
         n = next((i for i in range(n) if seq[i] != first[i]), n)
     return first[:n]
+
+
+# ----------------------------------------------------------------------------- several prompts in one cache
+
+
+@dataclass
+class PackedPrompts:
+    """The caches of several prompts before p* as one: ``shared`` tokens every prompt begins
+    with, then each prompt's own tokens in turn (prompt i's at ``shared + spans[i][0]`` up to
+    ``shared + spans[i][1]``). Rows after prompt i see the shared tokens and prompt i's own
+    (``packed_inputs``), so the rows of many questions run in one pass."""
+
+    cache: object | None
+    shared: int
+    spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, prefix: Prefix) -> "PackedPrompts":
+        """One prompt: all of it shared."""
+        return cls(prefix.cache, len(prefix.tokens), [(0, 0)])
+
+    def length(self, i: int) -> int:
+        """Prompt i's length, hence the position of its p*."""
+        return self.shared + self.spans[i][1] - self.spans[i][0]
+
+    @property
+    def own_width(self) -> int:
+        """The cached tokens after the shared ones."""
+        return self.spans[-1][1] if self.spans else 0
+
+
+def spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive pieces of the given lengths."""
+    return [(stop - n, stop) for stop, n in zip(itertools.accumulate(lengths), lengths)]
+
+
+def encode_prompts(model: torch.nn.Module, shared: Prefix, prompts: Sequence[Sequence[int]]) -> PackedPrompts | None:
+    """The frozen model's cache of ``prompts`` (each beginning with ``shared.tokens``) in one pass:
+    their own tokens packed after the shared cache, each seeing the shared tokens and its own
+    earlier ones only, at its own positions. The same keys and values as one prompt at a time;
+    None when the model holds some layer's tokens in a sliding window (nothing to pack into)."""
+    past = len(shared.tokens)
+    owns = [list(p[past:]) for p in prompts]
+    cache = broadcast_cache(shared.cache, 1)
+    if any(owns):
+        rows = [own for own in owns if own]
+        inputs = packed_inputs(model, past, rows, [], [past] * len(rows))
+        cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
+    if cache is not None and not all(map(_full_attention, cache.layers)):
+        return None
+    return PackedPrompts(cache, past, spans(list(map(len, owns))))
+
+
+def join_prompts(prefixes: Sequence[Prefix]) -> PackedPrompts | None:
+    """Separately computed prompt caches (e.g. each under its own edit) as one ``PackedPrompts``,
+    nothing shared; None when some layer holds a sliding window."""
+    caches = [p.cache for p in prefixes if p.cache is not None]
+    if not caches:
+        return PackedPrompts(None, 0, [(0, 0)] * len(prefixes))
+    if not all(_full_attention(layer) for cache in caches for layer in cache.layers):
+        return None
+
+    def concatenated(i, layer):
+        layer.keys = torch.cat([cache.layers[i].keys for cache in caches], dim=-2)
+        layer.values = torch.cat([cache.layers[i].values for cache in caches], dim=-2)
+
+    return PackedPrompts(_layerwise(caches[0], concatenated), 0, spans([len(p.tokens) for p in prefixes]))
+
+
+def packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
+                  first: list[int], width: int | None = None) -> dict[str, torch.Tensor]:
+    """Token ids, positions and attention mask of ``rows`` packed in one sequence after a cache of
+    ``past`` shared tokens followed by (with ``context``) ``width`` tokens of packed prompts (default:
+    up to the last span's end): row i sees the shared tokens, the cached tokens ``past + context[i]``
+    (its prompt's own), and its own earlier tokens; its tokens stand at positions ``first[i]``,
+    ``first[i] + 1``... As tree attention packs candidate continuations in speculative decoding."""
+    device, dtype = devices.input_device(model), model.dtype
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+    offset = torch.arange(int(lengths.sum()), device=device) - starts[row_of]
+    own = (row_of[:, None] == row_of[None, :]) & (offset[None, :] <= offset[:, None])
+    parts = [torch.ones(len(row_of), past, dtype=torch.bool, device=device)]
+    if context:
+        span = torch.tensor(context, device=device)[row_of]  # [T, 2]
+        col = torch.arange(max(stop for _, stop in context) if width is None else width, device=device)
+        parts.append((col[None, :] >= span[:, :1]) & (col[None, :] < span[:, 1:]))
+    allowed = torch.cat([*parts, own], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    positions = torch.tensor(first, device=device)[row_of] + offset
+    return {"input_ids": torch.tensor([[t for r in rows for t in r]], device=device),
+            "attention_mask": mask[None, None], "position_ids": positions[None]}

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from mari_eval import devices, site
 from mari_eval.plan import BASE, VANILLA, ApplyEdits, Plan, VariantRun, no_edit
-from mari_eval.prefix_cache import Prefix, broadcast_cache, with_cache
+from mari_eval.prefix_cache import PackedPrompts, Prefix, broadcast_cache, packed_inputs, with_cache
 
-__all__ = ["BASE", "VANILLA", "Plan", "Untouched", "VariantRun", "forward_rows", "lower_states", "packable",
-           "score_untouched", "score_variants"]
+__all__ = ["BASE", "VANILLA", "Plan", "Question", "Untouched", "VariantRun", "forward_rows", "lower_states", "packable", "packed_lower_states",
+           "score_questions", "score_untouched", "score_variants"]
 
 
 def score_variants(
@@ -69,27 +69,61 @@ def score_variants(
        needed: MARI's closed gate answers with BASE, so its experts are never run and
        their log-likelihoods stay NaN.
     """
-    rows = _Rows(model, prefix, last_token, continuations, plan, max_tokens)
+    question = Question(last_token, continuations, lower, untouched, known)
+    return score_questions(model, PackedPrompts.of(prefix), [question], plan, max_tokens)[0]
+
+
+@dataclass
+class Question:
+    """One prompt's options to score (``score_questions``): p*'s token, the continuations, and
+    what ``score_variants`` may be given for them (``lower``, ``untouched``, ``known``)."""
+
+    last_token: int
+    continuations: Sequence[Sequence[int]]
+    lower: tuple[int, list[torch.Tensor]] | None = None
+    untouched: Untouched | None = None
+    known: Sequence[VariantRun] = ()
+
+
+def score_questions(model: torch.nn.Module, prompts: PackedPrompts, questions: Sequence[Question], plan: Plan,
+                    max_tokens: int = 1024) -> list[VariantRun]:
+    """``score_variants`` of several questions at once, question i after prompt i of ``prompts``:
+    each stage runs the rows of every question in the same packed passes (at most ``max_tokens``
+    row tokens each), so a GPU computes many questions' rows per pass. The same numbers as one
+    question at a time (to rounding: the passes are larger), and the same stages per question."""
+    if len(questions) > 1 and not packable(model, max(map(prompts.length, range(len(questions)))), 1):
+        raise ValueError("several questions are scored together only where their rows can be packed (runner.packable)")
+    rows = [_Rows(model, prompts, i, q.last_token, q.continuations, plan, max_tokens) for i, q in enumerate(questions)]
     variants = plan.variants
     base = [i for i, v in enumerate(variants) if v == BASE]
     probes = [i for i, v in enumerate(variants) if v != BASE and v in plan.site_only]
     answering = [i for i, v in enumerate(variants) if v != BASE and v not in plan.site_only]
-    keep_after = plan.edit_layer if lower is None and (probes or answering) and site.can_start_after(model) else None
-    if untouched is not None:
-        rows.take_untouched(base, untouched)
-        kept = untouched.below.get(keep_after)  # the frozen rows' states, whichever plan asked for them
-    else:
-        kept = rows.run(base, lower, () if keep_after is None else (keep_after,)).get(keep_after)
-    if kept is None and keep_after is not None and len(probes) + len(answering) > 1:
-        options = [[last_token] + list(c[:-1]) for c in continuations]  # no BASE rows to keep them from
-        if packable(model, len(prefix.tokens), max(map(len, options))):
-            kept = lower_states(model, prefix, options, keep_after)
-    if kept is not None:
-        lower = (keep_after, kept)
-    rows.run(rows.take_known(probes, known), lower)
-    if answering and (plan.screen is None or plan.screen(rows.result())):
-        rows.run(rows.take_known(answering, known), lower)
-    return rows.result()
+    keep_after = plan.edit_layer if (probes or answering) and site.can_start_after(model) else None
+    lower = [q.lower for q in questions]
+    wants = [keep_after if q.lower is None else None for q in questions]  # the layer whose states to keep, per question
+    kept: list[list[torch.Tensor] | None] = [None] * len(questions)
+    computed = []
+    for i, q in enumerate(questions):
+        if q.untouched is not None:
+            rows[i].take_untouched(base, q.untouched)
+            kept[i] = q.untouched.below.get(wants[i])  # the frozen rows' states, whichever plan asked for them
+        else:
+            computed.append(i)
+    keep = {i: (wants[i],) for i in computed if wants[i] is not None}
+    for i, below in _run(rows, {i: (base, questions[i].lower) for i in computed}, keep).items():
+        kept[i] = below.get(wants[i])
+    missing = [i for i in range(len(questions)) if kept[i] is None and wants[i] is not None]
+    if missing and len(probes) + len(answering) > 1:  # no BASE rows to keep them from
+        for i, states in _lower_states(model, prompts, rows, missing, keep_after).items():
+            kept[i] = states
+    for i in range(len(questions)):
+        if kept[i] is not None:
+            lower[i] = (keep_after, kept[i])
+    _run(rows, {i: (r.take_known(probes, questions[i].known), lower[i]) for i, r in enumerate(rows)})
+    if answering:
+        screened = [i for i, r in enumerate(rows) if plan.screen is None or plan.screen(r.result())]
+        _run(rows, {i: (rows[i].take_known(answering, questions[i].known), lower[i]) for i in screened})
+    return [r.result() for r in rows]
 
 
 @dataclass
@@ -115,54 +149,46 @@ def score_untouched(
     """The VANILLA run of the options, laid out as ``score_variants`` lays out BASE rows (so its
     numbers are the same), with the states at p* after ``capture`` and every row's states after
     ``keep``: what other plans' ``score_variants(untouched=...)`` read instead of recomputing."""
-    rows = _Rows(model, prefix, last_token, continuations, Plan(capture=tuple(capture)), max_tokens)
-    below = rows.run([0], None, tuple(keep))
-    return Untouched(rows.result(), below)
+    rows = [_Rows(model, PackedPrompts.of(prefix), 0, last_token, continuations, Plan(capture=tuple(capture)), max_tokens)]
+    below = _run(rows, {0: ([0], None)}, {0: tuple(keep)} if keep else {}).get(0, {})
+    return Untouched(rows[0].result(), below)
 
 
 class _Rows:
-    """One prompt's (variant, option) rows under ``plan``, scored in packed chunks; what every
-    row gave (its score, greedy flag, state at p*) is kept until ``result``."""
+    """One prompt's (variant, option) rows under ``plan``, prompt ``prompt`` of ``prompts``; what
+    every row gave (its score, greedy flag, state at p*) is kept until ``result``."""
 
-    def __init__(self, model: torch.nn.Module, prefix: Prefix, last_token: int,
+    def __init__(self, model: torch.nn.Module, prompts: PackedPrompts, prompt: int, last_token: int,
                  continuations: Sequence[Sequence[int]], plan: Plan, max_tokens: int):
-        self.model, self.prefix, self.last_token, self.plan = model, prefix, last_token, plan
+        self.model, self.prompts, self.prompt, self.last_token, self.plan = model, prompts, prompt, last_token, plan
         self.continuations, self.max_tokens = continuations, max_tokens
         self.device = devices.input_device(model)
         self.scores: dict[tuple[int, int], torch.Tensor] = {}
         self.flags: dict[tuple[int, int], bool] = {}
         self.states: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in plan.capture}
 
-    def run(self, of: list[int], lower: tuple[int, list[torch.Tensor]] | None,
-            keep: Sequence[int] = ()) -> dict[int, list[torch.Tensor]]:
-        """Score the rows of the variant indices ``of``; per layer of ``keep``, each option's states after it."""
-        variants, continuations, n_opt = self.plan.variants, self.continuations, len(self.continuations)
+    def layout(self, of: list[int]) -> list[tuple[int, int | None]]:
+        """(variant index, option or None for a row of p* alone) of each row of the variant indices ``of``."""
         layout: list[tuple[int, int | None]] = []
         for v_idx in of:
-            site_only = variants[v_idx] in self.plan.site_only
-            layout.extend([(v_idx, None)] if site_only else [(v_idx, m) for m in range(n_opt)])
-        size = lambda row: 1 + (len(continuations[row[1]]) - 1 if row[1] is not None else 0)
-        kept: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in keep}
-        for chunk in _chunks(layout, list(map(size, layout)), self.max_tokens):
-            rows = [[self.last_token] + (list(continuations[m][:-1]) if m is not None else []) for _, m in chunk]
-            variant_ids = torch.tensor([variants[v] for v, _ in chunk], device=self.device)
-            start = None
-            if lower is not None:
-                start = (lower[0], torch.cat([lower[1][m] if m is not None else lower[1][0][:1] for _, m in chunk]))
-            logits, seen, below = forward_rows(self.model, self.prefix, rows, variant_ids, self.plan.apply,
-                                               self.plan.capture, start, keep)
-            for j, (v, m) in enumerate(chunk):
-                for layer, h in seen.items():  # the state at p* is the same in all rows of a variant
-                    self.states[layer].setdefault(v, h[j])
-                if m is None:
-                    continue
-                for layer, states in below.items():
-                    kept[layer][m] = states[j]
-                target = torch.tensor(continuations[m], device=logits[j].device)
-                lp = F.log_softmax(logits[j].float(), dim=-1)
-                self.scores[v, m] = lp.gather(-1, target[:, None]).sum()
-                self.flags[v, m] = bool((lp.argmax(-1) == target).all())
-        return {layer: [by_m[m] for m in range(n_opt)] for layer, by_m in kept.items() if len(by_m) == n_opt}
+            site_only = self.plan.variants[v_idx] in self.plan.site_only
+            layout.extend([(v_idx, None)] if site_only else [(v_idx, m) for m in range(len(self.continuations))])
+        return layout
+
+    def tokens(self, m: int | None) -> list[int]:
+        """The row of option ``m``: p*'s token, then the option's tokens but its last."""
+        return [self.last_token] + (list(self.continuations[m][:-1]) if m is not None else [])
+
+    def take(self, v: int, m: int | None, logits: torch.Tensor, seen: dict[int, torch.Tensor]) -> None:
+        """What row (variant index ``v``, option ``m``) gave: its logits, its states at p* after the captured layers."""
+        for layer, h in seen.items():  # the state at p* is the same in all rows of a variant
+            self.states[layer].setdefault(v, h)
+        if m is None:
+            return
+        target = torch.tensor(self.continuations[m], device=logits.device)
+        lp = F.log_softmax(logits.float(), dim=-1)
+        self.scores[v, m] = lp.gather(-1, target[:, None]).sum()
+        self.flags[v, m] = bool((lp.argmax(-1) == target).all())
 
     def take_untouched(self, of: list[int], untouched: Untouched) -> None:
         """The BASE variant indices ``of`` answered from ``untouched`` rather than run."""
@@ -222,6 +248,43 @@ def _rows_of(by_variant: dict[int, torch.Tensor], n_var: int) -> torch.Tensor:
 
 
 
+def _run(rows: list[_Rows], asks: dict[int, tuple[list[int], tuple[int, list[torch.Tensor]] | None]],
+         keep: dict[int, tuple[int, ...]] | None = None) -> dict[int, dict[int, list[torch.Tensor]]]:
+    """Score, for each question i of ``asks``, the rows of its variant indices ``asks[i][0]`` (from
+    its states ``asks[i][1]`` after a layer, when given), in packed passes of at most ``max_tokens``
+    row tokens; per question of ``keep``, {layer: each option's states after that layer}."""
+    keep = keep or {}
+    items = [(i, v, m) for i, (of, _) in asks.items() for v, m in rows[i].layout(of)]
+    if not items:
+        return {}
+    first = rows[0]
+    model, prompts, plan = first.model, first.prompts, first.plan
+    layers = tuple(sorted({layer for wanted in keep.values() for layer in wanted}))
+    kept: dict[int, dict[int, dict[int, torch.Tensor]]] = {i: {layer: {} for layer in keep[i]} for i in keep}
+    size = lambda item: len(rows[item[0]].tokens(item[2]))
+    # Rows that start from kept states and rows that do not run in separate passes.
+    for starts in (True, False):
+        part = [item for item in items if (asks[item[0]][1] is not None) == starts]
+        for chunk in _chunks(part, list(map(size, part)), first.max_tokens):
+            tokens = [rows[i].tokens(m) for i, _, m in chunk]
+            variant_ids = torch.tensor([plan.variants[v] for _, v, _ in chunk], device=first.device)
+            start = None
+            if starts:
+                lower = [asks[i][1] for i, _, _ in chunk]
+                start = (lower[0][0], torch.cat([low[1][m] if m is not None else low[1][0][:1]
+                                                 for low, (_, _, m) in zip(lower, chunk)]))
+            logits, seen, below = forward_rows(model, prompts, [i for i, _, _ in chunk], tokens, variant_ids,
+                                               plan.apply, plan.capture, start, layers)
+            for j, (i, v, m) in enumerate(chunk):
+                rows[i].take(v, m, logits[j], {layer: h[j] for layer, h in seen.items()})
+                if m is not None and i in kept:
+                    for layer in kept[i]:
+                        kept[i][layer][m] = below[layer][j]
+    n = {i: len(rows[i].continuations) for i in kept}
+    return {i: {layer: [by_m[m] for m in range(n[i])] for layer, by_m in by_layer.items() if len(by_m) == n[i]}
+            for i, by_layer in kept.items()}
+
+
 def _chunks(items: list, sizes: list[int], max_tokens: int) -> list[list]:
     out, current, total = [], [], 0
     for item, size in zip(items, sizes):
@@ -235,7 +298,8 @@ def _chunks(items: list, sizes: list[int], max_tokens: int) -> list[list]:
 
 def forward_rows(
     model: torch.nn.Module,
-    prefix: Prefix,
+    prompts: PackedPrompts,
+    row_prompt: list[int],
     rows: list[list[int]],
     variant_ids: torch.Tensor,
     apply: ApplyEdits,
@@ -243,23 +307,26 @@ def forward_rows(
     start: tuple[int, torch.Tensor] | None = None,
     keep: Sequence[int] = (),
 ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
-    """Logits of every row (each after ``prefix``), hidden states at each row's first token,
-    and, per layer of ``keep`` (packed path only, else none), every row's states after that layer.
+    """Logits of every row (row j after prompt ``row_prompt[j]`` of ``prompts``), hidden states at
+    each row's first token, and, per layer of ``keep`` (packed path only, else none), every row's
+    states after that layer.
 
     ``start = (layer, states [sum of row lengths, d])`` runs only the layers above
     ``layer`` (packed path of supported families; otherwise everything is recomputed).
 
-    The rows are packed into one sequence whose attention mask lets each row see the
-    prefix and its own earlier tokens only (as tree attention does in speculative
-    decoding), so the prefix cache is read once instead of being copied per row. Models
-    with sliding-window layers whose window the rows would cross fall back to a padded
-    batch over a broadcast cache. Both give the same numbers as running every row alone.
+    The rows are packed into one sequence whose attention mask lets each row see its prompt
+    and its own earlier tokens only (as tree attention does in speculative decoding), so the
+    prompts' cache is read once instead of being copied per row. Models with sliding-window
+    layers whose window the rows would cross fall back to a padded batch over a broadcast
+    cache (one prompt only). Both give the same numbers as running every row alone.
     """
     if bool((variant_ids == BASE).all()):  # nothing to edit: no hook at all, as in a vanilla run
         apply = no_edit
-    if packable(model, len(prefix.tokens), max(map(len, rows))):
-        return _forward_packed(model, prefix, rows, variant_ids, apply, capture, start, keep)
-    return (*_forward_batched(model, prefix, rows, variant_ids, apply, capture), {})
+    if packable(model, max(map(prompts.length, set(row_prompt))), max(map(len, rows))):
+        return _forward_packed(model, prompts, row_prompt, rows, variant_ids, apply, capture, start, keep)
+    if prompts.own_width:
+        raise ValueError("rows after several prompts run packed only (runner.packable)")
+    return (*_forward_batched(model, prompts.cache, rows, variant_ids, apply, capture), {})
 
 
 def packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
@@ -271,20 +338,13 @@ def packable(model: torch.nn.Module, prefix_len: int, longest_row: int) -> bool:
     return not (sliding and window) or prefix_len + longest_row <= window
 
 
-def _packing(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]]) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Token ids, position ids and attention mask of ``rows`` packed into one sequence after ``prefix``."""
-    device, dtype = devices.input_device(model), model.dtype
-    past = len(prefix.tokens)
-    lengths = torch.tensor([len(r) for r in rows], device=device)
-    starts = torch.cumsum(lengths, 0) - lengths
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    offset = torch.arange(int(lengths.sum()), device=device) - starts[row_of]
-    allowed = (row_of[:, None] == row_of[None, :]) & (offset[None, :] <= offset[:, None])
-    allowed = torch.cat([torch.ones(len(row_of), past, dtype=torch.bool, device=device), allowed], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    ids = torch.tensor([[t for r in rows for t in r]], device=device)
-    inputs = dict(input_ids=ids, attention_mask=mask[None, None], position_ids=(past + offset)[None])
-    return inputs, starts, lengths
+def _packing(model: torch.nn.Module, prompts: PackedPrompts, row_prompt: list[int],
+             rows: list[list[int]]) -> tuple[dict, torch.Tensor]:
+    """Token ids, position ids and attention mask of ``rows`` packed into one sequence after their
+    prompts, and each row's lengths."""
+    inputs = packed_inputs(model, prompts.shared, rows, [prompts.spans[q] for q in row_prompt],
+                           [prompts.length(q) for q in row_prompt], width=prompts.own_width)
+    return inputs, torch.tensor([len(r) for r in rows], device=inputs["input_ids"].device)
 
 
 def _all_positions(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,20 +356,42 @@ def _all_positions(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def lower_states(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], layer: int) -> list[torch.Tensor]:
     """The frozen model's states after ``layer`` for every token of every row (one [len, d] per row)."""
-    inputs, starts, lengths = _packing(model, prefix, rows)
-    everywhere = _all_positions(inputs)
-    cache = broadcast_cache(prefix.cache, 1)
-    states = site.states_after(model, layer, everywhere, **with_cache(model, cache), use_cache=cache is not None, **inputs)
-    return [states[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+    return packed_lower_states(model, PackedPrompts.of(prefix), [0] * len(rows), rows, layer)
 
 
-def _forward_packed(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,
-                    apply: ApplyEdits, capture: Sequence[int], start: tuple[int, torch.Tensor] | None = None,
+def packed_lower_states(model: torch.nn.Module, prompts: PackedPrompts, row_prompt: list[int], rows: list[list[int]],
+                         layer: int) -> list[torch.Tensor]:
+    """``lower_states`` of rows after several prompts: row j after prompt ``row_prompt[j]`` of ``prompts``."""
+    inputs, lengths = _packing(model, prompts, row_prompt, rows)
+    cache = broadcast_cache(prompts.cache, 1)
+    states = site.states_after(model, layer, _all_positions(inputs), **with_cache(model, cache),
+                               use_cache=cache is not None, **inputs)
+    return list(torch.split(states, lengths.tolist()))
+
+
+def _lower_states(model: torch.nn.Module, prompts: PackedPrompts, rows: list[_Rows], which: list[int],
+                  layer: int) -> dict[int, list[torch.Tensor]]:
+    """The frozen model's states after ``layer`` of every option row of the questions ``which``
+    (those whose rows can be packed), in passes of at most ``max_tokens`` row tokens."""
+    items = [(i, m) for i in which for m in range(len(rows[i].continuations))
+             if packable(model, prompts.length(i), max(map(len, rows[i].continuations)))]
+    got: dict[int, dict[int, torch.Tensor]] = {}
+    for chunk in _chunks(items, [len(rows[i].tokens(m)) for i, m in items], rows[0].max_tokens):
+        states = packed_lower_states(model, prompts, [i for i, _ in chunk], [rows[i].tokens(m) for i, m in chunk], layer)
+        for (i, m), h in zip(chunk, states):
+            got.setdefault(i, {})[m] = h
+    return {i: [by_m[m] for m in range(len(by_m))] for i, by_m in got.items()}
+
+
+def _forward_packed(model: torch.nn.Module, prompts: PackedPrompts, row_prompt: list[int], rows: list[list[int]],
+                    variant_ids: torch.Tensor, apply: ApplyEdits, capture: Sequence[int],
+                    start: tuple[int, torch.Tensor] | None = None,
                     keep: Sequence[int] = ()) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
-    inputs, starts, lengths = _packing(model, prefix, rows)
+    inputs, lengths = _packing(model, prompts, row_prompt, rows)
+    starts = torch.cumsum(lengths, 0) - lengths
     sites = (torch.zeros_like(starts), starts)
     everywhere = _all_positions(inputs)
-    cache = broadcast_cache(prefix.cache, 1)
+    cache = broadcast_cache(prompts.cache, 1)
     skip = contextlib.nullcontext()
     if start is not None and site.can_start_after(model):
         skip = site.start_after(model, start[0], start[1][None])
@@ -322,14 +404,14 @@ def _forward_packed(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]
     return split(logits), dict(seen), {layer: split(states) for layer, states in below.items()}
 
 
-def _forward_batched(model: torch.nn.Module, prefix: Prefix, rows: list[list[int]], variant_ids: torch.Tensor,
+def _forward_batched(model: torch.nn.Module, prefix_cache, rows: list[list[int]], variant_ids: torch.Tensor,
                      apply: ApplyEdits, capture: Sequence[int]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     device = devices.input_device(model)
     width = max(map(len, rows))
     # Right padding needs no mask: pads come after every scored position.
     ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
     at_p_star = torch.zeros(len(rows), dtype=torch.long, device=device)
-    cache = broadcast_cache(prefix.cache, len(rows))
+    cache = broadcast_cache(prefix_cache, len(rows))
     with apply(variant_ids, at_p_star), site.capture_site(model, capture, at_p_star) as seen:
         logits = model(input_ids=ids, **with_cache(model, cache), use_cache=cache is not None).logits
     return [logits[j, : len(r)] for j, r in enumerate(rows)], dict(seen)

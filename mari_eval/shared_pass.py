@@ -56,7 +56,8 @@ import torch
 
 from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan, VariantRun
-from mari_eval.prefix_cache import MIN_SHARED, Prefix, PrefixCache, common_prefix, encode_prefix, truncated
+from mari_eval.prefix_cache import (MIN_SHARED, Prefix, PrefixCache, common_prefix, encode_prefix, encode_prompts,
+                                   join_prompts, truncated)
 
 if TYPE_CHECKING:
     from mari_eval.methods import Intervention
@@ -79,6 +80,24 @@ class OwnRuns:
         else:
             prefix = self.prefixes.encode(context[:-1])
         return runner.score_variants(self.model, prefix, context[-1], continuations, self.plan, self.max_tokens)
+
+    def run_many(self, questions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[VariantRun]:
+        """``run`` of several (context, continuations) in the same passes (``runner.score_questions``):
+        their prompts' own tokens packed after the preamble they share, then each stage's rows of
+        all of them together. One alone, or a model whose rows cannot be packed, runs as ``run``."""
+        contexts = [context for context, _ in questions]
+        packed = None
+        if len(questions) > 1 and runner.packable(self.model, max(map(len, contexts)), 1):
+            if any(self.plan.prompt_sites(len(context)) for context in contexts):  # edited prompts (ReFT): each its own, then joined
+                packed = join_prompts([self.edited.encode(context) for context in contexts])
+            else:
+                prompts = [tuple(context[:-1]) for context in contexts]
+                packed = encode_prompts(self.model, self.prefixes.encode(common_prefix(prompts)), prompts)
+        if packed is None:
+            return [self.run(context, continuations) for context, continuations in questions]
+        return runner.score_questions(self.model, packed, [runner.Question(context[-1], continuations)
+                                                           for context, continuations in questions],
+                                      self.plan, self.max_tokens)
 
 
 class EditedPrefix:
@@ -127,6 +146,11 @@ class Member:
 
     def run(self, context: Sequence[int], continuations: Sequence[Sequence[int]]) -> VariantRun:
         return self.shared.run(self, context, continuations)
+
+    def run_many(self, questions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> list[VariantRun]:
+        """One question at a time: the shared pass shares the frozen model's work across methods
+        instead of across questions (``batch_size`` still batches generation)."""
+        return [self.run(context, continuations) for context, continuations in questions]
 
 
 class SharedPass:

@@ -17,7 +17,6 @@ The same for every method:
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import platform
 import time
@@ -30,7 +29,7 @@ from mari_eval import data, devices, memory, runner, site
 from mari_eval.devices import Placement
 from mari_eval.files import writing_alone
 from mari_eval.plan import Plan, VariantEdit, VariantRun
-from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, joined, own_part,
+from mari_eval.prefix_cache import (Prefix, broadcast_cache, common_prefix, encode_prefix, encode_prompts, joined, own_part,
                                    with_cache)
 from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 # The examples and their rendering live in mari_eval.examples; these names are read as train.X too.
@@ -152,36 +151,25 @@ class Session:
 
     def _encode_packed(self, batch: list[Example], shared: Prefix, plan: memory.Plan, lower: bool) -> bool:
         """``_encode_one`` for several examples in two packed passes: their own prompt tokens after the
-        preamble in one pass through the model, then all their option rows in one pass up to l*. Each
-        token sees the preamble, its own example's prompt and its own row's earlier tokens only (as the
-        runner packs one prompt's rows), at its own positions: the same caches and states as one
+        preamble in one pass through the model (``prefix_cache.encode_prompts``), then all their option
+        rows in one pass up to l* (``runner.packed_lower_states``): the same caches and states as one
         example at a time, in a few large matrix products instead of many small ones. False (nothing
         done) when the pass left a layer that does not hold every token (a sliding window)."""
-        P, model = len(shared.tokens), self.model
-        owns = [list(ex.context[P:-1]) for ex in batch]
-        spans = _spans(list(map(len, owns)))
-        cache = broadcast_cache(shared.cache, 1)
-        if spans[-1][1]:  # some example has prompt tokens of its own
-            inputs = packed_inputs(model, P, [o for o in owns if o], [], [P] * sum(map(bool, owns)))
-            cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
-            if not _full_attention_only(Prefix((), cache)):
-                return False
-        for ex, own, (a, b) in zip(batch, owns, spans):
+        packed = encode_prompts(self.model, shared, [ex.context[:-1] for ex in batch])
+        if packed is None:
+            return False
+        P = packed.shared
+        for ex, (a, b) in zip(batch, packed.spans):
             ex.shared, ex.own, ex.lower, ex.hidden = shared, None, None, None
-            if own and plan.keep_caches:
-                ex.own = Prefix(tuple(ex.context[:-1]), _cache_slice(cache, P + a, P + b))
+            if b > a and plan.keep_caches:
+                ex.own = Prefix(tuple(ex.context[:-1]), _cache_slice(packed.cache, P + a, P + b))
         if not lower:
             return True
         rows = [[ex.context[-1]] + option[:-1] for ex in batch for option in ex.options]
-        row_spans = [span for ex, span in zip(batch, spans) for _ in ex.options]
-        inputs = packed_inputs(model, P, rows, row_spans, [len(ex.context) - 1 for ex in batch for _ in ex.options])
-        length = inputs["input_ids"].shape[1]
-        everywhere = (torch.zeros(length, dtype=torch.long, device=self.device), torch.arange(length, device=self.device))
-        states = site.states_after(model, self.layer, everywhere, **with_cache(model, broadcast_cache(cache, 1)),
-                                   use_cache=cache is not None, **inputs)
-        by_row = iter(states.split([len(r) for r in rows]))
+        states = iter(runner.packed_lower_states(self.model, packed, [i for i, ex in enumerate(batch) for _ in ex.options],
+                                                 rows, self.layer))
         for ex in batch:
-            ex_states = [next(by_row) for _ in ex.options]
+            ex_states = [next(states) for _ in ex.options]
             ex.lower = ex_states if plan.keep_lower else None
             ex.hidden = ex_states[0][0] if plan.keep_lower else ex_states[0][0].clone()
         return True
@@ -252,36 +240,6 @@ def _example_batches(examples: list[Example], shared: int, max_tokens: int) -> l
             batches.append([ex])
             own, rows = n, m
     return batches
-
-
-def _spans(lengths: list[int]) -> list[tuple[int, int]]:
-    """(start, stop) of consecutive pieces of the given lengths."""
-    return [(stop - n, stop) for stop, n in zip(itertools.accumulate(lengths), lengths)]
-
-
-def packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
-                   first: list[int]) -> dict[str, torch.Tensor]:
-    """Token ids, positions and attention mask of ``rows`` packed in one sequence after a cache of
-    ``past`` shared tokens followed by (with ``context``) packed prompts: row i sees the shared tokens,
-    the cached tokens ``past + context[i]`` (its example's own prompt), and its own earlier tokens;
-    its tokens stand at positions ``first[i]``, ``first[i] + 1``... (``runner``'s packing, for rows
-    of several prompts; ReFT's published fit packs a batch's prompts with it)."""
-    device, dtype = devices.input_device(model), model.dtype
-    lengths = torch.tensor([len(r) for r in rows], device=device)
-    starts = torch.cumsum(lengths, 0) - lengths
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    offset = torch.arange(int(lengths.sum()), device=device) - starts[row_of]
-    own = (row_of[:, None] == row_of[None, :]) & (offset[None, :] <= offset[:, None])
-    parts = [torch.ones(len(row_of), past, dtype=torch.bool, device=device)]
-    if context:
-        span = torch.tensor(context, device=device)[row_of]  # [T, 2]
-        col = torch.arange(int(span[:, 1].max()) if len(span) else 0, device=device)
-        parts.append((col[None, :] >= span[:, :1]) & (col[None, :] < span[:, 1:]))
-    allowed = torch.cat([*parts, own], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    positions = torch.tensor(first, device=device)[row_of] + offset
-    return {"input_ids": torch.tensor([[t for r in rows for t in r]], device=device),
-            "attention_mask": mask[None, None], "position_ids": positions[None]}
 
 
 def _full_attention_only(prefix: Prefix) -> bool:
@@ -359,12 +317,14 @@ def checkpoint_dir(out: str | Path) -> Path:
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
           max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
           hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None,
-          placement: Placement | None = None, max_memory: str | int | None = None) -> Path:
+          placement: Placement | None = None, max_memory: str | int | None = None, lm=None) -> Path:
     """Fit ``method`` for ``attribute`` on ``model`` and save the bundle to ``out``.
 
     Training state is checkpointed after every epoch into ``checkpoints`` (default
     ``checkpoint_dir(out)``); a run killed before the bundle was saved resumes from the
-    last epoch when started again with the same arguments."""
+    last epoch when started again with the same arguments. ``lm``: an already loaded
+    ``MariLM`` to train through (``Session``'s; ``model`` then only names the model in
+    the bundle, and ``placement`` is not used)."""
     import hashlib
     import json
 
@@ -377,7 +337,7 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
         torch.manual_seed(seed)
         t0 = time.time()
         with devices.subnormals_flushed():  # speed only (see there)
-            session = Session(model, layer=layer, placement=placement, max_memory=max_memory)
+            session = Session(model, layer=layer, placement=placement, max_memory=max_memory, lm=lm)
             attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
             log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
             config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])

@@ -11,30 +11,18 @@ import copy
 
 import pytest
 import torch
-import transformers
 from lm_eval.api.instance import Instance
 
 from mari_eval.lm import MariLM
 from mari_eval.shared_pass import SharedPass
 
 from .test_shared_pass import QUESTIONS, tiny_bundles
+from .tiny import byte_llama, byte_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 METHODS = [("vanilla", {}), ("caa", {}), ("iti", {}), ("mari", {}), ("mari", {"gate": "false"}), ("reft", {})]
 PREAMBLE = "Q: Which planet is closest to the sun?\nA: Mercury.\n\nQ: How many days are in a week?\nA: Seven.\n\n"
-
-
-def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """One token per byte (GPT-2's byte alphabet, no merges) and an end-of-text token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +33,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     """Float32, on the GPU."""
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                                      eos_token_id=len(tokenizer) - 1, pad_token_id=len(tokenizer) - 1)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval().to("cuda")
+    return byte_llama(tokenizer).to("cuda")
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +101,14 @@ def test_every_method_scores_and_generates_in_bf16_on_cuda(model, bf16_model, to
         assert abs(a - b) <= 0.1 + 0.03 * abs(a)  # tests/test_scale.py's bf16 tolerance
     answers = bf16.generate_until(_generations())
     assert len(answers) == len(QUESTIONS) and all(isinstance(a, str) for a in answers)
+
+
+@pytest.mark.parametrize("name, options", METHODS)
+def test_batched_scoring_on_cuda_equals_one_question_at_a_time(model, tokenizer, bundles, name, options):
+    """lm-eval's batch_size (several questions per pass, mari_eval.batching) in float32 on the GPU."""
+    alone = _scores(_lm(model, tokenizer, bundles.get(name), batch_size=1, **options))
+    for size in (4, "auto"):
+        assert _worst(alone, _scores(_lm(model, tokenizer, bundles.get(name), batch_size=size, **options))) <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["vanilla", "caa", "mari", "reft"])

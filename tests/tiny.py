@@ -35,3 +35,26 @@ def reloaded(bundle, directory):
     loaded = methods.load_bundle(directory)
     assert type(loaded) is type(bundle) and loaded.fingerprint() == bundle.fingerprint()
     return loaded
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """One token per byte (GPT-2's byte alphabet, no merges) and an end-of-text token: built in
+    memory, so tests of the lm-eval class need no embedded model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+
+
+def byte_llama(tokenizer, layers: int = 8, hidden: int = 256):
+    """A random Llama (GQA) over ``tokenizer``'s vocabulary, float32, on the CPU."""
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                      max_position_embeddings=1024, eos_token_id=len(tokenizer) - 1,
+                                      pad_token_id=len(tokenizer) - 1)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -1,0 +1,130 @@
+"""lm-eval's ``batch_size`` on ``--model mari``: several questions per forward pass score as one at a time.
+
+A random Llama (GQA, 4 layers) over a byte tokenizer, float32 on the CPU; tests/test_cuda.py
+runs the same comparison on a GPU in bf16 and float32. Questions with and without a shared
+few-shot preamble, repeated prompts (TruthfulQA's mc1 and mc2 of a doc) and options of
+different counts and lengths, so batches hold prompts of several shapes.
+"""
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from mari_eval import batching
+from mari_eval.lm import MariLM
+
+from .test_baselines import _iti
+from .test_shared_pass import PREAMBLE, QUESTIONS, tiny_bundles
+from .tiny import byte_llama, byte_tokenizer
+
+# (name, MariLM keyword arguments): every method, MARI with its gate and without
+METHODS = [("vanilla", {}), ("caa", {}), ("iti", {}), ("nl_iti", {}), ("mari", {}), ("mari", {"gate": "false"}),
+           ("reft", {})]
+MORE = [("Name a primary colour.", [" Red.", " Pink."], [" Red.", " Blue.", " Pink.", " Grey."]),
+        ("What do bees make?", [" Honey.", " Milk."], [" Honey.", " Silk."])]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return byte_llama(tokenizer, layers=4, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def bundles(model, tmp_path_factory):
+    from baselines import iti
+
+    root = tmp_path_factory.mktemp("bundles")
+    made = tiny_bundles(model, root)
+    made["nl_iti"] = str(_iti(model, heads=((2, 1), (3, 2)), alpha=5.0, cls=iti.NLITI).save(root / "nl_iti"))
+    return made
+
+
+def _requests() -> list[Instance]:
+    """Every question with the preamble (mc1 and mc2), and the MORE ones without it."""
+    out = []
+    for doc_id, (question, mc1, mc2) in enumerate(QUESTIONS + MORE):
+        prompt = f"{PREAMBLE if doc_id < len(QUESTIONS) else ''}Q: {question}\nA:"
+        doc = {"mc1_targets": {"choices": mc1, "labels": [1] + [0] * (len(mc1) - 1)},
+               "mc2_targets": {"choices": mc2, "labels": [1] + [0] * (len(mc2) - 1)}}
+        for task, options in (("truthfulqa_mc1", mc1), ("truthfulqa_mc2", mc2)):
+            out += [Instance("loglikelihood", doc, (prompt, option), i, metadata=(task, doc_id, 1))
+                    for i, option in enumerate(options)]
+    return out
+
+
+def _lm(model, tokenizer, bundle, batch_size, **options) -> MariLM:
+    return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
+                  allow_other_model=True if bundle else None, batch_size=batch_size, **options)
+
+
+def _forward_passes(model, lm) -> tuple[list, int]:
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        answers = lm.loglikelihood(_requests())
+    finally:
+        handle.remove()
+    return answers, len(calls)
+
+
+@pytest.mark.parametrize("name, options", METHODS)
+@pytest.mark.parametrize("batch_size", [6, "auto"])
+def test_batched_scoring_equals_one_question_at_a_time(model, tokenizer, bundles, name, options, batch_size):
+    alone_lm, batched_lm = (_lm(model, tokenizer, bundles.get(name), size, **options) for size in (1, batch_size))
+    alone, alone_passes = _forward_passes(model, alone_lm)
+    batched, batched_passes = _forward_passes(model, batched_lm)
+    assert max(abs(a - b) for (a, _), (b, _) in zip(alone, batched)) <= 1e-4
+    assert [g for _, g in alone] == [g for _, g in batched]
+    assert batched_passes < alone_passes  # the batch size was not ignored: questions shared passes
+    # the same choices (routing, gate), question by question; their figures (entropies, energies) to rounding
+    assert _close(batched_lm.records, alone_lm.records)
+
+
+def _close(a, b, tol: float = 1e-4) -> bool:
+    """Equal, numbers to ``tol``, at any depth of lists and dicts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) <= tol
+    return a == b
+
+
+def test_batches_keep_requests_and_tokens_within_their_limits():
+    preamble = list(range(100, 140))
+    prompts = [preamble + [i, i + 1] for i in range(6)] + [[7] * 50]
+    rows, requests = [4, 4, 4, 4, 4, 4, 3], [2, 2, 2, 2, 2, 2, 1]
+    by_requests = batching.question_batches(prompts, rows, requests, batching.Batching(5, 1000))
+    assert by_requests == [[0, 1], [2, 3], [4, 5, 6]]
+    # own tokens: beyond the prefix a batch shares (the preamble); the unrelated prompt shares none
+    by_tokens = batching.question_batches(prompts, rows, requests, batching.Batching(None, 60))
+    assert by_tokens == [[0, 1, 2, 3, 4, 5], [6]]
+    assert batching.question_batches(prompts, rows, requests, batching.Batching(1, 1024)) == [[i] for i in range(7)]
+    assert batching.question_batches([[1] * 5000], [9000], [3], batching.Batching(None, 100)) == [[0]]  # alone, over
+
+
+def test_batch_size_reads_lm_evals_values(model):
+    assert batching.Batching.of(1, 64, model).one_at_a_time
+    assert batching.Batching.of("8", 64, model).max_requests == 8
+    auto = batching.Batching.of("auto:4", 64, model)
+    assert auto.max_requests == 64 and auto.max_tokens == batching.CPU_TOKENS
+    with pytest.raises(ValueError, match="positive number of requests"):
+        batching.Batching.of(0, 64, model)
+
+
+def test_a_shared_preamble_is_computed_once_per_batch_sequence(model, tokenizer):
+    """Questions of one few-shot preamble, batched: the preamble's tokens go through the model once."""
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    try:
+        _lm(model, tokenizer, None, 4).loglikelihood([r for r in _requests() if r.doc_id < len(QUESTIONS)])
+    finally:
+        handle.remove()
+    preamble = len(tokenizer(PREAMBLE)["input_ids"])
+    assert len(seen) > 3 and sum(n >= preamble for n in seen) == 1  # several batches, one pass holding the preamble
