@@ -49,6 +49,7 @@ from pathlib import Path
 
 from mari_eval.files import check_writable_dir, write_results_json
 from repro.profiles import at_least, listed
+from repro.timing import gate_rate, sorry_prompt_ids, time_generation
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("mc", "gen")  # truthfulqa_mc2 log-likelihoods; SORRY-Bench generations
@@ -100,12 +101,6 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _gate_rate(lm) -> float | None:
-    """The fraction of prompts whose MARI gate opened in this process's runs (None for other entries)."""
-    summary = lm.diagnostics_summary() if hasattr(lm, "diagnostics_summary") else {}
-    return summary.get("gate_rate")
-
-
 def measure_mc(lm, limit: int | None, repeats: int) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -122,57 +117,12 @@ def measure_mc(lm, limit: int | None, repeats: int) -> dict:
         walls.append(time.perf_counter() - t)
         acc = out["results"]["truthfulqa_mc2"]["acc,none"]
     return {"wall_s": walls, "acc": acc, "questions": out["n-samples"]["truthfulqa_mc2"]["effective"],
-            "gate_rate": _gate_rate(lm)}
-
-
-class FirstTokenTimer:
-    """A transformers streamer that notes when the first answer token arrives (generate's first
-    ``put`` is the prompt; MARI's router streams the answer once its routing window is chosen)."""
-
-    def __init__(self):
-        self.start, self.first, self.puts = time.perf_counter(), None, 0
-
-    def put(self, value):
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self):
-        pass
+            "gate_rate": gate_rate(lm)}
 
 
 def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
-    import torch
-
-    from mari_eval import data
-
-    tok = lm.tokenizer
-    records = data.load_sorry_bench()[:prompts]
-    texts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False, add_generation_prompt=True)
-             for r in records]
-
-    def generate(ids, n):
-        """(first-token latency, total latency, tokens produced) of one greedy generation of n tokens."""
-        timer = FirstTokenTimer()
-        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), min_new_tokens=n, streamer=timer)
-        with torch.no_grad():
-            out = lm._model_generate(ids, ids.shape[1] + n, [], **kwargs)
-        return timer.first - timer.start, time.perf_counter() - timer.start, out.shape[1] - ids.shape[1]
-
-    encoded = [torch.tensor([tok(t, add_special_tokens=False).input_ids]) for t in texts]
-    generate(encoded[0], 4)  # warm-up
-    if hasattr(lm, "records"):
-        lm.records.clear()
-    first, total, rate = [], [], []
-    for _ in range(repeats):
-        for ids in encoded:
-            ftl, seconds, produced = generate(ids, tokens)
-            first.append(ftl)
-            total.append(seconds)
-            rate.append((produced - 1) / (seconds - ftl))  # decoding speed after the first token
-    return {"first_token_s": statistics.median(first), "total_s": statistics.median(total),
-            "tokens_per_s": statistics.median(rate), "prompts": len(encoded), "tokens": tokens,
-            "gate_rate": _gate_rate(lm)}
+    """The first ``prompts`` SORRY-Bench prompts, one at a time (``repro.timing``)."""
+    return time_generation(lm, sorry_prompt_ids(lm, prompts), tokens, repeats)
 
 
 def worker(args) -> None:

@@ -1,0 +1,119 @@
+"""repro/gpu_bench.py (issue 41) end to end on the CPU at the tiny shape, its renderer, and the shapes.
+
+The benchmark is meant for a GPU at the paper's shapes; here it runs every kind of step
+(training with the memory estimate, evaluations of hf and MariLM with and without bundles,
+generation with MARI's gate forced closed and open) on a 4-layer random model with tiny
+limits, and the renderer writes the tables and the goal table from what it measured.
+"""
+
+import json
+import math
+
+import pytest
+
+from repro import gpu_bench, gpu_bench_report, random_model
+
+# The published sizes (results/memory.md, counted from the same configurations with their own vocabularies).
+PUBLISHED = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "qwen2_5_14b": 14.77e9}
+TINY = {"max_train": 4, "max_ctrl": 1, "max_pca": 16, "methods": ["mari", "caa"], "tqa_limit": 2,
+        "mmlu_subjects": ["anatomy"], "mmlu_limit": 1, "tasks": ["truthfulqa_mc2", "mmlu"], "gen_prompts": 1,
+        "gen_tokens": 3, "max_batch_size": 2, "auto_entries": ["hf", "mari"], "batch_one_first": ["vanilla"],
+        "batch_one_late": ["caa"]}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shapes_build_the_published_sizes(name):
+    shape = random_model.load_shape(name)
+    assert "huggingface.co" in shape.source and shape.published_parameters == PUBLISHED[name]
+    assert abs(random_model.parameter_count(shape) / PUBLISHED[name] - 1) < 0.02
+
+
+def test_unknown_shape_is_refused():
+    with pytest.raises(ValueError, match="choose one of"):
+        random_model.load_shape("llama9_1t")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return random_model.tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _bench(tokenizer_dir, raw, *extra):
+    return gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--tokenizer", str(tokenizer_dir), "--raw", str(raw),
+                           "--settings", json.dumps(TINY), *extra])
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.needs_data
+def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
+    raw_path = tmp_path / "raw.json"
+    assert _bench(tokenizer_dir, raw_path) == 0
+    raw = json.loads(raw_path.read_text())
+    assert raw["complete"] and raw["model"]["name"] == "random-weights/tiny" and raw["model"]["dtype"] == "bfloat16"
+    assert raw["versions"]["torch"] and raw["shape"]["key"] == "tiny"
+    steps = {s["step"]: s for s in raw["steps"]}
+    assert [s for s in steps.values() if s["status"] != "done"] == []
+    assert {"train/mari", "train/caa", "warm/task_index", "warm/truthfulqa_mc2", "warm/mmlu",
+            "eval/truthfulqa_mc2/hf/bsauto", "eval/truthfulqa_mc2/mari/bsauto", "eval/truthfulqa_mc2/vanilla/bs1",
+            "eval/truthfulqa_mc2/caa/bs1", "eval/mmlu/hf/bsauto", "eval/mmlu/mari/bsauto", "gen/base",
+            "gen/mari_gate_closed", "gen/mari_gate_open"} == set(steps)
+    for name, step in steps.items():
+        assert _positive(step["step_s"]), name
+        if name.startswith(("train/", "eval/", "gen/")):
+            assert _positive(step["wall_s"]), name
+        if name.startswith("eval/"):
+            assert _positive(step["model_s"]) and step["model_s"] <= step["wall_s"], name
+            assert all(isinstance(v, float) for v in step["metrics"].values()), name
+    assert steps["eval/truthfulqa_mc2/hf/bsauto"]["batch_sizes_detected"]  # HFLM's auto search ran
+    (one,) = steps["eval/truthfulqa_mc2/vanilla/bs1"]["mari_batches"]  # MariLM's batches are recorded
+    assert one["questions"] == one["batches"] == 2 and one["largest_batch_questions"] == 1
+    memory = steps["train/mari"]["memory"]
+    assert _positive(memory["held_estimate_bytes"]) and memory["estimate_bytes"] > memory["weights_bytes"] > 0
+    assert memory["peak_allocated_bytes"] is None  # GPU memory only
+    gates = {mode: steps[f"gen/{mode}"] for mode in ("base", "mari_gate_closed", "mari_gate_open")}
+    assert gates["mari_gate_closed"]["gate_rate"] == 0.0 and gates["mari_gate_open"]["gate_rate"] == 1.0
+    for gen in gates.values():
+        assert gen["tokens_produced"] == [3] and _positive(gen["first_token_s"]) and _positive(gen["tokens_per_s"])
+
+    out = tmp_path / "results"
+    assert gpu_bench.main(["--render", str(raw_path), "--out", str(out)]) == 0
+    rendered = json.loads((out / "gpu_bench.json").read_text(), parse_constant=pytest.fail)  # strict JSON
+    goals = {g["goal"]: g for g in rendered["derived"]["goals"]}
+    assert len(goals) == 6 and goals["vanilla (MariLM, no bundle) wall time vs hf"]["reached"] in ("yes", "no")
+    assert goals["MARI training: peak GPU memory / estimate"]["reached"] == "not measured"
+    first = next(g for g in rendered["derived"]["generation"] if g["mode"] == "mari_gate_open")
+    assert first["first_token_s_paper_x_base"] == pytest.approx(43.53 / 22.12)  # Table 4's MARI / Base Model
+    md = (out / "gpu_bench.md").read_text()
+    for heading in ("## Goals", "## Evaluation wall time", "## Training", "## MARI training memory", "## Generation"):
+        assert heading in md
+    assert "Issue 41's goals are set for the 7B shape" in md
+
+
+@pytest.mark.needs_data
+def test_steps_past_the_deadline_are_skipped_and_still_render(tokenizer_dir, tmp_path):
+    raw_path = tmp_path / "raw.json"
+    assert _bench(tokenizer_dir, raw_path, "--deadline-s", "0") == 0
+    raw = json.loads(raw_path.read_text())
+    assert raw["complete"] and raw["steps"]
+    assert all(s["status"] == "skipped" and s["reason"] in ("deadline 0 s", "no mari bundle", "no caa bundle")
+               for s in raw["steps"])
+    derived = gpu_bench_report.derive(raw)
+    assert {g["reached"] for g in derived["goals"]} == {"not measured"}
+    assert "## Steps not done" in gpu_bench_report.markdown(raw, derived)
+
+
+def test_runs_merge_into_one_record_with_each_step_counted_once():
+    step = lambda name, status, **rest: {"step": name, "status": status, **rest}
+    run = lambda steps: {"command": "c", "started": "t", "device": "NVIDIA H200", "steps": steps}
+    first = run([step("eval/a/hf/bsauto", "done"), step("eval/b/hf/bsauto", "skipped", reason="deadline"),
+                 step("eval/c/hf/bsauto", "skipped", reason="deadline 1")])
+    second = run([step("eval/b/hf/bsauto", "done"), step("eval/c/hf/bsauto", "skipped", reason="deadline 2")])
+    merged = gpu_bench_report.merge([first, second])
+    assert [(s["run"], s["step"], s["status"]) for s in merged["steps"]] == [
+        (1, "eval/a/hf/bsauto", "done"), (2, "eval/b/hf/bsauto", "done"), (2, "eval/c/hf/bsauto", "skipped")]
+    assert [r["run"] for r in merged["runs"]] == [1, 2]
+    with pytest.raises(ValueError, match="different devices"):
+        gpu_bench_report.merge([first, {**second, "device": "NVIDIA H100"}])
