@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from mari_eval import devices
+from mari_eval.prefix_cache import common_prefix
 
 ONE_AT_A_TIME_TOKENS = 1024  # row tokens per pass when questions go one at a time (the runner's default)
 MAX_TOKENS = 8192  # row tokens per pass at most: the packed mask grows with their square
@@ -82,7 +83,7 @@ def question_batches(prompts: Sequence[Sequence[int]], rows: Sequence[int], requ
     for i, prompt in enumerate(prompts):
         if batches and not batching.one_at_a_time:
             batch = batches[-1]
-            common = min(shared, _common_length(prompts[batch[0]], prompt))
+            common = min(shared, len(common_prefix([prompts[batch[0]], prompt])))
             own = sum(len(prompts[j]) - common for j in batch) + len(prompt) - common
             fits = batching.max_requests is None or n_requests + requests[i] <= batching.max_requests
             if fits and n_rows + rows[i] <= batching.max_tokens and own <= batching.max_tokens:
@@ -93,7 +94,3 @@ def question_batches(prompts: Sequence[Sequence[int]], rows: Sequence[int], requ
         shared, n_requests, n_rows = len(prompt), requests[i], rows[i]
     return batches
 
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

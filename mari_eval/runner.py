@@ -93,7 +93,7 @@ def score_questions(model: torch.nn.Module, prompts: PackedPrompts, questions: S
     question at a time (to rounding: the passes are larger), and the same stages per question."""
     if len(questions) > 1 and not packable(model, max(map(prompts.length, range(len(questions)))), 1):
         raise ValueError("several questions are scored together only where their rows can be packed (runner.packable)")
-    rows = [_Rows(model, prompts, i, q.last_token, q.continuations, plan, max_tokens) for i, q in enumerate(questions)]
+    rows = [_Rows(model, prompts, q.last_token, q.continuations, plan, max_tokens) for q in questions]
     variants = plan.variants
     base = [i for i, v in enumerate(variants) if v == BASE]
     probes = [i for i, v in enumerate(variants) if v != BASE and v in plan.site_only]
@@ -149,18 +149,18 @@ def score_untouched(
     """The VANILLA run of the options, laid out as ``score_variants`` lays out BASE rows (so its
     numbers are the same), with the states at p* after ``capture`` and every row's states after
     ``keep``: what other plans' ``score_variants(untouched=...)`` read instead of recomputing."""
-    rows = [_Rows(model, PackedPrompts.of(prefix), 0, last_token, continuations, Plan(capture=tuple(capture)), max_tokens)]
+    rows = [_Rows(model, PackedPrompts.of(prefix), last_token, continuations, Plan(capture=tuple(capture)), max_tokens)]
     below = _run(rows, {0: ([0], None)}, {0: tuple(keep)} if keep else {}).get(0, {})
     return Untouched(rows[0].result(), below)
 
 
 class _Rows:
-    """One prompt's (variant, option) rows under ``plan``, prompt ``prompt`` of ``prompts``; what
+    """One prompt's (variant, option) rows under ``plan`` (its place in ``prompts`` is its index in ``_run``'s list); what
     every row gave (its score, greedy flag, state at p*) is kept until ``result``."""
 
-    def __init__(self, model: torch.nn.Module, prompts: PackedPrompts, prompt: int, last_token: int,
+    def __init__(self, model: torch.nn.Module, prompts: PackedPrompts, last_token: int,
                  continuations: Sequence[Sequence[int]], plan: Plan, max_tokens: int):
-        self.model, self.prompts, self.prompt, self.last_token, self.plan = model, prompts, prompt, last_token, plan
+        self.model, self.prompts, self.last_token, self.plan = model, prompts, last_token, plan
         self.continuations, self.max_tokens = continuations, max_tokens
         self.device = devices.input_device(model)
         self.scores: dict[tuple[int, int], torch.Tensor] = {}
