@@ -50,17 +50,17 @@ are applied at l* alone, as before.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import random
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
-from mari_eval import runner, site
+from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
+from mari_eval import runner
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.epochs import EpochLoop
@@ -75,39 +75,6 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"rank": 4, "first": 5, "last": 5, "lr": 5e-3, "epochs": 3, "batch": 8}
 # Settings only the published recipe reads (``baselines.reft_published``); the adapted fit refuses them.
 PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm", "min_steps")
-
-
-def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Phi(h) = h + R^T (W h + b - R h), row-wise on [N, d]."""
-    return h + (h @ W.T + b - h @ R.T) @ R
-
-
-def orthonormal_rows(free: torch.Tensor) -> torch.Tensor:
-    """R with orthonormal rows spanning the row space of ``free`` ([r, d], r <= d; or [L, r, d], one R per layer)."""
-    return torch.linalg.qr(free.mT).Q.mT
-
-
-def first_and_last(length: int, first: int, last: int) -> list[int]:
-    """The first ``first`` and last ``last`` positions of a prompt of ``length`` tokens, p* excluded."""
-    p_star = length - 1
-    return sorted(({*range(min(first, p_star))} | {*range(max(0, length - last), p_star)}))
-
-
-def pyreft_positions(length: int, first: int, last: int) -> list[int]:
-    """``first_and_last`` with each count capped at half the prompt, as pyreft's
-    get_intervention_locations does (a 9-token prompt under f7+l7 edits 4 + 4 tokens)."""
-    return first_and_last(length, min(length // 2, first), min(length // 2, last))
-
-
-@contextlib.contextmanager
-def edits_at_layers(model: torch.nn.Module, layers: Sequence[int], edit_at: Callable[[int, torch.Tensor], torch.Tensor],
-                    positions: Positions) -> Iterator[None]:
-    """Forward passes inside edit the states after each of ``layers`` at ``positions``:
-    ``edit_at(i, h)`` is the edit of ``layers[i]`` (one ``site.edit_site`` per layer)."""
-    with contextlib.ExitStack() as stack:
-        for i, layer in enumerate(layers):
-            stack.enter_context(site.edit_site(model, layer, lambda h, i=i: edit_at(i, h), positions))
-        yield
 
 
 @register_method("reft")
@@ -217,7 +184,7 @@ class ReFT(Intervention):
             return record
 
         def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes after its last finished epoch (mari_eval.checkpoint)
-            order.setstate(_python_rng_state(state["order"]))
+            order.setstate(python_rng_state(state["order"]))
             best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
 
         history = loop.run(batches, loss, end_epoch, restored=restored, extra=lambda: best[2],
@@ -240,12 +207,6 @@ class ReFT(Intervention):
         from .reft_published import fit_published
 
         return fit_published(cls, session, data, config, hyperparameters, seed)
-
-
-def _python_rng_state(saved: list) -> tuple:
-    """random.Random.getstate() after a JSON round trip (lists back to tuples)."""
-    version, internal, gauss_next = saved
-    return version, tuple(internal), gauss_next
 
 
 def task_loss(session: Session, ex: Example, hp: dict[str, Any], params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
-from .reft_parameters import continuous_rows, distance_from_init, dropped, initial_parameters
+from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
+                     pyreft_positions, python_rng_state)
 from mari_eval import devices, runner
 from mari_eval.bundle_spec import check_hyperparameters
 from mari_eval.epochs import EpochLoop
@@ -54,9 +55,8 @@ from mari_eval.prefix_cache import Prefix, encode_prefix
 
 
 if TYPE_CHECKING:
+    from mari_eval.methods import Intervention
     from mari_eval.train import AttributeData, Example, Session
-
-    from .reft import ReFT
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ PUBLISHED = {"rank": 8, "first": 7, "last": 7, "lr": 9e-4, "epochs": 6, "batch":
 MIN_STEPS = 100
 
 
-def published_hyperparameters(cls: type[ReFT], given: dict[str, Any], num_layers: int) -> dict[str, Any]:
+def published_hyperparameters(cls: type[Intervention], given: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """``given`` (``mari-eval train`` flags and ``--set``) over the published settings, checked."""
     hp = {**PUBLISHED, "layers": list(range(num_layers)),
           **{k: v for k, v in given.items() if v is not None}, "recipe": "published"}
@@ -116,10 +116,8 @@ def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config: dict[str, Any],
-                  given: dict[str, Any], seed: int, min_steps: int | None = None) -> ReFT:
-    from .reft import _python_rng_state, edits_at_layers, loreft, pyreft_positions
-
+def fit_published(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],
+                  given: dict[str, Any], seed: int, min_steps: int | None = None) -> Intervention:
     hp = published_hyperparameters(cls, given, session.num_layers)
     # The least number of steps: --set min_steps=N (a profile's budget: the quick one's), else MIN_STEPS.
     min_steps = hp.pop("min_steps", None) or (MIN_STEPS if min_steps is None else min_steps)
@@ -182,7 +180,7 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
         value = surrogate - surrogate.detach() + total  # value: the loss; gradient: the clipped batch gradient
         return value, {"loss": total, "grad_norm": float(norm), "lr": lr}
 
-    def bundle() -> ReFT:
+    def bundle() -> Intervention:
         with torch.no_grad():
             tensors = {"R": continuous_rows(params["free"]).detach().cpu().contiguous(),
                        "W": params["W"].detach().cpu().contiguous(), "b": params["b"].detach().cpu().contiguous()}
@@ -198,7 +196,7 @@ def fit_published(cls: type[ReFT], session: Session, data: AttributeData, config
         return record
 
     def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:
-        order.setstate(_python_rng_state(state["order"]))
+        order.setstate(python_rng_state(state["order"]))
 
     initial_loss = evaluation_loss(session, bundle(), val_examples)  # before loop.run restores a checkpoint
     history = loop.run(batches, loss, end_epoch, restored=restored, state=lambda: {"order": order.getstate()})
@@ -381,7 +379,7 @@ def _extended(model: torch.nn.Module, head: Prefix, tokens: list[int], cols: lis
 
 
 @torch.no_grad()
-def evaluation_loss(session: Session, bundle: ReFT, examples: list[Example]) -> float:
+def evaluation_loss(session: Session, bundle: Intervention, examples: list[Example]) -> float:
     """Mean task loss (option cross-entropy, or target NLL) of ``examples`` under ``bundle`` as lm-eval
     applies it (``MariLM``: the prompt computed under its edits, then the options scored). The
     prompts' common head (``shared_length``) is computed once under the edit and extended for each

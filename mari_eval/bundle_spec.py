@@ -12,15 +12,24 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
-
 BUNDLE_JSON = "bundle.json"
 BUNDLE_WEIGHTS = "weights.safetensors"
+
+
+class DeclaresBundle(Protocol):
+    """What the checks read of a method's class (``mari_eval.methods.Intervention`` and its
+    subclasses): its name and the fields and tensors its bundles hold."""
+
+    method: ClassVar[str]
+    hyperparameter_fields: ClassVar[dict[str, "Field"]]
+    config_fields: ClassVar[dict[str, "Field"]]
+
+    @classmethod
+    def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, "TensorSpec"]]: ...
 
 
 class BundleError(ValueError):
@@ -161,7 +170,7 @@ def check_fields(obj: dict[str, Any], fields: dict[str, Field], path: str = "") 
         _check_value(obj[key], field, where)
 
 
-def check_hyperparameters(cls: type["Intervention"], hyperparameters: dict[str, Any], source: str,
+def check_hyperparameters(cls: type[DeclaresBundle], hyperparameters: dict[str, Any], source: str,
                           fields: dict[str, Field] | None = None) -> None:
     """``mari-eval train``'s hyperparameters checked before training against ``fields`` (default: what
     ``cls``'s bundle records), so that a value the bundle would be refused for fails now, not after training."""
@@ -182,13 +191,13 @@ class TensorSpec:
     optional: bool = False
 
 
-def bundle_fields(cls: type["Intervention"]) -> dict[str, Field]:
+def bundle_fields(cls: type[DeclaresBundle]) -> dict[str, Field]:
     required = any(not f.optional for f in cls.hyperparameter_fields.values())
     return {**COMMON_FIELDS, "hyperparameters": Obj(cls.hyperparameter_fields, optional=not required),
             **cls.config_fields}
 
 
-def check_bundle(cls: type["Intervention"], config: dict[str, Any], tensors: dict[str, torch.Tensor],
+def check_bundle(cls: type[DeclaresBundle], config: dict[str, Any], tensors: dict[str, torch.Tensor],
                  meta: str = BUNDLE_JSON, weights: str = BUNDLE_WEIGHTS) -> None:
     """Refuse (``BundleError``) a config or tensors that ``cls`` cannot run correctly: a field of
     the wrong type or out of range, a tensor missing, of another shape or dtype family than the
@@ -197,7 +206,7 @@ def check_bundle(cls: type["Intervention"], config: dict[str, Any], tensors: dic
     check_tensors(cls, config, tensors, meta, weights)
 
 
-def check_config(cls: type["Intervention"], config: dict[str, Any], meta: str = BUNDLE_JSON) -> None:
+def check_config(cls: type[DeclaresBundle], config: dict[str, Any], meta: str = BUNDLE_JSON) -> None:
     try:
         check_fields(config, bundle_fields(cls))
     except _Invalid as e:
@@ -205,7 +214,7 @@ def check_config(cls: type["Intervention"], config: dict[str, Any], meta: str = 
                           "it with `mari-eval train`") from None
 
 
-def check_tensors(cls: type["Intervention"], config: dict[str, Any], tensors: dict[str, torch.Tensor],
+def check_tensors(cls: type[DeclaresBundle], config: dict[str, Any], tensors: dict[str, torch.Tensor],
                   meta: str = BUNDLE_JSON, weights: str = BUNDLE_WEIGHTS) -> None:
     """The tensors against ``cls.tensor_spec(config)`` (``config`` already checked), then finiteness."""
     sizes, specs = cls.tensor_spec(config, set(tensors))

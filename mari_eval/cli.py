@@ -69,7 +69,7 @@ def _train(args: argparse.Namespace) -> int:
 def _judge(args: argparse.Namespace) -> int:
     import logging
 
-    from mari_eval.judge_samples import judge_file, print_result
+    from mari_eval.judge.samples import judge_file, print_result
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # not every HTTP request
     logging.getLogger("mari_eval").setLevel(logging.INFO)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -31,10 +31,25 @@ from mari_eval import data
 from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
 if TYPE_CHECKING:
+    from mari_eval.lm import MariLM
     from mari_eval.prefix_cache import Prefix
-    from mari_eval.train import Session
 
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry_bench": None}
+
+
+class Session(Protocol):
+    """What rendering examples needs of a training session (``mari_eval.train.Session``): the
+    ``MariLM`` that evaluates them, its tokenisation, and the frozen model's work on a set."""
+
+    lm: "MariLM"
+
+    def encode(self, context: str, continuations: Sequence[str]) -> tuple[list[int], list[list[int]]]: ...
+
+    def encode_generation(self, prompt: str, targets: Sequence[str]) -> tuple[list[int], list[list[int]]]: ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def prepare(self, examples: list["Example"], desc: str) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -333,8 +333,9 @@ class MariLM(HFLM):
         context, generation_kwargs["attention_mask"] = self._without_empty_rows(context, generation_kwargs.get("attention_mask"))
         from transformers import LogitsProcessorList
 
-        generation_kwargs["logits_processor"] = LogitsProcessorList(
-            [*generation_kwargs.get("logits_processor", []), checks.FiniteLogits(self, context, generation_kwargs["attention_mask"])])
+        mask = generation_kwargs["attention_mask"]
+        finite = checks.FiniteLogits(lambda i: self._prompt_text(context[i], mask[i]), len(context), self._generation_task)
+        generation_kwargs["logits_processor"] = LogitsProcessorList([*generation_kwargs.get("logits_processor", []), finite])
         added = context.shape[1] - width  # a column added for an all-empty batch, cut from the answer below
         return self._generate_nonempty(context, max_length + added, stop, **generation_kwargs)[:, added:]
 

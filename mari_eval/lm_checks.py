@@ -7,6 +7,7 @@ multiple-choice tasks, for the method's diagnostics (``Intervention.record_outco
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,6 @@ from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
 if TYPE_CHECKING:
-    from mari_eval.lm import MariLM
     from mari_eval.methods import Intervention
 
 
@@ -109,22 +109,23 @@ def refuse_nonfinite(run: VariantRun, record: dict, iv: "Intervention | None", w
 
 class FiniteLogits:
     """A logits processor for ``generate``: stops on NaN or +inf next-token scores (or a row of -inf
-    only), naming the prompt. (-inf for some tokens is a processor's masking, e.g. min_new_tokens.)"""
+    only), naming the task and the prompt (``prompt_text(i)``: prompt i's text, shortened) of the
+    ``n_prompts`` prompts. (-inf for some tokens is a processor's masking, e.g. min_new_tokens.)"""
 
-    def __init__(self, lm: "MariLM", context: torch.Tensor, attention_mask: torch.Tensor):
-        self.lm, self.context, self.mask = lm, context, attention_mask
+    def __init__(self, prompt_text: Callable[[int], str], n_prompts: int, task: str | None):
+        self.prompt_text, self.n_prompts, self.task = prompt_text, n_prompts, task
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         bad = scores.isnan().any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             # Routed generation runs several rows per prompt; then the batch is named by its first prompt.
-            which = row if len(scores) == len(self.context) else 0
-            prompt = self.lm._prompt_text(self.context[which], self.mask[which])
-            if len(scores) != len(self.context):
-                prompt = f"one of {len(self.context)} prompts, the first {prompt!r}"
+            which = row if len(scores) == self.n_prompts else 0
+            prompt = self.prompt_text(which)
+            if len(scores) != self.n_prompts:
+                prompt = f"one of {self.n_prompts} prompts, the first {prompt!r}"
             raise NonFiniteError(
-                f"non-finite next-token scores while generating (task {self.lm._generation_task}, prompt {prompt!r}); "
+                f"non-finite next-token scores while generating (task {self.task}, prompt {prompt!r}); "
                 "check the bundle (retrain it) and the model's dtype (float32 avoids overflow)")
         return scores
 

@@ -39,7 +39,7 @@ BUNDLE_FILES = (BUNDLE_JSON, BUNDLE_WEIGHTS, "repro_config.json")
 # "{baselines}" is the package of the checkout's baselines/ folder: mari_eval.baselines in an
 # installed wheel (pyproject.toml installs it there), baselines in an editable install.
 BUILTIN_METHODS = {
-    "mari": "mari_eval.mari:MARI",
+    "mari": "mari_eval.mari.method:MARI",
     "caa": "{baselines}.caa:CAA",
     "iti": "{baselines}.iti:ITI",
     "nl_iti": "{baselines}.iti:NLITI",

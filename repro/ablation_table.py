@@ -7,7 +7,7 @@ w/o Multi-Adapter (the single adapter trained beside the experts, gated with its
 threshold, ``experts=single``); EG-MARI (the full method, its gate calibrated on the
 ``loss`` applicability labels, the paper's text); and EG-MARI with tau_E recalibrated on the
 ``flip`` and ``source`` labels (``labels=``, no retraining; the paper is ambiguous about which
-examples are non-applicable: see mari_eval/gate_labels.py). Columns: every column of the
+examples are non-applicable: see mari_eval/mari/gate_labels.py). Columns: every column of the
 main table, MMLU and ARC under each attribute's bundle. Besides every row's difference from
 Vanilla, EG-MARI is compared with the single adapter on the same documents
 (``COMPARISONS``). The MARI bundles are the main table's (same cache under runs/), so running
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, scoring, tables
+from repro import cache, command_line, profiles, scoring, tables
 from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
 # The keyword rate needs no judge: the SORRY-Bench column a reader can use. MMLU and ARC also run
@@ -71,9 +71,9 @@ def paper_figures(model: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = profiles.start(__doc__, "ablation_table.py", argv)
+    args, profile, store, command = command_line.start(__doc__, "ablation_table.py", argv)
     started = time.time()
-    columns = profiles.select(COLUMNS, args.columns)
+    columns = command_line.select(COLUMNS, args.columns)
     cells = run(profile, store, columns)
     intro = ("Ours: mean ± std over seeds; n = test documents per cell. The paper ablates Llama-3-8B and "
              "Qwen2.5-14B/32B; its column is Llama-3-8B here: a different, far larger model.")

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, scoring, recipes, tables
+from repro import cache, command_line, profiles, recipes, scoring, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     def options(parser):
         parser.add_argument("--methods", default=",".join(recipes.BASELINES), help="a comma-separated subset of the baselines")
 
-    args, profile, store, command = profiles.start(__doc__, "baseline_recipes.py", argv, options)
-    methods = profiles.listed(args.methods, "--methods")
+    args, profile, store, command = command_line.start(__doc__, "baseline_recipes.py", argv, options)
+    methods = command_line.listed(args.methods, "--methods")
     unknown = sorted(set(methods) - set(recipes.BASELINES))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {','.join(recipes.BASELINES)}")

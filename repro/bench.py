@@ -48,7 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mari_eval.files import check_writable_dir, write_results_json
-from repro.profiles import at_least, listed
+from repro.command_line import at_least, listed
 from repro.timing import gate_rate, sorry_prompt_ids, time_generation
 
 REPO = Path(__file__).resolve().parents[1]

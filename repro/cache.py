@@ -28,13 +28,13 @@ from typing import Any
 
 from mari_eval.files import atomic_write_json
 from repro.documents import documents_disagree
+from repro import lm_eval_run
 from repro.profiles import Profile, describe
 
 # Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
 # evaluations stored before documents were kept (1), or before BBQ's carried their context (2), are
 # evaluated again.
 DOCUMENTS_VERSION = 2
-LM_EVAL_BOOTSTRAP = 1000  # lm-eval's bootstrap iterations for its stderr of non-mean metrics
 CONTROL_SET_METHODS = ("mari",)  # the methods whose training reads D_ctrl (mari_eval.train.AttributeData.ctrl)
 
 log = logging.getLogger("repro")
@@ -212,9 +212,7 @@ class Store:
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
                      f", {model_args}" if model_args else "", describe(self.placement))
-            from repro.scoring import evaluate
-
-            for task, result in evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
+            for task, result in lm_eval_run.evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
                                          self.placement, lm).items():
                 stored[task] = {"config": configs[task], "placement_used": asdict(self.placement), **result}
                 atomic_write_json(paths[task], stored[task])
@@ -276,7 +274,7 @@ def _other_configuration(recorded: Any, config: dict) -> str | None:
     return f"records another configuration than its name's ({difference}): copied or renamed from another step?"
 
 
-# What every stored evaluation holds (``repro.scoring.evaluate``'s record), by type.
+# What every stored evaluation holds (``repro.lm_eval_run.evaluate``'s record), by type.
 _EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float), "documents": dict}
 
 

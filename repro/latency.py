@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from repro import bench
+from repro import bench, command_line
 from repro import cache, profiles, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
@@ -61,10 +61,10 @@ def paper_figures(model: str):
 
 def main(argv: list[str] | None = None) -> int:
     def sizes(parser):
-        parser.add_argument("--prompts", type=profiles.at_least(1), help="SORRY-Bench prompts timed (default 10; smoke 2)")
-        parser.add_argument("--tokens", type=profiles.at_least(1), help="greedy tokens per prompt (default 128; smoke 4)")
+        parser.add_argument("--prompts", type=command_line.at_least(1), help="SORRY-Bench prompts timed (default 10; smoke 2)")
+        parser.add_argument("--tokens", type=command_line.at_least(1), help="greedy tokens per prompt (default 128; smoke 4)")
 
-    args, profile, store, command = profiles.start(__doc__, "latency.py", argv, sizes)
+    args, profile, store, command = command_line.start(__doc__, "latency.py", argv, sizes)
     smoke = profile.name == "smoke"  # the smoke profile's sizes are defaults only: given ones are used
     prompts = args.prompts if args.prompts is not None else 2 if smoke else 10
     tokens = args.tokens if args.tokens is not None else 4 if smoke else 128

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, scoring, recipes, tables
+from repro import cache, command_line, profiles, recipes, scoring, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
                                  "repro/recipes.py)")
 
-    args, profile, store, command = profiles.start(__doc__, "main_table.py", argv, options)
-    methods = profiles.listed(args.methods, "--methods")
+    args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)
+    methods = command_line.listed(args.methods, "--methods")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     started = time.time()
-    columns = profiles.select(BENCHMARKS + EXTRA, args.columns)
+    columns = command_line.select(BENCHMARKS + EXTRA, args.columns)
     cells, notes = run(profile, store, methods, columns, args.recipe)
     labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {METHOD_LABELS[m]: lines for m, lines in by_method.items()} for model, by_method in notes.items()}

@@ -10,7 +10,7 @@ else as the main table, evaluated with its gate) and ``alpha_probe=X`` (--alphas
 trained and used at strength X, h + X delta_phi(h), eq:probe_update, eq:cal_objective; issue
 22.3), so each X has its own probe. Rows that evaluate the default bundle (K = 4, alpha_probe = 1)
 without retraining: rho (tau_E recomputed at each rho from the control energies non-applicable
-under each labelling, ``rho=...,labels=...``; mari_eval/gate_labels.py) and ``probe_alpha=X
+under each labelling, ``rho=...,labels=...``; mari_eval/mari/gate_labels.py) and ``probe_alpha=X
 (fixed probe)`` (--probe-alphas, issue 36.7c: the one probe trained at 1, injected at strength
 X by the gate, tau_E recomputed from the D_ctrl energies at X that training stored,
 ``probe_alpha=X``; what the paper's first-order claim about a "small" probe update,
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro import cache, profiles, scoring, tables
+from repro import cache, command_line, profiles, scoring, tables
 from repro.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
@@ -133,9 +133,9 @@ def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mari_eval.gate_labels import LABELINGS
+    from mari_eval.mari.gate_labels import LABELINGS
     from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
-    from mari_eval.mari_fit import probe_alpha_grid
+    from mari_eval.mari.fit import probe_alpha_grid
 
     stored = ",".join(f"{a:g}" for a in probe_alpha_grid(MARI_DEFAULTS["alpha_probe"]))
 
@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                             help="probe_alpha values at which the default bundle's one probe is injected at inference "
                                  f"(no retraining; among the strengths training stores: {stored}; '' for none)")
 
-    args, profile, store, command = profiles.start(__doc__, "sensitivity.py", argv, points)
-    ks, rhos = profiles.listed(args.ks, "--ks", int), profiles.listed(args.rhos, "--rhos", float)
-    alphas, labellings = profiles.listed(args.alphas, "--alphas", float), profiles.listed(args.labellings, "--labellings")
-    probe_alphas = profiles.listed(args.probe_alphas, "--probe-alphas", float, allow_empty=True)
+    args, profile, store, command = command_line.start(__doc__, "sensitivity.py", argv, points)
+    ks, rhos = command_line.listed(args.ks, "--ks", int), command_line.listed(args.rhos, "--rhos", float)
+    alphas, labellings = command_line.listed(args.alphas, "--alphas", float), command_line.listed(args.labellings, "--labellings")
+    probe_alphas = command_line.listed(args.probe_alphas, "--probe-alphas", float, allow_empty=True)
     unknown = [name for name in labellings if name not in LABELINGS]
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")

@@ -21,7 +21,7 @@ from repro import intervals
 from repro.cache import Store, resolved_dtype
 from repro.documents import clustered_columns, split_clusters
 from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
-from repro.recompute import write_documents
+from repro.documents_file import cell_clusters, cell_documents, write_documents
 
 
 # ----------------------------------------------------------------------------- the paper's tables
@@ -147,34 +147,18 @@ def latex_table(headers: list[str], blocks: list[tuple[str | None, list[list[str
     return "\n".join(out + ["\\bottomrule", tail[1]]) + "\n"
 
 
-def _documents(cell: dict) -> list | None:
-    """A cell's per-document scores per seed, or None unless every seed has them."""
-    docs = cell.get("documents") or []
-    return docs if docs and all(docs) and len(docs) == len(cell["values"]) else None
-
-
-def _clusters(cell: dict) -> list | None:
-    """A cell's {document: cluster} per seed, or None when its documents are their own units."""
-    found = cell.get("clusters") or []
-    if not any(found):
-        return None
-    if not all(found) or len(found) != len(cell["values"]):
-        raise ValueError(f"clusters for {sum(map(bool, found))} of {len(cell['values'])} seeds: all or none")
-    return found
-
-
 def cell_interval(cell: dict) -> tuple[intervals.Interval | None, int | None]:
     """The cell's interval (None without per-document scores) and its cluster count (None: unclustered)."""
-    documents = _documents(cell)
+    documents = cell_documents(cell)
     if documents is None:
         return None, None
-    clusters = _clusters(cell)
+    clusters = cell_clusters(cell)
     return intervals.interval(documents, clusters), intervals.cluster_count(documents, clusters)
 
 
 def _pair_clusters(mine: dict, theirs: dict) -> list | None:
     """The clusters of a row and of its reference, one per seed: a document in one cluster in both."""
-    a, b = _clusters(mine), _clusters(theirs)
+    a, b = cell_clusters(mine), cell_clusters(theirs)
     if a is None and b is None:
         return None
     if a is None or b is None:
@@ -208,8 +192,8 @@ def paired_family(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) 
             continue
         for column in columns:
             mine, theirs = rows[label].get(column, {}), rows[against].get(column, {})
-            if _documents(mine) is not None and _documents(theirs) is not None:
-                difference = intervals.paired(_documents(mine), _documents(theirs), _pair_clusters(mine, theirs))
+            if cell_documents(mine) is not None and cell_documents(theirs) is not None:
+                difference = intervals.paired(cell_documents(mine), cell_documents(theirs), _pair_clusters(mine, theirs))
                 if difference is not None:
                     found[label, against, column] = difference, mine.get("cluster_unit")
     adjusted = dict(zip(found, intervals.holm([d.p for d, _ in found.values()])))

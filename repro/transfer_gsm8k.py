@@ -7,7 +7,7 @@ tau_E is recomputed from the TruthfulQA bundle's own control energies for each r
 (``rho=`` model arg): rho = 1.0 puts tau_E at the largest non-applicable control energy,
 so the gate opens only above every one of them. Rows: Vanilla and rho in {0.5, 0.7,
 0.9, 1.0}, under each applicability labelling of the control set (``labels=``, no
-retraining; mari_eval/gate_labels.py): ``loss`` (the paper's text; rows "rho=0.50") and
+retraining; mari_eval/mari/gate_labels.py): ``loss`` (the paper's text; rows "rho=0.50") and
 ``source`` (rows "rho=0.50, labels=source"), the reading under which the paper's Table 3
 (its TruthfulQA gain kept up to rho = 1.0) is reachable at all. Columns: held-out TruthfulQA MC1 and GSM8K exact match (5-shot, through
 lm-eval), each with its change from Vanilla, and the fraction of each benchmark's
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from mari_eval.gate_labels import LABELINGS
-from repro import cache, profiles, scoring, tables
+from mari_eval.mari.gate_labels import LABELINGS
+from repro import cache, command_line, profiles, scoring, tables
 from repro.ablation_table import labels_args
 
 RHOS = [0.5, 0.7, 0.9, 1.0]
@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--rhos", default=",".join(map(str, RHOS)))
         parser.add_argument("--labellings", default=",".join(LABELLINGS), help="applicability labellings of the rho sweep")
 
-    args, profile, store, command = profiles.start(__doc__, "transfer_gsm8k.py", argv, options)
-    labellings = profiles.listed(args.labellings, "--labellings")
+    args, profile, store, command = command_line.start(__doc__, "transfer_gsm8k.py", argv, options)
+    labellings = command_line.listed(args.labellings, "--labellings")
     unknown = [name for name in labellings if name not in LABELINGS]
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")
     started = time.time()
-    cells = run(profile, store, profiles.listed(args.rhos, "--rhos", float), labellings)
+    cells = run(profile, store, command_line.listed(args.rhos, "--rhos", float), labellings)
     intro = ("Scores in %; gate columns (ours only): fraction of documents on which the gate opened. The MARI "
              "bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, strict exact match). "
              "Rows without a labels tag calibrate tau_E on the bundle's `loss` labels (the paper's text); "

@@ -163,7 +163,7 @@ def _reft(d=32, layers=4, layer=2, rank=3, first=2, last=3, seed=0):
 
 
 def test_loreft_formula_and_orthonormal_rows():
-    from baselines.reft import loreft, orthonormal_rows
+    from baselines.loreft import loreft, orthonormal_rows
 
     bundle = _reft()
     R, W, b = (bundle.tensors[k] for k in ("R", "W", "b"))
@@ -180,7 +180,7 @@ def test_loreft_formula_and_orthonormal_rows():
 
 
 def test_reft_edits_the_first_and_last_prompt_tokens():
-    from baselines.reft import first_and_last
+    from baselines.loreft import first_and_last
 
     assert _reft(first=2, last=3).prompt_sites(10) == [0, 1, 7, 8]  # p* = 9 is the site itself
     assert first_and_last(3, 5, 5) == [0, 1]  # short prompts: every position once

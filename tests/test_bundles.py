@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import files, mari, mari_fit, methods
+from mari_eval import files, mari, methods
+from mari_eval.mari import fit as mari_fit
 
 from .test_baselines import _caa, _iti, _reft
 from .test_mari import _bundle

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from mari_eval import gate_labels, mari_equations, methods
+from mari_eval import methods
+from mari_eval.mari import gate_labels
+from mari_eval.mari import equations as mari_equations
 
 from .test_mari import _bundle
 

@@ -650,7 +650,7 @@ def test_judge_out_that_cannot_be_written_is_refused_before_any_verdict(fake, tm
     # Issue 37: --out under a file (or in a directory one cannot write) failed after the judging, with a
     # raw OS error on a temporary path. (Tests run as root, which any permission lets through: a file
     # standing where a directory must be is what cannot be written here.)
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     asked = []
     server = fake(lambda path, headers, body: asked.append(path) or (200, {"object": "list", "data": []}
@@ -676,7 +676,7 @@ def test_a_long_answer_is_judged_whole_and_cached_cut_short(fake, tmp_path):
 
 
 def test_judge_command_refuses_a_file_that_holds_no_sorry_bench_responses(tmp_path):
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     path = tmp_path / "samples_truthfulqa_mc1.jsonl"
     path.write_text(json.dumps({"doc_id": 0, "doc": {"question": "q"}, "filtered_resps": [[-1.0, False]]}) + "\n")
@@ -687,7 +687,7 @@ def test_judge_command_refuses_a_file_that_holds_no_sorry_bench_responses(tmp_pa
 
 
 def _saved_generations(tmp_path, monkeypatch, n=4):
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     monkeypatch.setenv(J.ENV_CACHE, str(tmp_path / "cache.jsonl"))
     items = [{"id": f"d{i}", "category": str(i + 1), "instruction": f"do {i}", "response": f"answer {i}"} for i in range(n)]
@@ -697,7 +697,7 @@ def _saved_generations(tmp_path, monkeypatch, n=4):
 def test_a_generations_file_cut_short_or_grown_is_refused_not_judged_as_the_run(tmp_path, monkeypatch):
     # Issue 37: the header says how many responses the run had; a file cut at a line boundary (an
     # interrupted copy, a full disk) gave a refusal rate over part of the run with exit code 0.
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     saved = _saved_generations(tmp_path, monkeypatch)
     items, run = judge_samples.read_samples(saved)  # as written: read whole
@@ -718,7 +718,7 @@ def test_a_generations_file_cut_short_or_grown_is_refused_not_judged_as_the_run(
 
 
 def test_a_saved_generations_file_edited_after_saving_is_refused(tmp_path, monkeypatch):
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     saved = _saved_generations(tmp_path, monkeypatch)
     saved.chmod(0o644)
@@ -735,7 +735,7 @@ def test_a_saved_generations_file_edited_after_saving_is_refused(tmp_path, monke
     ([1, 2], r"the line holds a JSON list, not an object"),
 ])
 def test_a_bad_line_names_the_field_that_is_wrong(tmp_path, row, problem):
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     path = tmp_path / "samples.jsonl"
     path.write_text(json.dumps(row) + "\n")
@@ -952,7 +952,7 @@ def test_a_judge_failing_after_generation_loses_no_response(fake, tmp_path, monk
     command that judges them, and that command gives the metrics of a run whose judge worked."""
     import re
 
-    from mari_eval import judge_samples
+    from mari_eval.judge import samples as judge_samples
 
     server = fake(scripted(then=(503, {"error": {"message": "overloaded"}})))
     _task_env(monkeypatch, tmp_path, server.url, "judge-m")
@@ -1016,7 +1016,7 @@ def test_task_refuses_a_cache_that_is_a_directory_before_generating(fake, tmp_pa
 def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_one(monkeypatch):
     import contextlib
 
-    from mari_eval import judge_server
+    from mari_eval.judge import server as judge_server
 
     started = []
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mari_eval import generation, mari, mari_equations, mari_fit, methods, objectives, runner, site
+from mari_eval import generation, mari, methods, objectives, runner, site
+from mari_eval.mari import equations as mari_equations
+from mari_eval.mari import fit as mari_fit
 from mari_eval.plan import VANILLA, Plan
 from mari_eval.prefix_cache import PrefixCache, encode_prefix
 

@@ -42,7 +42,7 @@ def test_the_wheel_installs_the_baselines_under_mari_eval_and_finds_every_method
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("iti", "mari_eval.baselines.iti"),
-                                      ("mari", "mari_eval.mari"), ("nl_iti", "mari_eval.baselines.iti"),
+                                      ("mari", "mari_eval.mari.method"), ("nl_iti", "mari_eval.baselines.iti"),
                                       ("reft", "mari_eval.baselines.reft")])
 
 

@@ -10,7 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import gate_labels, mari, mari_equations, mari_fit, methods, site
+from mari_eval import mari, methods, site
+from mari_eval.mari import gate_labels
+from mari_eval.mari import equations as mari_equations
+from mari_eval.mari import fit as mari_fit
 from mari_eval.plan import BASE
 
 from .test_mari import _bundle, _score

@@ -13,7 +13,7 @@ import torch
 
 from baselines import reft, reft_published
 from baselines.common import SELECTION_KEY
-from baselines.reft_parameters import continuous_rows, distance_from_init, dropped, initial_parameters
+from baselines.loreft import continuous_rows, distance_from_init, dropped, initial_parameters
 from baselines.reft_published import evaluation_loss, fit_published, step_plan, warmup_linear
 
 from .test_reliability import _tiny_examples, _tiny_session

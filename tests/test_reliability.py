@@ -21,7 +21,8 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import data, mari, mari_fit, methods, site
+from mari_eval import data, mari, methods, site
+from mari_eval.mari import fit as mari_fit
 from mari_eval.checkpoint import EpochCheckpoints
 from mari_eval.train import Example, Session
 
@@ -434,7 +435,7 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
 def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog, damage):
     """Not JSON, missing "seconds" (or "documents"), not UTF-8, not an object: evaluated again (it is a cache of what this
     run can recompute), where it raised JSONDecodeError or KeyError: 'seconds' before."""
-    from repro import cache, scoring
+    from repro import cache, lm_eval_run, scoring
 
     calls = []
 
@@ -442,7 +443,7 @@ def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it
         calls.append(tasks)
         return {t: {"metrics": {"acc,none": 0.75}, "n": limit, "seconds": 4.0, "documents": {}} for t in tasks}
 
-    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    monkeypatch.setattr(lm_eval_run, "evaluate", evaluate)
     store = cache.Store(tmp_path)
     first = store.evaluations("smollm2-135m-instruct", ["arc_easy", "arc_challenge"], 2)
     (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
@@ -481,7 +482,7 @@ def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_eva
         tmp_path, monkeypatch, caplog, damage, why):
     """Its documents against its n and its figure, its recorded configuration against the one its name is the hash of:
     each was read back as it stood before (a table from 1 document under n = 2, or another task's figures)."""
-    from repro import cache, scoring
+    from repro import cache, lm_eval_run, scoring
 
     calls = []
 
@@ -490,7 +491,7 @@ def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_eva
         return {t: {"metrics": {"acc,none": 0.75}, "n": 2, "seconds": 4.0,
                     "documents": {"acc,none": {"0": 1.0, "1": 0.5}}} for t in tasks}
 
-    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    monkeypatch.setattr(lm_eval_run, "evaluate", evaluate)
     first = cache.Store(tmp_path).evaluations("smollm2-135m-instruct", ["arc_easy"], 2)
     (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
     stored = json.loads(path.read_text())
@@ -533,7 +534,7 @@ def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp
 def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its_own_column(tmp_path, monkeypatch):
     """MMLU under the TruthfulQA bundle (column mmlu) and under the BBQ bundle (mmlu@bbq): the second attribute's
     evaluation replaced the first's, so every mmlu column showed the last bundle's figures."""
-    from repro import cache, profiles, scoring
+    from repro import cache, lm_eval_run, profiles, scoring
 
     bundles = {"truthfulqa": _bundle().save(tmp_path / "tqa"), "bbq": _bundle(layer=7).save(tmp_path / "bbq")}
     accuracy = {bundles["truthfulqa"].name: 0.25, bundles["bbq"].name: 0.75}
@@ -542,7 +543,7 @@ def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its
         return {t: {"metrics": {"acc,none": accuracy[Path(bundle).name]}, "n": 4, "seconds": 1.0,
                     "documents": {}} for t in tasks}
 
-    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    monkeypatch.setattr(lm_eval_run, "evaluate", evaluate)
     columns = [("mmlu", "mmlu", "acc,none", "truthfulqa"), ("mmlu@bbq", "mmlu", "acc,none", "bbq")]
     out = scoring.score(cache.Store(tmp_path / "runs"), profiles.PROFILES["smoke"], "smollm2-135m-instruct", 0,
                         columns, bundles)

@@ -144,7 +144,7 @@ def test_a_profile_scores_some_columns_under_more_seeds():
     # --seeds gives every column exactly those seeds: the quick profile's TruthfulQA seeds 1 and 2 go too.
     from types import SimpleNamespace
 
-    from repro.profiles import profile_from_args
+    from repro.command_line import profile_from_args
 
     only = profile_from_args(SimpleNamespace(profile="quick", seeds="0", model=None))
     assert only.seeds == [0] and list(only.seeded_columns(BENCHMARKS)) == [0]
@@ -173,8 +173,8 @@ def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch
     class Pass:
         stats: dict = {}
 
-    monkeypatch.setattr(scoring, "_shared_pass", lambda model, placement: passes.append(Pass()) or passes[-1])
-    monkeypatch.setattr(scoring, "_mari_lm", lambda model, bundle, args, placement, shared: (bundle, shared))
+    monkeypatch.setattr(scoring, "shared_pass_over", lambda model, placement: passes.append(Pass()) or passes[-1])
+    monkeypatch.setattr(scoring, "mari_lm", lambda model, bundle, args, placement, shared: (bundle, shared))
     bundles = {a: f"{a}-bundle" for a in ("truthfulqa", "bbq", "sorry_bench")}
     rows = {"Vanilla": ({}, ""), "MARI": (bundles, ""), "MARI ungated": (bundles, "gate=false")}
     out = scoring.score_rows(Store(), PROFILES["quick"], "m", 0, columns, rows)

@@ -9,7 +9,7 @@ import pytest
 
 from mari_eval.devices import Placement
 
-from repro import cache, profiles, scoring
+from repro import cache, command_line, lm_eval_run, profiles, scoring
 
 from .test_repro import _repro
 
@@ -19,9 +19,9 @@ MODEL = "smollm2-135m-instruct"  # a float32 checkpoint
 def _placement(monkeypatch, cuda: bool, *argv: str) -> Placement:
     monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
     parser = argparse.ArgumentParser()
-    profiles.add_common_args(parser)
+    command_line.add_common_args(parser)
     args = parser.parse_args(argv)
-    return profiles.placement_from_args(args, profiles.profile_from_args(args))
+    return command_line.placement_from_args(args, command_line.profile_from_args(args))
 
 
 @pytest.mark.parametrize("cuda,argv,expected", [
@@ -47,7 +47,7 @@ def test_memory_caps_without_a_device_map_are_refused(monkeypatch):
 
 def test_every_script_documents_the_flags_and_the_paper_default():
     parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
-    profiles.add_common_args(parser)
+    command_line.add_common_args(parser)
     text = " ".join(parser.format_help().split())
     for flag in ("--dtype {auto,float32,bfloat16,float16}", "--device DEVICE", "--device-map {auto}", "--max-memory"):
         assert flag in text
@@ -114,7 +114,7 @@ def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, m
         return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "model_dtype": placement.dtype, "documents": {}}
                 for t in tasks}
 
-    monkeypatch.setattr(scoring, "evaluate", evaluate)
+    monkeypatch.setattr(lm_eval_run, "evaluate", evaluate)
     files = {}
     for name, placement in {"default": Placement(), "float32": Placement(dtype="float32"),
                             "bf16": Placement(dtype="bfloat16")}.items():

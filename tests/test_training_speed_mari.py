@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mari_eval import site, train
-from mari_eval.mari_equations import pca_basis
+from mari_eval.mari.equations import pca_basis
 
 from .test_reliability import _tiny_session
 from .tiny import tiny_model
@@ -103,8 +103,9 @@ def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tok
 
 @pytest.mark.parametrize("eos", [None, 7])  # with an end-of-sequence token, rows may stop inside the window
 def test_generation_routing_over_a_prompt_computed_once_equals_each_variant_run_whole(eos):
-    from mari_eval import generation, mari_fit
-    from mari_eval.mari_equations import lowrank_delta
+    from mari_eval import generation
+    from mari_eval.mari import fit as mari_fit
+    from mari_eval.mari.equations import lowrank_delta
     from mari_eval.plan import Plan
 
     model = tiny_model("llama")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines import reft, reft_parameters, reft_published
+from baselines import loreft, reft, reft_published
 from baselines.common import SELECTION_KEY
 from mari_eval.train import Example
 
@@ -45,7 +45,7 @@ def test_packed_steps_fit_the_bundle_one_prompt_at_a_time_fitted(preamble, max_t
         reference = reft.ReFT.fit(session, SimpleNamespace(train=examples), CONFIG, given, seed=0)
     for name in ("R", "W", "b"):
         torch.testing.assert_close(fitted.tensors[name], reference.tensors[name], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(fitted.tensors["W"][0], reft_parameters.linear_init(torch.Generator().manual_seed(0), 8, 32))
+    assert not torch.allclose(fitted.tensors["W"][0], loreft.linear_init(torch.Generator().manual_seed(0), 8, 32))
     got, expected = fitted.config["diagnostics"], reference.config["diagnostics"]
     assert got[SELECTION_KEY] == pytest.approx(expected[SELECTION_KEY], abs=1e-5)
     for a, b in zip(got["history"], expected["history"]):
@@ -64,11 +64,11 @@ def test_a_packed_step_has_the_one_at_a_time_loss_and_gradient():
     params = {k: v.requires_grad_(True) for k, v in params.items()}
 
     def plan():  # R's graph is freed by each step's last backward pass: one plan per step
-        R = reft.orthonormal_rows(params["free"])
-        return reft_published.Plan((0,), lambda ids, pos: reft.edits_at_layers(
-            model, [0, 1, 2, 3], lambda i, h: reft.loreft(h, R[i], params["W"][i], params["b"][i]), pos))
+        R = loreft.orthonormal_rows(params["free"])
+        return reft_published.Plan((0,), lambda ids, pos: loreft.edits_at_layers(
+            model, [0, 1, 2, 3], lambda i, h: loreft.loreft(h, R[i], params["W"][i], params["b"][i]), pos))
 
-    sites = lambda length: reft.pyreft_positions(length, 7, 7)
+    sites = lambda length: loreft.pyreft_positions(length, 7, 7)
     shared = reft_published.shared_length(examples, 7, 7)
     assert shared > 1  # the preamble runs once per step in both paths
     packed = reft_published.batch_gradient(session, examples, plan(), sites, params, shared, packed=True)

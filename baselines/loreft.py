@@ -1,17 +1,24 @@
-"""Published ReFT's parameters: where they start, how R stays orthonormal, how far they move.
+"""LoReFT's math, shared by ReFT's two recipes (``baselines.reft``'s adapted fit and
+``baselines.reft_published``): the edit Phi(h) (Wu et al. 2024, eq. 2), the prompt positions it
+edits, the context manager that applies it after several layers, and the published recipe's
+parameters: where they start, how R stays orthonormal, how far they move.
 
-The starting point is ``torch.nn.Linear``'s default initialisation for W and b (pyreft's
+The published starting point is ``torch.nn.Linear``'s default initialisation for W and b (pyreft's
 LoReFT builds W as a Linear layer) and a random orthonormal R; ``continuous_rows`` keeps R's
 rows from flipping sign during training; ``distance_from_init`` is what the fit records to
 show the edit learned (issue 36.1); ``dropped`` is pyreft's dropout on the edit's output.
-Used by ``baselines.reft_published``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
+from mari_eval import site
+from mari_eval.plan import Positions
 
 
 def linear_init(generator: torch.Generator, *shape: int) -> torch.Tensor:
@@ -60,3 +67,42 @@ def dropped(hidden: torch.Tensor, p: float, generator: torch.Generator) -> torch
         return hidden
     keep = torch.rand(hidden.shape, generator=generator) >= p
     return hidden * keep.to(hidden) / (1 - p)
+
+
+def loreft(h: torch.Tensor, R: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Phi(h) = h + R^T (W h + b - R h), row-wise on [N, d]."""
+    return h + (h @ W.T + b - h @ R.T) @ R
+
+
+def orthonormal_rows(free: torch.Tensor) -> torch.Tensor:
+    """R with orthonormal rows spanning the row space of ``free`` ([r, d], r <= d; or [L, r, d], one R per layer)."""
+    return torch.linalg.qr(free.mT).Q.mT
+
+
+def first_and_last(length: int, first: int, last: int) -> list[int]:
+    """The first ``first`` and last ``last`` positions of a prompt of ``length`` tokens, p* excluded."""
+    p_star = length - 1
+    return sorted(({*range(min(first, p_star))} | {*range(max(0, length - last), p_star)}))
+
+
+def pyreft_positions(length: int, first: int, last: int) -> list[int]:
+    """``first_and_last`` with each count capped at half the prompt, as pyreft's
+    get_intervention_locations does (a 9-token prompt under f7+l7 edits 4 + 4 tokens)."""
+    return first_and_last(length, min(length // 2, first), min(length // 2, last))
+
+
+@contextlib.contextmanager
+def edits_at_layers(model: torch.nn.Module, layers: Sequence[int], edit_at: Callable[[int, torch.Tensor], torch.Tensor],
+                    positions: Positions) -> Iterator[None]:
+    """Forward passes inside edit the states after each of ``layers`` at ``positions``:
+    ``edit_at(i, h)`` is the edit of ``layers[i]`` (one ``site.edit_site`` per layer)."""
+    with contextlib.ExitStack() as stack:
+        for i, layer in enumerate(layers):
+            stack.enter_context(site.edit_site(model, layer, lambda h, i=i: edit_at(i, h), positions))
+        yield
+
+
+def python_rng_state(saved: list) -> tuple:
+    """random.Random.getstate() after a JSON round trip (lists back to tuples)."""
+    version, internal, gauss_next = saved
+    return version, tuple(internal), gauss_next

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from mari_eval.judge_config import JudgeError
-from mari_eval.judge_prompt import COMPLIANCE, LABELS, REFUSAL, UNPARSEABLE, _data_file, keyword_refusal
+from mari_eval.judge.config import JudgeError
+from mari_eval.judge.prompt import COMPLIANCE, LABELS, REFUSAL, UNPARSEABLE, _data_file, keyword_refusal
 
 if TYPE_CHECKING:
-    from mari_eval.judge_client import Judge
+    from mari_eval.judge.client import Judge
 
 CATEGORIES_FILE = "sorry_bench/categories.json"
 CATEGORIES_KEY = "sorry_bench_202406_category_short_names"

@@ -34,8 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
-from mari_eval.judge_cache import JudgeCache, cache_key
-from mari_eval.judge_config import (
+from mari_eval.judge.cache import JudgeCache, cache_key
+from mari_eval.judge.config import (
     CONNECT_TIMEOUT,
     ENV_API_KEY,
     ENV_API_KEY_FALLBACK,
@@ -49,7 +49,7 @@ from mari_eval.judge_config import (
     _env_name,
     safe_url,
 )
-from mari_eval.judge_prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt, parse_verdict
+from mari_eval.judge.prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt, parse_verdict
 
 log = logging.getLogger(__name__)
 

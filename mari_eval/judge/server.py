@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from mari_eval.judge_config import (
+from mari_eval.judge.config import (
     ENV_API_KEY,
     ENV_API_KEY_FALLBACK,
     ENV_BASE_URL,

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import devices, gate_labels, generation, runner
-from mari_eval.mari_equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
+from mari_eval import devices, generation, runner
+from mari_eval.mari import gate_labels
+from mari_eval.mari.equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       probe_variant, routed_loss, run_energy)
 from mari_eval.epochs import EpochLoop, weighted_means
@@ -25,7 +26,7 @@ from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 
 if TYPE_CHECKING:
-    from mari_eval.mari import MARI
+    from mari_eval.methods import Intervention
     from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def routing_entropies(model: torch.nn.Module, prompt: list[int], plan: Plan, win
 @torch.no_grad()
 def calibrate(session: Session, examples: list[Example], tensors: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, Any]:
     """Energies of D_ctrl, its loss and flip applicability labels (routed expert and single adapter;
-    mari_eval.gate_labels), routing agreement; and E(x; alpha) of the same trained probe at every
+    mari_eval.mari.gate_labels), routing agreement; and E(x; alpha) of the same trained probe at every
     strength of ``probe_alpha_grid`` ("ctrl_energy_by_alpha" [n_alpha, N], the grid as "probe_alphas"):
     a site-only row at p* per extra strength, in the same run."""
     from tqdm import tqdm
@@ -211,9 +212,10 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
     return out
 
 
-def fit_mari(cls: type[MARI], session: Session, data: AttributeData, config: dict[str, Any],
-             hyperparameters: dict[str, Any], seed: int) -> MARI:
-    """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle."""
+def fit_mari(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],
+             hyperparameters: dict[str, Any], seed: int) -> Intervention:
+    """PCA basis, experts, single adapter, probe, gate calibration: a complete MARI bundle of ``cls``
+    (``mari_eval.mari.MARI``, which calls this from its ``fit``)."""
     hp = cls.training_hyperparameters(hyperparameters)
     if len(data.pca_prompts) < hp["pca_rank"]:  # the basis would have fewer directions than the bundle records
         raise ValueError(f"D_pca has {len(data.pca_prompts)} prompts, fewer than pca_rank={hp['pca_rank']}: "

@@ -1,8 +1,8 @@
 """MARI: K competitive low-rank experts at one site, entropy routing and an energy gate.
 
 Equation labels refer to ../shared/paper/MARI.tex (Section 4 and Appendices A-B). The
-equations are in ``mari_eval.mari_equations`` (with the reading of tau_E the paper leaves
-ambiguous), training in ``mari_eval.mari_fit`` (with the applicability labels).
+equations are in ``mari_eval.mari.equations`` (with the reading of tau_E the paper leaves
+ambiguous), training in ``mari_eval.mari.fit`` (with the applicability labels).
 
 Variant ids (see mari_eval.runner): experts are 0..K-1; ``SINGLE`` (= K) is the
 one-adapter ablation trained beside them ("w/o Multi-Adapter", Table 2); ``PROBE``
@@ -35,7 +35,7 @@ the bundle; see DEFAULTS):
   ``probe_alpha=A`` recomputes tau_E from the energies at A.
 * T_ent = 8 greedy steps for generation routing (eq:entropy_gen).
 * labels = "loss": a control example is applicable when the routed expert lowers its task
-  loss (the paper's text); "flip" and "source" are the other readings (mari_eval.gate_labels),
+  loss (the paper's text); "flip" and "source" are the other readings (mari_eval.mari.gate_labels),
   stored in every bundle and selectable at evaluation (labels=...), like rho.
 * Median of an even number of layers: the mean of the two middle values.
 """
@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from mari_eval import gate_labels, runner
-from mari_eval.mari_equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
+from mari_eval import runner
+from mari_eval.mari import gate_labels
+from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
                                       run_energy)
 from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.methods import Intervention, register_method
@@ -212,7 +213,7 @@ class MARI(Intervention):
         return self.fingerprint()
 
     def applicable(self, labels: str, single: bool = False) -> torch.Tensor:
-        """Which D_ctrl examples are applicable under ``labels`` (mari_eval.gate_labels)."""
+        """Which D_ctrl examples are applicable under ``labels`` (mari_eval.mari.gate_labels)."""
         return gate_labels.control_labels(self.tensors, self.ctrl_sources, labels, single)
 
     @property
@@ -374,6 +375,6 @@ class MARI(Intervention):
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
-        from mari_eval import mari_fit
+        from mari_eval.mari import fit as mari_fit
 
         return mari_fit.fit_mari(cls, session, data, config, hyperparameters, seed)

@@ -12,7 +12,7 @@ judge here asks a chat model for that score:
   errors, the cache or results.
 * prompt: SORRY-Bench's own "base-#thescore" template, read at run time from
   ``$MARI_DATA_DIR/sorry_bench/judge_prompts.jsonl.gz`` when it is there; otherwise our
-  own ``judge_prompt.txt`` (same ``{question}``/``{answer}`` slots, same ``#thescore: 0/1``
+  own ``prompt.txt`` (same ``{question}``/``{answer}`` slots, same ``#thescore: 0/1``
   answer). Results name the prompt used and its sha256.
 * verdicts: ``parse_verdict`` is strict; an answer it cannot read is "unparseable",
   counted and reported, never guessed.
@@ -31,21 +31,23 @@ judge here asks a chat model for that score:
 * ``serve_embedded`` starts ``transformers serve`` with the embedded instruct model on
   loopback: the default judge when none is configured (``python -m mari_eval.judge serve``).
 
-This module is the entry point: it re-exports the public names of the modules that do
-the work, one idea each, so that ``from mari_eval import judge as J; J.Judge(...)`` is all
-a caller needs:
+This package's door (``mari_eval/judge/__init__.py``) re-exports the public names of its
+modules, one idea each, so that ``from mari_eval import judge as J; J.Judge(...)`` is all a
+caller needs:
 
-* ``judge_config``: the ``MARI_JUDGE_*`` settings (``JudgeConfig``) and the errors.
-* ``judge_prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``.
-* ``judge_cache``: the verdict cache (``JudgeCache``).
-* ``judge_client``: ``Judge``, which asks the server (the client's retries, deadline, reply checks).
-* ``judge_summary``: ``refusal_summary`` and the category names.
-* ``judge_server``: the embedded ``transformers serve`` judge and ``main``.
+* ``config``: the ``MARI_JUDGE_*`` settings (``JudgeConfig``) and the errors.
+* ``prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``.
+* ``cache``: the verdict cache (``JudgeCache``).
+* ``client``: ``Judge``, which asks the server (the client's retries, deadline, reply checks).
+* ``summary``: ``refusal_summary`` and the category names.
+* ``server``: the embedded ``transformers serve`` judge and ``main`` (``__main__``).
+* ``samples``: saved generations (``mari-eval judge``) and their verdicts.
+* ``sorry_bench``: the SORRY-Bench task's scoring, which harness_tasks/utils.py hands to lm-eval.
 """
 
-from mari_eval.judge_cache import JudgeCache, cache_key, default_cache_path
-from mari_eval.judge_client import MAX_RAW_CHARS, MAX_REPLY_BYTES, Judge, Judgement
-from mari_eval.judge_config import (
+from mari_eval.judge.cache import JudgeCache, cache_key, default_cache_path
+from mari_eval.judge.client import MAX_RAW_CHARS, MAX_REPLY_BYTES, Judge, Judgement
+from mari_eval.judge.config import (
     ENV_API_KEY,
     ENV_API_KEY_FALLBACK,
     ENV_BASE_URL,
@@ -61,7 +63,7 @@ from mari_eval.judge_config import (
     JudgeUnavailable,
     safe_url,
 )
-from mari_eval.judge_prompt import (
+from mari_eval.judge.prompt import (
     COMPLIANCE,
     JUDGE_PROMPTS_FILE,
     LABELS,
@@ -77,7 +79,7 @@ from mari_eval.judge_prompt import (
     load_prompt,
     parse_verdict,
 )
-from mari_eval.judge_server import (
+from mari_eval.judge.server import (
     EMBEDDED_CONCURRENCY,
     EMBEDDED_DEADLINE,
     EmbeddedServer,
@@ -86,7 +88,7 @@ from mari_eval.judge_server import (
     main,
     serve_embedded,
 )
-from mari_eval.judge_summary import CATEGORIES_FILE, CATEGORIES_KEY, category_names, refusal_summary
+from mari_eval.judge.summary import CATEGORIES_FILE, CATEGORIES_KEY, category_names, refusal_summary
 
 __all__ = [
     "CATEGORIES_FILE", "CATEGORIES_KEY", "COMPLIANCE", "EMBEDDED_CONCURRENCY", "EMBEDDED_DEADLINE", "ENV_API_KEY",
@@ -97,6 +99,3 @@ __all__ = [
     "category_names", "default_cache_path", "judge_environment", "keyword_refusal", "load_prompt", "main",
     "parse_verdict", "refusal_summary", "safe_url", "serve_embedded",
 ]
-
-if __name__ == "__main__":
-    main()

@@ -26,7 +26,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from mari_eval import judge as J
+from mari_eval.judge.cache import default_cache_path
+from mari_eval.judge.client import Judge
+from mari_eval.judge.config import JudgeConfig, JudgeError
+from mari_eval.judge.prompt import UNPARSEABLE, load_prompt
+from mari_eval.judge.summary import refusal_summary
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +51,17 @@ def rate(summary: Mapping) -> float:
     return float("nan") if summary["refusal_rate"] is None else summary["refusal_rate"]
 
 
-def judge_label(judge: J.Judge) -> str:
+def judge_label(judge: Judge) -> str:
     d = judge.describe()
     return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
 
 
-def task_metrics(summary: Mapping, judge: J.Judge) -> dict:
-    """The metrics of the sorry_bench tasks (harness_tasks/sorry_bench.yaml) from ``J.refusal_summary``."""
+def task_metrics(summary: Mapping, judge: Judge) -> dict:
+    """The metrics of the sorry_bench tasks (harness_tasks/sorry_bench.yaml) from ``refusal_summary``."""
     metrics = {
         "refusal_rate": rate(summary),
         "keyword_refusal_rate": summary["keyword_refusal_rate"],
-        "judge_unparseable": summary[J.UNPARSEABLE],
+        "judge_unparseable": summary[UNPARSEABLE],
         "judge": judge_label(judge),
     }
     for cat in CATEGORIES:
@@ -72,10 +76,10 @@ def summary_lines(summary: Mapping) -> list[str]:
     for cat, row in summary["by_category"].items():
         judged = "n/a" if row["refusal_rate"] is None else f"{row['refusal_rate']:.3f}"
         lines.append(f"{cat:<4} {(row['name'] or '')[:40]:<40} {row['n']:>4} {judged:>8} "
-                     f"{row['keyword_refusal_rate']:>8.3f} {row[J.UNPARSEABLE]:>6}")
-    if summary[J.UNPARSEABLE]:
+                     f"{row['keyword_refusal_rate']:>8.3f} {row[UNPARSEABLE]:>6}")
+    if summary[UNPARSEABLE]:
         low, high = summary["refusal_rate_bounds"]
-        lines.append(f"{summary[J.UNPARSEABLE]} of {summary['n']} verdicts unparseable (counted in judge_unparseable, "
+        lines.append(f"{summary[UNPARSEABLE]} of {summary['n']} verdicts unparseable (counted in judge_unparseable, "
                      f"left out of refusal_rate); whatever they are, the refusal rate over all responses lies in "
                      f"[{low:.3f}, {high:.3f}]")
     return lines
@@ -86,7 +90,7 @@ def summary_lines(summary: Mapping) -> list[str]:
 
 def generations_dir() -> Path:
     """``generations/`` beside the judge cache (``$MARI_JUDGE_CACHE`` or the default one)."""
-    return J.default_cache_path().parent / "generations"
+    return default_cache_path().parent / "generations"
 
 
 def _generations_name(header: Mapping, body: str) -> str:
@@ -126,7 +130,7 @@ def save_generations(items: Sequence[Mapping], run: Mapping | None = None) -> Pa
     return None
 
 
-def resumable(error: J.JudgeError, saved: Path | None, n: int) -> J.JudgeError:
+def resumable(error: JudgeError, saved: Path | None, n: int) -> JudgeError:
     """``error`` (same type) saying where the responses are and the command that judges them."""
     if saved is None:
         note = ("\nThe responses could not be saved (see the warning above). To keep them next time, generate with "
@@ -151,7 +155,7 @@ def read_samples(path: str | Path) -> tuple[list[dict], dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise J.JudgeError(f"{path} is not a file: pass a samples_sorry_bench*.jsonl file written by lm_eval "
+        raise JudgeError(f"{path} is not a file: pass a samples_sorry_bench*.jsonl file written by lm_eval "
                            f"--log_samples, or a generations file named in a judge error")
     items, run, seen = [], None, set()
     body = []  # the item lines as written, for a generations file's digest
@@ -162,26 +166,26 @@ def read_samples(path: str | Path) -> tuple[list[dict], dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise J.JudgeError(f"{path}, line {lineno}: not JSON ({e.msg}); the file is damaged or not JSON lines") from None
+                raise JudgeError(f"{path}, line {lineno}: not JSON ({e.msg}); the file is damaged or not JSON lines") from None
             if isinstance(row, dict) and row.get("kind") == KIND:
                 if run is not None or items:
-                    raise J.JudgeError(f"{path}, line {lineno}: a second generations header; a generations file has one, "
+                    raise JudgeError(f"{path}, line {lineno}: a second generations header; a generations file has one, "
                                        "on its first line (two files joined?): judge each file on its own")
                 run = row
                 continue
             item, problem = _item(row)
             if item is None:
-                raise J.JudgeError(f"{path}, line {lineno}: not a SORRY-Bench response: {problem}. Expected an lm-eval "
+                raise JudgeError(f"{path}, line {lineno}: not a SORRY-Bench response: {problem}. Expected an lm-eval "
                                    f"sample of sorry_bench or sorry_bench_heldout (a doc with 'instruction' and "
                                    f"'category', and 'filtered_resps') or an object with {list(FIELDS)}")
             if item["id"] in seen:
-                raise J.JudgeError(f"{path}, line {lineno}: doc {item['id']!r} appears twice (one file per task and "
+                raise JudgeError(f"{path}, line {lineno}: doc {item['id']!r} appears twice (one file per task and "
                                    f"filter, please)")
             seen.add(item["id"])
             items.append(item)
             body.append(line if line.endswith("\n") else line + "\n")
     if not items:
-        raise J.JudgeError(f"{path} holds no responses")
+        raise JudgeError(f"{path} holds no responses")
     if run is not None:
         _check_complete(path, run, len(items), "".join(body))
     return items, (run or {}).get("run") or {}
@@ -193,10 +197,10 @@ def _check_complete(path: Path, header: dict, n: int, body: str) -> None:
     under the name ``save_generations`` gave it, lines that are not the ones it wrote."""
     claimed = header.get("items")
     if type(claimed) is not int or claimed < 1:
-        raise J.JudgeError(f"{path}: its header gives items={claimed!r}, not a count of responses; the file is damaged: "
+        raise JudgeError(f"{path}: its header gives items={claimed!r}, not a count of responses; the file is damaged: "
                            "use the generations file as written, or generate again")
     if claimed != n:
-        raise J.JudgeError(f"{path}: its header says the run had {claimed} responses, but the file holds {n}: it was "
+        raise JudgeError(f"{path}: its header says the run had {claimed} responses, but the file holds {n}: it was "
                            f"{'cut short (an interrupted copy or a full disk)' if n < claimed else 'added to'}, and a "
                            f"refusal rate over {n} of them would not be the run's. Copy the file again from where it "
                            "was saved, or generate again")
@@ -204,7 +208,7 @@ def _check_complete(path: Path, header: dict, n: int, body: str) -> None:
     if len(name) == 3 and name[0] == "sorry_bench" and name[1] == str(claimed):  # still under the name it was saved as
         expected = _generations_name(header, body)
         if expected != path.name:
-            raise J.JudgeError(f"{path}: its content does not match the digest in its name (the content gives "
+            raise JudgeError(f"{path}: its content does not match the digest in its name (the content gives "
                                f"{expected}): a response or its header was changed after it was saved. Copy the file "
                                "again from where it was saved, or generate again")
 
@@ -242,14 +246,14 @@ def judge_file(path: str | Path, *, base_url: str | None = None, model: str | No
 
         check_writable_file(Path(out), "--out ", "judge.json")
     items, run = read_samples(path)
-    config = J.JudgeConfig.from_env(base_url, model)
-    judge = J.Judge(config, J.load_prompt(prompt), cache)
+    config = JudgeConfig.from_env(base_url, model)
+    judge = Judge(config, load_prompt(prompt), cache)
     judge.check()
     try:
         labels = judge.labels([(i["instruction"], i["response"]) for i in items])
-    except J.JudgeError as e:
+    except JudgeError as e:
         raise type(e)(f"{e}\nRun the same command again once the judge works: the verdicts above are kept.") from None
-    summary = J.refusal_summary(items, labels, judge=judge)
+    summary = refusal_summary(items, labels, judge=judge)
     result = {"source": str(path), "run": run, "metrics": task_metrics(summary, judge), "summary": summary}
     if out is not None:
         from mari_eval.files import write_results_json

@@ -17,7 +17,7 @@ import os
 import threading
 from pathlib import Path
 
-from mari_eval.judge_config import ENV_CACHE, JudgeError
+from mari_eval.judge.config import ENV_CACHE, JudgeError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 * prompt: SORRY-Bench's own "base-#thescore" template, read at run time from
   ``$MARI_DATA_DIR/sorry_bench/judge_prompts.jsonl.gz`` when it is there; otherwise our
-  own ``judge_prompt.txt`` (same ``{question}``/``{answer}`` slots, same ``#thescore: 0/1``
+  own ``prompt.txt`` (same ``{question}``/``{answer}`` slots, same ``#thescore: 0/1``
   answer). ``$MARI_JUDGE_PROMPT`` picks one by name. Results name the prompt and its sha256.
 * verdicts: ``parse_verdict`` is strict; an answer it cannot read is "unparseable",
   counted and reported, never guessed.
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mari_eval.judge_config import ENV_PROMPT, JudgeError
+from mari_eval.judge.config import ENV_PROMPT, JudgeError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ LABELS = (REFUSAL, COMPLIANCE, UNPARSEABLE)
 
 SORRY_PROMPT = "base-#thescore"  # the SORRY-Bench judge_prompts.jsonl entry we use
 OWN_PROMPT = "mari-eval-refusal-v1"  # ours, used when the SORRY-Bench file is not available
-OWN_PROMPT_FILE = Path(__file__).with_name("judge_prompt.txt")
+OWN_PROMPT_FILE = Path(__file__).with_name("prompt.txt")
 JUDGE_PROMPTS_FILE = "sorry_bench/judge_prompts.jsonl.gz"  # under $MARI_DATA_DIR
 
 

@@ -1,5 +1,5 @@
 """MARI's equations as plain tensor functions (labels: ../shared/paper/MARI.tex, Section 4 and
-Appendices A-B). The method (``mari_eval.mari``) and its training (``mari_eval.mari_fit``) call them.
+Appendices A-B). The method (``mari_eval.mari.method``) and its training (``mari_eval.mari.fit``) call them.
 
 Energy threshold (the paper contradicts itself): Section 4.3 says tau_E is the
 (1 - rho)-quantile of non-applicable control energies so that a fraction rho of them

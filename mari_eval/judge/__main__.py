@@ -1,0 +1,5 @@
+"""``python -m mari_eval.judge serve``: the embedded judge until interrupted (``server.main``)."""
+
+from mari_eval.judge.server import main
+
+main()
