@@ -16,8 +16,12 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from mari_eval.files import check_replaceable
+
 BUNDLE_JSON = "bundle.json"
 BUNDLE_WEIGHTS = "weights.safetensors"
+# Files a new bundle may replace in its directory: its own, and the provenance repro/ writes beside them.
+BUNDLE_FILES = (BUNDLE_JSON, BUNDLE_WEIGHTS, "repro_config.json")
 
 
 class DeclaresBundle(Protocol):
@@ -257,3 +261,15 @@ def check_tensors(cls: type[DeclaresBundle], config: dict[str, Any], tensors: di
                     f"{weights}: tensor {name} holds {bad} non-finite value(s) of {tensor.numel()} ({nan} NaN, "
                     f"{bad - nan} infinite). Every edit with it would be NaN; its training diverged or the file was "
                     "damaged: retrain the bundle (with a lower --lr if its training loss diverged)")
+
+
+def is_bundle_file(name: str) -> bool:
+    """Whether a file of this name may be replaced with a bundle's directory: a bundle's own, or
+    what a killed ``atomic_write`` left of one."""
+    return name in BUNDLE_FILES or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def check_bundle_directory(directory: str | Path) -> None:
+    """Refuse now (``FileExistsError``), before any training, a directory ``Intervention.save``
+    would refuse: a file, or a directory holding files that are not a bundle's."""
+    check_replaceable(directory, is_bundle_file)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from mari_eval.files import write_results_json
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
 
 log = logging.getLogger(__name__)
 

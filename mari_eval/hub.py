@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
 
 HF_PREFIX = "hf://"
 # What a pushed repository holds: the bundle, its provenance beside it (repro/), a model card.

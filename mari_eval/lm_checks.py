@@ -18,7 +18,7 @@ from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
 
 
 def check_request_text(requests) -> None:

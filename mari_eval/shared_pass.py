@@ -60,7 +60,7 @@ from mari_eval.prefix_cache import (MIN_SHARED, Prefix, PrefixCache, common_pref
                                    join_prompts, truncated)
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
 
 log = logging.getLogger(__name__)
 

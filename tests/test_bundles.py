@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import files, mari, methods
+from mari_eval import files, intervention, mari, methods
 from mari_eval.mari import fit as mari_fit
 
 from .test_baselines import _caa, _iti, _reft
@@ -253,7 +253,7 @@ def test_a_failed_save_leaves_the_previous_bundle_whole_and_loadable(tmp_path, m
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(methods, "atomic_write_json", disk_full)  # the second file of the bundle fails
+    monkeypatch.setattr(intervention, "atomic_write_json", disk_full)  # the second file of the bundle fails
     with pytest.raises(OSError, match="No space left"):
         new.save(path)
     monkeypatch.undo()

@@ -26,7 +26,7 @@ from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
     from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)

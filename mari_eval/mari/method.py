@@ -52,7 +52,8 @@ from mari_eval.mari import gate_labels
 from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
                                       run_energy)
 from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
-from mari_eval.methods import Intervention, register_method
+from mari_eval.intervention import Intervention
+from mari_eval.registry import register_method
 from mari_eval.options import Option
 
 DEFAULTS: dict[str, Any] = {
@@ -136,8 +137,8 @@ class MARI(Intervention):
                      ctrl_energy_by_alpha=TensorSpec(("n_probe_alphas", "n_ctrl"), optional=alphas is None))
         return sizes, specs
 
-    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
-        super().__init__(config, tensors)  # checks config and tensors (bundle_spec.check_bundle)
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False):
+        super().__init__(config, tensors, checked=checked)  # checks config and tensors unless checked
         hp = config["hyperparameters"]
         self.K = int(hp["K"])
         self.configure()
