@@ -60,7 +60,8 @@ from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVect
 from mari_eval import site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
-from mari_eval.methods import Intervention, register_method
+from mari_eval.intervention import Intervention
+from mari_eval.registry import register_method
 from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
 
 if TYPE_CHECKING:

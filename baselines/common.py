@@ -11,7 +11,7 @@ import torch
 
 from mari_eval import runner
 from mari_eval.bundle_spec import Str
-from mari_eval.methods import Intervention
+from mari_eval.intervention import Intervention
 from mari_eval.options import Option
 from mari_eval.plan import VANILLA, Plan
 

@@ -68,7 +68,8 @@ from mari_eval import devices, site
 from mari_eval.plan import BASE, Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
-from mari_eval.methods import Intervention, register_method
+from mari_eval.intervention import Intervention
+from mari_eval.registry import register_method
 
 if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session

@@ -87,7 +87,7 @@ from mari_eval.objectives import COMPLIANCE_TARGET
 from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
     from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)

@@ -65,7 +65,8 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.epochs import EpochLoop
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
-from mari_eval.methods import Intervention, register_method
+from mari_eval.intervention import Intervention
+from mari_eval.registry import register_method
 
 if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session

@@ -55,7 +55,7 @@ from mari_eval.prefix_cache import Prefix, encode_prefix
 
 
 if TYPE_CHECKING:
-    from mari_eval.methods import Intervention
+    from mari_eval.intervention import Intervention
     from mari_eval.train import AttributeData, Example, Session
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ caller needs:
 * ``config``: the ``MARI_JUDGE_*`` settings (``JudgeConfig``) and the errors.
 * ``prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``.
 * ``cache``: the verdict cache (``JudgeCache``).
-* ``client``: ``Judge``, which asks the server (the client's retries, deadline, reply checks).
+* ``client``: ``Judge``, which asks the server for what the cache lacks; ``transport``: its requests (the
+  client's retries, deadline) and reply checks.
 * ``summary``: ``refusal_summary`` and the category names.
 * ``server``: the embedded ``transformers serve`` judge and ``main`` (``__main__``).
 * ``samples``: saved generations (``mari-eval judge``) and their verdicts.
@@ -46,7 +47,8 @@ caller needs:
 """
 
 from mari_eval.judge.cache import JudgeCache, cache_key, default_cache_path
-from mari_eval.judge.client import MAX_RAW_CHARS, MAX_REPLY_BYTES, Judge, Judgement
+from mari_eval.judge.client import MAX_RAW_CHARS, Judge, Judgement
+from mari_eval.judge.transport import MAX_REPLY_BYTES
 from mari_eval.judge.config import (
     ENV_API_KEY,
     ENV_API_KEY_FALLBACK,
