@@ -38,6 +38,7 @@ try:
 except ImportError:  # a checkout that is not pip-installed: the package sits beside this folder
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mari_eval import data as mari_data
+from mari_eval import data_splits
 from mari_eval.judge import sorry_bench
 from mari_eval.judge.sorry_bench import SORRY_CATEGORIES
 # SORRY-Bench's scoring lives with the judge (mari_eval/judge/sorry_bench.py); the YAMLs call it by these names.
@@ -147,8 +148,8 @@ def _mmlu(split: str, source: str) -> dict[str, list[dict]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _splits(dataset: str, seed: int, source: str) -> mari_data.Splits:
-    return mari_data.make_splits(dataset, seed)
+def _splits(dataset: str, seed: int, source: str) -> data_splits.Splits:
+    return data_splits.make_splits(dataset, seed)
 
 
 def _seed(value) -> int:
@@ -160,8 +161,8 @@ def _seed(value) -> int:
     raise ValueError(f"metadata '{SPLIT_SEED_KEY}' must be an integer, got {value!r}")
 
 
-def splits_for(dataset: str, split_seed=0) -> mari_data.Splits:
-    """The ``mari_eval.data.make_splits`` result that the held-out tasks use (cached)."""
+def splits_for(dataset: str, split_seed=0) -> data_splits.Splits:
+    """The ``mari_eval.data_splits.make_splits`` result that the held-out tasks use (cached)."""
     return _splits(dataset, _seed(split_seed), _source())
 
 
@@ -188,7 +189,7 @@ def _heldout(records, dataset: str, split_seed, *, keep_only_test: bool, task: s
         ", ".join(f"{n}={len(getattr(splits, n))}" for n in (*HELDOUT_DROP, "test")),
     )
     # Every held-out doc carries the split it was cut with (visible in --log_samples output):
-    # the lm-eval model checks a bundle's recorded splits against these (data.check_recorded_splits).
+    # the lm-eval model checks a bundle's recorded splits against these (data_splits.check_recorded_splits).
     return [{**r, "split_dataset": splits.dataset, "split_seed": splits.seed, "split_fingerprint": fingerprint}
             for r in kept]
 
@@ -203,11 +204,11 @@ def load_truthfulqa(**_) -> datasets.DatasetDict:
 
 def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """TruthfulQA MC without the pca/train/ctrl questions of ``make_splits("truthfulqa", split_seed)``,
-    in a seeded order (``data.seeded_order``): the file lists the questions by category, so lm-eval's
+    in a seeded order (``data_splits.seeded_order``): the file lists the questions by category, so lm-eval's
     ``--limit N`` (the first N) takes a uniformly random N of them instead of the first categories.
     A run over all documents scores the same set."""
     records = _heldout(_truthfulqa(_source()), "truthfulqa", split_seed, keep_only_test=False, task="truthfulqa_heldout")
-    rank = {i: k for k, i in enumerate(mari_data.seeded_order([r["id"] for r in records], "truthfulqa-heldout",
+    rank = {i: k for k, i in enumerate(data_splits.seeded_order([r["id"] for r in records], "truthfulqa-heldout",
                                                                _seed(split_seed)))}
     records = sorted(records, key=lambda r: rank[r["id"]])
     return datasets.DatasetDict({"validation": _dataset(records)})
@@ -224,9 +225,9 @@ def load_bbq(**_) -> datasets.DatasetDict:
 
 def _bbq_heldout(split_seed, *, keep_only_test: bool, task: str) -> list[dict]:
     """``_heldout`` for BBQ, refusing held-out records that share a context with pca/train/ctrl
-    (``mari_eval.data.check_bbq_contexts``: a context's paired questions are one unit)."""
+    (``mari_eval.data_splits.check_bbq_contexts``: a context's paired questions are one unit)."""
     records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=keep_only_test, task=task)
-    mari_data.check_bbq_contexts(splits_for("bbq", split_seed), _bbq_records(), [r["id"] for r in records])
+    data_splits.check_bbq_contexts(splits_for("bbq", split_seed), _bbq_records(), [r["id"] for r in records])
     return records
 
 
@@ -263,8 +264,8 @@ def spread_bbq(records: list[dict], seed: int) -> list[dict]:
         templates.setdefault(mari_data.bbq_template_key(r), {}).setdefault(mari_data.bbq_context_key(r), []).append(r)
     dealt: list[dict] = []
     for templates in by_category.values():
-        queues = [[contexts[c] for c in mari_data.seeded_order(contexts, "bbq-spread-context", seed)]
-                  for contexts in (templates[t] for t in mari_data.seeded_order(templates, "bbq-spread-template", seed))]
+        queues = [[contexts[c] for c in data_splits.seeded_order(contexts, "bbq-spread-context", seed)]
+                  for contexts in (templates[t] for t in data_splits.seeded_order(templates, "bbq-spread-template", seed))]
         dealt += [r for i in range(max(map(len, queues))) for q in queues if i < len(q) for r in q[i]]
     return spread_over_categories(dealt)
 

@@ -24,7 +24,7 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _splits(args: argparse.Namespace) -> int:
-    from mari_eval.data import make_splits
+    from mari_eval.data_splits import make_splits
 
     splits = make_splits(args.dataset, args.seed)
     text = json.dumps({**splits.to_json(), "fingerprint": splits.fingerprint()}, indent=2)

@@ -13,7 +13,7 @@ D_ctrl, the gate's calibration set (Sec. 3.3, Appendix B), holds the attribute's
 examples and general-capability examples. The general ones are rendered as their test tasks
 are evaluated (``GENERAL_CONTROLS``; issue 36.3): ARC-Easy train questions behind the same
 fixed 25-shot preamble as ``arc_easy_first25`` (the first 25 train questions, which
-``data.make_splits`` keeps out of the control pool), and MMLU validation questions behind
+``data_splits.make_splits`` keeps out of the control pool), and MMLU validation questions behind
 their subject's 5 dev examples, as ``mmlu_<subject>``. Energy is read at the last prompt
 token, whose state depends on the whole prompt: controls rendered zero-shot calibrate a
 threshold for prompts the gate never meets at test time.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
-from mari_eval import data
+from mari_eval import data, data_splits
 from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class GeneralControl:
     """One general-capability source of D_ctrl and how its test task renders it."""
 
     source: str  # the name in ``AttributeData.ctrl_source`` and in a bundle's gate.ctrl_sources
-    splits_field: str  # the ``data.Splits`` field holding its ids
+    splits_field: str  # the ``data_splits.Splits`` field holding its ids
     split: str  # the task split the ids come from
     shots: int  # few-shot examples before each question, as the test task has them
     task: str  # the lm-eval task that renders a record: a format string over the record's fields
@@ -65,9 +65,9 @@ class GeneralControl:
 
 
 GENERAL_CONTROLS = (
-    GeneralControl("arc_easy", "ctrl_arc", "train", data.ARC_CTRL_SHOTS, "arc_easy_first25",
+    GeneralControl("arc_easy", "ctrl_arc", "train", data_splits.ARC_CTRL_SHOTS, "arc_easy_first25",
                    lambda split: data.load_arc("arc_easy", split)),
-    GeneralControl("mmlu", "ctrl_mmlu", "validation", data.MMLU_CTRL_SHOTS, "mmlu_{subject}", data.load_mmlu),
+    GeneralControl("mmlu", "ctrl_mmlu", "validation", data_splits.MMLU_CTRL_SHOTS, "mmlu_{subject}", data.load_mmlu),
 )
 
 
@@ -103,7 +103,7 @@ class AttributeData:
     """An attribute's examples, tokenised; methods call ``Session.prepare`` on the ones they run."""
 
     attribute: str
-    splits: data.Splits
+    splits: data_splits.Splits
     pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
     train: list[Example]
     ctrl: list[Example]  # attribute control examples, then each general source's (GENERAL_CONTROLS)
@@ -182,7 +182,7 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
                    max_ctrl: int | None = None, max_pca: int | None = None) -> AttributeData:
     if attribute not in ATTRIBUTE_TASKS:
         raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
-    splits = data.make_splits(attribute, seed)
+    splits = data_splits.make_splits(attribute, seed)
     pca_ids = list(splits.pca)
     if max_pca is not None and len(pca_ids) > max_pca:  # smoke runs: a seeded subset of D_pca
         pca_ids = random.Random(f"max_pca:{seed}").sample(pca_ids, max_pca)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mari_eval import options
+from mari_eval import data_splits, options
 from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
@@ -157,7 +157,7 @@ def check_heldout_splits(requests, bundle_config: dict, checked: set[tuple]) -> 
     Held-out docs name the split they were cut with (``split_dataset``, ``split_seed``,
     ``split_fingerprint``: harness_tasks/utils.py). A bundle trained on that dataset must
     have used the same seed, and the data must still give the split it recorded
-    (``data.check_recorded_splits``: same fingerprint, same file hashes). ``checked`` holds
+    (``data_splits.check_recorded_splits``: same fingerprint, same file hashes). ``checked`` holds
     the splits already found consistent (each is checked once).
     """
     from mari_eval import data
@@ -174,5 +174,5 @@ def check_heldout_splits(requests, bundle_config: dict, checked: set[tuple]) -> 
                 f"trained on the split of seed {recorded.get('seed')}: its training and control examples are "
                 f"in this test set. Add --metadata '{{\"split_seed\": {recorded.get('seed')}}}', or use a bundle "
                 f"trained with --seed {key[1]}.")
-        data.check_recorded_splits(key[0], recorded, bundle_config.get("data_files"))
+        data_splits.check_recorded_splits(key[0], recorded, bundle_config.get("data_files"))
         checked.add(key)

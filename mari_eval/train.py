@@ -2,7 +2,7 @@
 
 The same for every method:
 
-1. the splits of ``mari_eval.data.make_splits`` (D_pca, D_train, D_ctrl = attribute
+1. the splits of ``mari_eval.data_splits.make_splits`` (D_pca, D_train, D_ctrl = attribute
    control examples + general-capability controls; the test split is never read here);
 2. every example is rendered by the lm-eval task that evaluates it and tokenised by the
    same ``MariLM`` that evaluates it, so training and evaluation see identical tokens
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mari_eval import data, devices, memory, runner, site
+from mari_eval import data_splits, devices, memory, runner, site
 from mari_eval.devices import Placement
 from mari_eval.files import writing_alone
 from mari_eval.plan import Plan, VariantEdit, VariantRun
@@ -275,7 +275,7 @@ def _token_batches(rows: list[list[int]], max_tokens: int) -> list[list[list[int
 # ----------------------------------------------------------------------------- provenance
 
 
-def provenance(session: Session, attribute: str, seed: int, splits: data.Splits, train_ids: Sequence[str]) -> dict:
+def provenance(session: Session, attribute: str, seed: int, splits: data_splits.Splits, train_ids: Sequence[str]) -> dict:
     import importlib.metadata as md
 
     versions = {}
@@ -291,7 +291,7 @@ def provenance(session: Session, attribute: str, seed: int, splits: data.Splits,
         "attribute": attribute,
         "seed": seed,
         "splits": {**splits.to_json(), "fingerprint": splits.fingerprint(), "train_used": list(train_ids)},
-        "data_files": data.data_fingerprint(attribute),
+        "data_files": data_splits.data_fingerprint(attribute),
         "versions": {**versions, "python": platform.python_version()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -48,7 +48,7 @@ def smollm2_session():
 @pytest.fixture(scope="session")
 def truthfulqa_session(smollm2_session):
     """(session, data, config): the embedded model on 20 TruthfulQA training questions (seed 0)."""
-    from mari_eval.data import make_splits
+    from mari_eval.data_splits import make_splits
     from mari_eval.train import attribute_data, provenance
 
     data = attribute_data(smollm2_session, "truthfulqa", seed=0, max_train=20, max_ctrl=1)

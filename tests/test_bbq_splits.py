@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mari_eval import data
+from mari_eval import data, data_splits
 
 pytestmark = pytest.mark.needs_data
 
@@ -21,7 +21,7 @@ def records():
 
 @pytest.fixture(scope="module", params=[0, 1])
 def bbq_splits(request):
-    return data.make_splits("bbq", seed=request.param)
+    return data_splits.make_splits("bbq", seed=request.param)
 
 
 def _contexts(ids, key):
@@ -45,16 +45,16 @@ def test_no_context_straddles_two_splits(bbq_splits, records):
 def test_sizes_follow_the_rules_as_closely_as_whole_contexts_allow(bbq_splits):
     n = bbq_splits.notes["n_total"]
     pool = len(bbq_splits.pca) + len(bbq_splits.train)
-    assert n == 8814 and abs(pool - round(data.POOL_FRACTION * n)) <= 1  # 1762: the 2-question contexts nearest 1763
+    assert n == 8814 and abs(pool - round(data_splits.POOL_FRACTION * n)) <= 1  # 1762: the 2-question contexts nearest 1763
     assert abs(len(bbq_splits.pca) - len(bbq_splits.train)) <= 2
-    assert len(bbq_splits.ctrl) == data.CTRL_MAX == 100
+    assert len(bbq_splits.ctrl) == data_splits.CTRL_MAX == 100
     assert len(bbq_splits.test) == n - pool - 100
     assert (len(bbq_splits.pca), len(bbq_splits.train), len(bbq_splits.test)) == (880, 882, 6952)
     assert bbq_splits.notes["contexts"] == {"pca": 440, "train": 441, "ctrl": 50, "test": 3476}
 
 
 def test_the_seed_reorders_the_contexts():
-    assert set(data.make_splits("bbq", 0).train) != set(data.make_splits("bbq", 1).train)
+    assert set(data_splits.make_splits("bbq", 0).train) != set(data_splits.make_splits("bbq", 1).train)
 
 
 @pytest.mark.parametrize("sizes, target, cut", [
@@ -64,7 +64,7 @@ def test_the_seed_reorders_the_contexts():
     ([3, 1, 5], 6, 2),  # 4 is closer than 9
 ])
 def test_a_cut_falls_where_whole_units_come_closest(sizes, target, cut):
-    assert data._cut(sizes, target) == cut
+    assert data_splits._cut(sizes, target) == cut
 
 
 # make_splits(dataset, seed) for seeds 0, 1, 2, computed with the code committed before BBQ was
@@ -90,47 +90,47 @@ def _ids_digest(splits):
 
 @pytest.mark.parametrize("dataset, seed", sorted(UNCHANGED))
 def test_truthfulqa_and_sorry_bench_splits_are_unchanged(dataset, seed):
-    splits = data.make_splits(dataset, seed)
+    splits = data_splits.make_splits(dataset, seed)
     assert (splits.fingerprint(), _ids_digest(splits)) == UNCHANGED[dataset, seed]
     assert "unit" not in splits.notes and "contexts" not in splits.notes
 
 
 def _per_example_split(records, seed):
     """The split as it was cut before issue 36.4: example ids ranked by hash and cut, contexts ignored."""
-    order = data.seeded_order([r["id"] for r in records], "bbq", seed)
-    n_pool, n_ctrl = round(data.POOL_FRACTION * len(order)), data.CTRL_MAX
-    return dataclasses.replace(data.make_splits("bbq", seed), pca=order[: n_pool // 2], train=order[n_pool // 2: n_pool],
+    order = data_splits.seeded_order([r["id"] for r in records], "bbq", seed)
+    n_pool, n_ctrl = round(data_splits.POOL_FRACTION * len(order)), data_splits.CTRL_MAX
+    return dataclasses.replace(data_splits.make_splits("bbq", seed), pca=order[: n_pool // 2], train=order[n_pool // 2: n_pool],
                                ctrl=order[n_pool: n_pool + n_ctrl], test=order[n_pool + n_ctrl:])
 
 
 def test_a_held_out_set_sharing_contexts_with_training_is_refused(records):
-    splits = data.make_splits("bbq", 0)
-    data.check_bbq_contexts(splits, records)  # the split as cut: accepted
+    splits = data_splits.make_splits("bbq", 0)
+    data_splits.check_bbq_contexts(splits, records)  # the split as cut: accepted
     # One question of a training context moved into the test split.
     moved = splits.train[0]
     bad = dataclasses.replace(splits, train=splits.train[1:], test=[moved] + splits.test)
     with pytest.raises(data.DataError, match=r"1 held-out example\(s\) in 1 context\(s\) share their context .*"
                                              r"make_splits\('bbq', 0\), which keeps each context on one side"):
-        data.check_bbq_contexts(bad, records)
+        data_splits.check_bbq_contexts(bad, records)
     # ... or named as held out explicitly (what the bbq_heldout loader passes).
     with pytest.raises(data.DataError, match=r"1 held-out example"):
-        data.check_bbq_contexts(splits, records, heldout=[moved])
+        data_splits.check_bbq_contexts(splits, records, heldout=[moved])
     # The old per-example split: 1,437 test questions shared a context with pca/train/ctrl.
     with pytest.raises(data.DataError, match=r": 1437 held-out example\(s\) in \d+ context"):
-        data.check_bbq_contexts(_per_example_split(records, 0), records)
+        data_splits.check_bbq_contexts(_per_example_split(records, 0), records)
 
 
 def test_ids_missing_from_the_records_are_named(records):
-    splits = data.make_splits("bbq", 0)
+    splits = data_splits.make_splits("bbq", 0)
     with pytest.raises(data.DataError, match=r"1 id\(s\) not among the records.*recompute it"):
-        data.check_bbq_contexts(splits, [r for r in records if r["id"] != splits.pca[0]])
+        data_splits.check_bbq_contexts(splits, [r for r in records if r["id"] != splits.pca[0]])
 
 
 def test_the_held_out_loaders_refuse_a_split_that_shares_contexts(monkeypatch):
     from repro.documents import _task_utils
 
     utils = _task_utils()
-    good = data.make_splits("bbq", 0)
+    good = data_splits.make_splits("bbq", 0)
     bad = dataclasses.replace(good, train=good.train[1:], test=[good.train[0]] + good.test)
     monkeypatch.setattr(utils, "splits_for", lambda dataset, split_seed=0: bad)
     for load in (utils.load_bbq_disambig_heldout, utils.load_bbq_heldout):

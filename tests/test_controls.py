@@ -3,7 +3,7 @@ ARC-Easy behind the same 25 shots as arc_easy_first25, MMLU behind its subject's
 
 import pytest
 
-from mari_eval import data
+from mari_eval import data, data_splits
 from mari_eval.examples import GENERAL_CONTROLS, attribute_data
 
 pytestmark = pytest.mark.needs_data
@@ -23,11 +23,11 @@ def _evaluated_context(task_name: str, split_seed: int = 0) -> tuple[str, str]:
 
 
 def test_the_control_splits_hold_the_general_controls_apart_from_their_shots():
-    splits = data.make_splits("truthfulqa", seed=0)
+    splits = data_splits.make_splits("truthfulqa", seed=0)
     arc_train = [r["id"] for r in data.load_arc("arc_easy", "train")]
-    assert len(splits.ctrl_arc) == data.CTRL_ARC and not set(splits.ctrl_arc) & set(arc_train[:data.ARC_CTRL_SHOTS])
+    assert len(splits.ctrl_arc) == data_splits.CTRL_ARC and not set(splits.ctrl_arc) & set(arc_train[:data_splits.ARC_CTRL_SHOTS])
     validation = {r["id"]: r["subject"] for r in data.load_mmlu("validation")}
-    assert len(splits.ctrl_mmlu) == data.CTRL_MMLU and set(splits.ctrl_mmlu) <= set(validation)
+    assert len(splits.ctrl_mmlu) == data_splits.CTRL_MMLU and set(splits.ctrl_mmlu) <= set(validation)
     assert len({validation[i] for i in splits.ctrl_mmlu}) > 30  # a seeded draw spreads over the subjects
     assert not set(splits.ctrl_mmlu) & {r["id"] for r in data.load_mmlu("test")}
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mari_eval import data
+from mari_eval import data, data_splits
 
 pytestmark = pytest.mark.needs_data
 
@@ -16,7 +16,7 @@ REAL_DATA = data.data_dir()
 
 @pytest.fixture(scope="module")
 def tqa_splits():
-    return data.make_splits("truthfulqa", seed=0)
+    return data_splits.make_splits("truthfulqa", seed=0)
 
 
 def test_loaders_read_the_local_copy():
@@ -45,30 +45,30 @@ def test_truthfulqa_splits_follow_appendix_b(tqa_splits):
 
 
 def test_splits_are_a_pure_function_of_dataset_and_seed(tqa_splits):
-    again = data.make_splits("truthfulqa", seed=0)
+    again = data_splits.make_splits("truthfulqa", seed=0)
     assert again.to_json() == tqa_splits.to_json() and again.fingerprint() == tqa_splits.fingerprint()
-    other = data.make_splits("truthfulqa", seed=1)
+    other = data_splits.make_splits("truthfulqa", seed=1)
     assert set(other.train) != set(tqa_splits.train)
     # ... in a fresh interpreter too (no dependence on hash randomisation).
-    code = "from mari_eval.data import make_splits; print(make_splits('truthfulqa', 0).fingerprint())"
+    code = "from mari_eval.data_splits import make_splits; print(make_splits('truthfulqa', 0).fingerprint())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == tqa_splits.fingerprint()
 
 
 def test_other_attributes_use_a_twenty_percent_pool():
-    bbq = data.make_splits("bbq", seed=0)
+    bbq = data_splits.make_splits("bbq", seed=0)
     n = bbq.notes["n_total"]
     # BBQ is cut by whole contexts of 2 questions: 1762 of round(0.2 * 8814) = 1763 (tests/test_bbq_splits.py)
     assert n == 8814 and abs(len(bbq.pca) + len(bbq.train) - round(0.2 * n)) <= 1
     assert bbq.notes["bbq_categories"][0] == "Age" and len(bbq.notes["bbq_categories"]) == 7
-    sorry = data.make_splits("sorry_bench", seed=0)
+    sorry = data_splits.make_splits("sorry_bench", seed=0)
     assert len(sorry.pca) + len(sorry.train) == 90 and len(sorry.test) == 450 - 90 - 45
 
 
 def test_split_fingerprints_of_the_shared_data_are_pinned():
     # Every committed result records these: a change to the loaders or to make_splits that moves
     # them changes every held-out set, and must be deliberate (update here, rerun the results).
-    assert {d: data.make_splits(d, seed=0).fingerprint() for d in ("truthfulqa", "bbq", "sorry_bench")} == {
+    assert {d: data_splits.make_splits(d, seed=0).fingerprint() for d in ("truthfulqa", "bbq", "sorry_bench")} == {
         "truthfulqa": "c7fb6de90cf75e2e", "bbq": "abcdc9f32b2a2f2f", "sorry_bench": "4223d5d5124e765b"}
     # Before issue 36.3 (no MMLU controls; ARC controls could be among the 25 shots): truthfulqa
     # cd41305674652c9b, sorry_bench 61d5e027555190db; bbq 0a27427ae405937b cut per context (issue 36.4),
@@ -117,7 +117,7 @@ def test_a_removed_line_puts_no_training_or_control_question_into_the_test_split
     # The issue's probe: deleting the first TruthfulQA line used to move 179 of a bundle's 282
     # D_pca/D_train/D_ctrl questions into the held-out test (ids were line numbers and the
     # whole order was reshuffled). With content ids and hash-ranked splits, none moves.
-    before = data.make_splits("truthfulqa", seed=0)
+    before = data_splits.make_splits("truthfulqa", seed=0)
     for rel in ("truthfulqa/mc.jsonl.gz", "arc/ARC-Easy-train.jsonl.gz", "mmlu/validation.jsonl.gz"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).symlink_to(REAL_DATA / rel)
@@ -125,7 +125,7 @@ def test_a_removed_line_puts_no_training_or_control_question_into_the_test_split
     for drop in (0, before.notes["n_total"] // 2):
         _copy_without_line(REAL_DATA / "truthfulqa/mc.jsonl.gz", tmp_path / "truthfulqa/mc.jsonl.gz", drop)
         monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
-        after = data.make_splits("truthfulqa", seed=0)
+        after = data_splits.make_splits("truthfulqa", seed=0)
         monkeypatch.setenv(data.DATA_ENV, str(REAL_DATA))
         assert set(after.test) <= set(before.test)
         assert not set(after.test) & set(before.pca + before.train + before.ctrl)
@@ -134,7 +134,7 @@ def test_a_removed_line_puts_no_training_or_control_question_into_the_test_split
 
 
 def test_split_json_round_trip_and_cli(tmp_path, tqa_splits):
-    assert data.Splits.from_json(json.loads(json.dumps(tqa_splits.to_json()))) == tqa_splits
+    assert data_splits.Splits.from_json(json.loads(json.dumps(tqa_splits.to_json()))) == tqa_splits
     out = tmp_path / "splits.json"
     subprocess.run(["mari-eval", "splits", "--dataset", "truthfulqa", "--seed", "0", "--out", str(out)], check=True)
     written = json.loads(out.read_text())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mari_eval import data
+from mari_eval import data, data_splits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,7 +244,7 @@ def test_bbq_unknown_answers_are_lm_evals():
 def tqa_copy(tmp_path, monkeypatch):
     """A copy of the files the TruthfulQA split reads, as MARI_DATA_DIR."""
     real = Path(data.data_dir())
-    for rel in data.ATTRIBUTE_FILES["truthfulqa"] + data.ATTRIBUTE_FILES["arc_easy"] + data.ATTRIBUTE_FILES["mmlu"]:
+    for rel in data_splits.ATTRIBUTE_FILES["truthfulqa"] + data_splits.ATTRIBUTE_FILES["arc_easy"] + data_splits.ATTRIBUTE_FILES["mmlu"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(real / rel, tmp_path / rel)
     monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
@@ -253,24 +253,24 @@ def tqa_copy(tmp_path, monkeypatch):
 
 def _recorded(attribute: str, seed: int) -> tuple[dict, dict]:
     """What `mari-eval train` writes into bundle.json (train.provenance)."""
-    splits = data.make_splits(attribute, seed)
+    splits = data_splits.make_splits(attribute, seed)
     return {**splits.to_json(), "fingerprint": splits.fingerprint(), "train_used": splits.train[:3]}, \
-        data.data_fingerprint(attribute)
+        data_splits.data_fingerprint(attribute)
 
 
 @pytest.mark.needs_data
 def test_recorded_splits_must_match_the_current_data(tqa_copy):
     recorded, files = _recorded("truthfulqa", 1)
-    data.check_recorded_splits("truthfulqa", recorded, files)  # same data: fine
+    data_splits.check_recorded_splits("truthfulqa", recorded, files)  # same data: fine
     path = tqa_copy / "truthfulqa/mc.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         lines = fh.read().splitlines(keepends=True)
     with gzip.open(path, "wt", encoding="utf-8") as fh:
         fh.write("".join(lines[1:]))  # the first question deleted: a split loses it
-    current = data.make_splits("truthfulqa", 1).fingerprint()
+    current = data_splits.make_splits("truthfulqa", 1).fingerprint()
     assert current != recorded["fingerprint"]
     with pytest.raises(data.DataError) as e:
-        data.check_recorded_splits("truthfulqa", recorded, files)
+        data_splits.check_recorded_splits("truthfulqa", recorded, files)
     message = str(e.value)
     assert f"fingerprint {recorded['fingerprint']}" in message and f"fingerprint {current}" in message
     assert "(seed 1)" in message
@@ -279,7 +279,7 @@ def test_recorded_splits_must_match_the_current_data(tqa_copy):
     assert "Restore the data the bundle was trained on, or retrain the bundle on the current data" in message
     # The split alone, when the bundle recorded no file hashes.
     with pytest.raises(data.DataError, match=f"fingerprint {recorded['fingerprint']}.*fingerprint {current}"):
-        data.check_recorded_splits("truthfulqa", recorded, None)
+        data_splits.check_recorded_splits("truthfulqa", recorded, None)
 
 
 @pytest.mark.needs_data
@@ -295,9 +295,9 @@ def test_a_changed_file_is_refused_even_when_the_split_is_the_same(tqa_copy):
         fh.write("".join(lines))
     with pytest.raises(data.DataError, match=rf"fingerprint {recorded['fingerprint']} \(the same\)\. Changed files: "
                                              r"truthfulqa/mc\.jsonl\.gz"):
-        data.check_recorded_splits("truthfulqa", recorded, files)
+        data_splits.check_recorded_splits("truthfulqa", recorded, files)
     with pytest.raises(ValueError, match="recorded splits are of 'truthfulqa', not 'bbq'"):
-        data.check_recorded_splits("bbq", recorded, files)
+        data_splits.check_recorded_splits("bbq", recorded, files)
 
 
 @pytest.mark.needs_data
@@ -306,10 +306,10 @@ def test_heldout_docs_carry_the_split_dataset_seed_and_fingerprint():
     utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(utils)
     docs = utils.load_truthfulqa_heldout(split_seed=1)["validation"]
-    splits = data.make_splits("truthfulqa", 1)
+    splits = data_splits.make_splits("truthfulqa", 1)
     assert set(docs["split_dataset"]) == {"truthfulqa"}
     assert set(docs["split_seed"]) == {1}
     assert set(docs["split_fingerprint"]) == {splits.fingerprint()}
     # What the lm-eval model does with a bundle trained on these splits: passes.
     recorded = {**splits.to_json(), "fingerprint": splits.fingerprint()}
-    data.check_recorded_splits(docs[0]["split_dataset"], recorded, data.data_fingerprint("truthfulqa"))
+    data_splits.check_recorded_splits(docs[0]["split_dataset"], recorded, data_splits.data_fingerprint("truthfulqa"))

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mari_eval import judge as J
+from mari_eval import data_splits, judge as J
 
 from .conftest import HARNESS_TASKS
 
@@ -837,15 +837,13 @@ def _task_env(monkeypatch, tmp_path, url, model):
 
 @pytest.mark.needs_data
 def test_task_docs_and_metrics(fake, tmp_path, monkeypatch, task_manager):
-    from mari_eval import data
-
     server = fake(scripted())
     _task_env(monkeypatch, tmp_path, server.url, "judge-m")
     tasks = task_manager.load(["sorry_bench", "sorry_bench_heldout"])["tasks"]
     full, heldout = tasks["sorry_bench"], tasks["sorry_bench_heldout"]
     assert len(full.eval_docs) == 450
     ids = list(heldout.eval_docs["id"])
-    assert sorted(ids) == sorted(data.make_splits("sorry_bench", 0).test)
+    assert sorted(ids) == sorted(data_splits.make_splits("sorry_bench", 0).test)
     # dealt round-robin over the categories, so that a first-N limit spreads over them
     assert len(set(heldout.eval_docs["category"][:45])) == 45
     assert len(heldout.eval_docs) == 315

@@ -10,7 +10,7 @@ import transformers
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import lm as mari_lm
+from mari_eval import data_splits, lm as mari_lm
 from mari_eval import lm_checks
 from mari_eval.models import resolve_model
 
@@ -125,12 +125,10 @@ def test_non_finite_scores_while_generating_stop_naming_the_prompt(tiny_lm, tmp_
 
 
 def _trained_on_truthfulqa(seed: int = 0):
-    from mari_eval import data
-
     bundle = _bundle(K=3, d=32, layers=4, layer=1)
-    splits = data.make_splits("truthfulqa", seed)
+    splits = data_splits.make_splits("truthfulqa", seed)
     bundle.config.update(splits={**splits.to_json(), "fingerprint": splits.fingerprint()},
-                         data_files=data.data_fingerprint("truthfulqa"))
+                         data_files=data_splits.data_fingerprint("truthfulqa"))
     return bundle
 
 
@@ -150,7 +148,7 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     fingerprint = bundle.config["splits"]["fingerprint"]
     lm = _lm(tiny_lm, bundle.save(tmp_path / "b"), allow_other_model=True)
     assert len(lm.loglikelihood(_heldout_requests(0, fingerprint))) == 2  # the split it was trained on: scored
-    other = data.make_splits("truthfulqa", 1).fingerprint()
+    other = data_splits.make_splits("truthfulqa", 1).fingerprint()
     with pytest.raises(data.DataError, match=r"split of seed 1, but the bundle was trained on the split of seed 0.*"
                                              r"--metadata '\{\"split_seed\": 0\}'"):
         lm.loglikelihood(_heldout_requests(1, other))
@@ -164,7 +162,7 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     with gzip.open(path, "wt", encoding="utf-8") as fh:
         fh.writelines(lines[1:])
     monkeypatch.setenv(data.DATA_ENV, str(root))
-    changed = data.make_splits("truthfulqa", 0).fingerprint()
+    changed = data_splits.make_splits("truthfulqa", 0).fingerprint()
     lm = _lm(tiny_lm, tmp_path / "b", allow_other_model=True)
     with pytest.raises(data.DataError, match=f"fingerprint {fingerprint}; the current data .* give fingerprint {changed}"
                                              r".*truthfulqa/mc.jsonl.gz \(sha256 recorded"):

@@ -45,12 +45,12 @@ def test_bbq_deals_templates_in_turn_and_keeps_each_contexts_questions_adjacent(
 @pytest.mark.needs_data
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_quick_profiles_bbq_documents_spread_over_templates_and_whole_contexts(seed):
-    from mari_eval import data
+    from mari_eval import data, data_splits
     from repro.profiles import PROFILES
 
     n = PROFILES["quick"].limits["bbq_disambig_heldout"]
     docs = _task_utils().load_bbq_disambig_heldout(split_seed=seed)["test"].to_list()
-    assert sorted(d["id"] for d in docs) == sorted(data.make_splits("bbq", seed).test)  # the same set, reordered
+    assert sorted(d["id"] for d in docs) == sorted(data_splits.make_splits("bbq", seed).test)  # the same set, reordered
     first = docs[:n]
     contexts = Counter(data.bbq_context_key(d) for d in first)
     templates = {data.bbq_template_key(d) for d in first}

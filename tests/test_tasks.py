@@ -46,7 +46,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 from lm_eval.tasks.mmlu._generate_configs import SUBJECTS  # noqa: E402
 
-from mari_eval import data  # noqa: E402
+from mari_eval import data, data_splits  # noqa: E402
 
 BUILTIN = Path(lm_eval.tasks.__file__).parent
 # Our task -> the built-in YAML it replaces.
@@ -211,14 +211,14 @@ def test_truthfulqa_plain_tasks_score_all_817_questions(tasks):
 def test_truthfulqa_heldout_drops_pca_train_ctrl(name, tasks):
     task = tasks[name]
     assert task.config.metadata["split_seed"] == 0
-    splits = data.make_splits("truthfulqa", 0)
+    splits = data_splits.make_splits("truthfulqa", 0)
     dropped = set(splits.pca) | set(splits.train) | set(splits.ctrl)
     ids = _ids(task)
     assert len(ids) == 817 - len(dropped) == len(splits.test)
     assert not dropped & set(ids)
     in_file_order = [r["id"] for r in data.load_truthfulqa_mc() if r["id"] not in dropped]
     # A seeded order (issue 36: a first-N limit is a uniform draw, not the file's first categories).
-    assert ids == data.seeded_order(in_file_order, "truthfulqa-heldout", 0) and ids != in_file_order
+    assert ids == data_splits.seeded_order(in_file_order, "truthfulqa-heldout", 0) and ids != in_file_order
     assert set(ids) == set(splits.test)
     assert set(_column(task, "split_seed")) == {0}
     assert set(_column(task, "split_fingerprint")) == {splits.fingerprint()}
@@ -236,10 +236,10 @@ def test_split_seed_comes_from_metadata_and_unrelated_keys_are_ignored(tasks):
     # --model_args and --metadata entries.
     kwargs = {**task.config.metadata, "split_seed": 1, "pretrained": "some/model", "max_length": 128}
     ds = task.config.custom_dataset(**kwargs)["validation"]
-    splits = data.make_splits("truthfulqa", 1)
+    splits = data_splits.make_splits("truthfulqa", 1)
     assert sorted(ds["id"]) == sorted(splits.test)
     assert set(ds["split_fingerprint"]) == {splits.fingerprint()}
-    assert splits.fingerprint() != data.make_splits("truthfulqa", 0).fingerprint()
+    assert splits.fingerprint() != data_splits.make_splits("truthfulqa", 0).fingerprint()
 
 
 # ----------------------------------------------------------------------------- BBQ
@@ -261,7 +261,7 @@ def test_bbq_disambig_covers_the_available_categories(tasks):
 
 def test_bbq_disambig_heldout_is_exactly_the_test_split(tasks):
     task = tasks["bbq_disambig_heldout"]
-    splits = data.make_splits("bbq", 0)
+    splits = data_splits.make_splits("bbq", 0)
     assert sorted(_ids(task)) == sorted(splits.test) and len(_ids(task)) == len(splits.test)
     # dealt round-robin over the categories (a first-N limit spreads over them)
     categories = _column(task, "category")
@@ -274,7 +274,7 @@ def test_bbq_disambig_heldout_is_exactly_the_test_split(tasks):
 
 def test_bbq_heldout_drops_only_pca_train_ctrl(tasks):
     records, covered = data.load_bbq(None)  # what `bbq` scores (checked in the CLI test)
-    splits = data.make_splits("bbq", 0)
+    splits = data_splits.make_splits("bbq", 0)
     dropped = set(splits.pca) | set(splits.train) | set(splits.ctrl)
     task = tasks["bbq_heldout"]
     ids = _ids(task)
@@ -392,7 +392,7 @@ def test_lm_eval_cli_with_dummy_model(e2e):
     assert "overrides existing task" in stderr  # lm-eval's warning: our bbq replaced the built-in
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())
-    assert results["n-samples"]["truthfulqa_mc2_heldout"] == {"original": len(data.make_splits("truthfulqa", 0).test), "effective": 5}
+    assert results["n-samples"]["truthfulqa_mc2_heldout"] == {"original": len(data_splits.make_splits("truthfulqa", 0).test), "effective": 5}
     # `bbq`: every record of the covered categories, both contexts, from our YAML.
     assert results["n-samples"]["bbq"]["original"] == len(data.load_bbq(None)[0])
     assert "Task: bbq (" + str(HARNESS_TASKS / "bbq.yaml") + ")" in stderr
