@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
-from mari_eval import site
+from mari_eval import layer_spans, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.intervention import Intervention
@@ -111,7 +111,7 @@ def steering_vector(session: Session, pairs: list[tuple[str, str, str]], layer: 
         acts = []
         for letter in (pos_letter, neg_letter):
             ids = torch.tensor([ab_prompt(session, question, first, second, letter)], device=session.device)
-            acts.append(site.hidden_at_site(session.model, ids, torch.ones_like(ids), layer)[0].float())
+            acts.append(layer_spans.hidden_at_site(session.model, ids, torch.ones_like(ids), layer)[0].float())
         diffs.append(acts[0] - acts[1])
     return torch.stack(diffs).mean(0)
 

@@ -47,7 +47,7 @@ import torch
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
-from mari_eval import devices, runner
+from mari_eval import devices, row_passes, runner
 from mari_eval.bundle_spec import check_hyperparameters
 from mari_eval.epochs import EpochLoop
 from mari_eval.plan import Plan
@@ -156,7 +156,7 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     shared = shared_length(fit_examples, hp["first"], hp["last"]) if hp["dropout"] == 0 else 0
     # Several prompts per pass where every layer sees the whole prompt; with dropout, one at a time, so
     # that the masks are drawn in the same order as ever.
-    packed = hp["dropout"] == 0 and runner.packable(session.model, 10**9, 1)
+    packed = hp["dropout"] == 0 and row_passes.packable(session.model, 10**9, 1)
 
     def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
         # The batch's token-mean NLL, as Hugging Face's causal-LM loss (``batch_gradient``);

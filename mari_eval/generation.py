@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from mari_eval import devices, site
+from mari_eval import devices, layer_spans, site
 from mari_eval.plan import BASE, ApplyEdits, Plan, VariantRun
 from mari_eval.prefix_cache import cache_of, cache_rows, with_cache
 
@@ -179,10 +179,10 @@ def _probe_at_p_star(model: torch.nn.Module, input_ids: torch.Tensor, attention_
     mask = _p_star_fed_again(prompt_mask)
     variant_ids = torch.tensor(list(variants), device=input_ids.device).repeat(input_ids.shape[0])
     skip = contextlib.nullcontext()
-    if edit_layer is not None and site.can_start_after(model):  # below the site, p* is the untouched model's
-        skip = site.start_after(model, edit_layer, base[edit_layer][index][:, None])
+    if edit_layer is not None and layer_spans.can_start_after(model):  # below the site, p* is the untouched model's
+        skip = layer_spans.start_after(model, edit_layer, base[edit_layer][index][:, None])
     with skip, apply(variant_ids, None), site.capture_site(model, capture, None) as seen:
-        site.run_through(model, max(capture), input_ids=input_ids[index, -1:], attention_mask=mask,
+        layer_spans.run_through(model, max(capture), input_ids=input_ids[index, -1:], attention_mask=mask,
                          position_ids=_positions(prompt_mask)[:, -1:], **with_cache(model, cache_rows(cache, index)), use_cache=True)
     return dict(seen)
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mari_eval import runner, site
+from mari_eval import layer_spans, row_passes, runner
 from mari_eval.plan import BASE, Plan, VariantRun
 from mari_eval.prefix_cache import (MIN_SHARED, Prefix, PrefixCache, common_prefix, encode_prefix, encode_prompts,
                                    join_prompts, truncated)
@@ -87,7 +87,7 @@ class OwnRuns:
         all of them together. One alone, or a model whose rows cannot be packed, runs as ``run``."""
         contexts = [context for context, _ in questions]
         packed = None
-        if len(questions) > 1 and runner.packable(self.model, max(map(len, contexts)), 1):
+        if len(questions) > 1 and row_passes.packable(self.model, max(map(len, contexts)), 1):
             if any(self.plan.prompt_sites(len(context)) for context in contexts):  # edited prompts (ReFT): each its own, then joined
                 packed = join_prompts([self.edited.encode(context) for context in contexts])
             else:
@@ -225,7 +225,7 @@ class SharedPass:
             # BASE): every other method's rows then start from their states below its edit.
             if any(BASE in m.plan.variants for m in sharing):
                 edited = [m for m in sharing if any(v != BASE for v in m.plan.variants)]
-                keep = sorted({m.below for m in edited if m.below is not None}) if site.can_start_after(self.model) else []
+                keep = sorted({m.below for m in edited if m.below is not None}) if layer_spans.can_start_after(self.model) else []
                 capture = sorted({layer for m in sharing for layer in m.plan.capture})
                 untouched = runner.score_untouched(self.model, prefix, last, continuations, capture, keep, self.max_tokens)
                 self.stats["untouched"] += 1

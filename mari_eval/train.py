@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mari_eval import data_splits, devices, memory, runner, site
+from mari_eval import data_splits, devices, layer_spans, memory, row_passes, runner, site
 from mari_eval.devices import Placement
 from mari_eval.files import writing_alone
 from mari_eval.plan import Plan, VariantEdit, VariantRun
@@ -125,7 +125,7 @@ class Session:
         (log.info if plan.keep_caches else log.warning)(plan.describe(f"encoding {desc}"))
         shared = encode_prefix(self.model, common)
         # Models whose layers all see the whole prompt encode several examples per pass (``_encode_packed``).
-        packed = runner.packable(self.model, 10**9, 1) and _full_attention_only(shared)
+        packed = row_passes.packable(self.model, 10**9, 1) and _full_attention_only(shared)
         for batch in tqdm(_example_batches(examples, len(common), self.max_tokens) if packed else [[ex] for ex in examples],
                           desc=f"encoding {desc}", leave=False):
             if not (packed and self._encode_packed(batch, shared, plan, lower)):
@@ -141,18 +141,18 @@ class Session:
         ex.shared, ex.own = shared, own_part(prefix, shared) if plan.keep_caches else None
         ex.lower = ex.hidden = None
         rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
-        if lower and runner.packable(self.model, len(prefix.tokens), max(map(len, rows))):
-            states = runner.lower_states(self.model, prefix, rows, self.layer)
+        if lower and row_passes.packable(self.model, len(prefix.tokens), max(map(len, rows))):
+            states = row_passes.lower_states(self.model, prefix, rows, self.layer)
             ex.lower = states if plan.keep_lower else None
             ex.hidden = states[0][0] if plan.keep_lower else states[0][0].clone()
         elif lower:  # rows crossing a sliding window run whole (runner): only the site state is kept
             ids = torch.tensor([ex.context], device=self.device)
-            ex.hidden = site.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0]
+            ex.hidden = layer_spans.hidden_at_site(self.model, ids, torch.ones_like(ids), self.layer)[0]
 
     def _encode_packed(self, batch: list[Example], shared: Prefix, plan: memory.Plan, lower: bool) -> bool:
         """``_encode_one`` for several examples in two packed passes: their own prompt tokens after the
         preamble in one pass through the model (``prefix_cache.encode_prompts``), then all their option
-        rows in one pass up to l* (``runner.packed_lower_states``): the same caches and states as one
+        rows in one pass up to l* (``row_passes.packed_lower_states``): the same caches and states as one
         example at a time, in a few large matrix products instead of many small ones. False (nothing
         done) when the pass left a layer that does not hold every token (a sliding window)."""
         packed = encode_prompts(self.model, shared, [ex.context[:-1] for ex in batch])
@@ -166,7 +166,7 @@ class Session:
         if not lower:
             return True
         rows = [[ex.context[-1]] + option[:-1] for ex in batch for option in ex.options]
-        states = iter(runner.packed_lower_states(self.model, packed, [i for i, ex in enumerate(batch) for _ in ex.options],
+        states = iter(row_passes.packed_lower_states(self.model, packed, [i for i, ex in enumerate(batch) for _ in ex.options],
                                                  rows, self.layer))
         for ex in batch:
             ex_states = [next(states) for _ in ex.options]
@@ -201,7 +201,7 @@ class Session:
             ids = torch.tensor([r + [r[-1]] * (width - len(r)) for r in chunk], device=self.device)
             last = torch.tensor([len(r) - 1 for r in chunk], device=self.device)
             cache = broadcast_cache(prefix.cache, len(chunk))
-            states.append(site.states_after(self.model, self.layer, last, input_ids=ids, use_cache=cache is not None,
+            states.append(layer_spans.states_after(self.model, self.layer, last, input_ids=ids, use_cache=cache is not None,
                                             **with_cache(self.model, cache)).float())
         return torch.cat(states)
 

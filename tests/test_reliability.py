@@ -435,7 +435,7 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
 def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog, damage):
     """Not JSON, missing "seconds" (or "documents"), not UTF-8, not an object: evaluated again (it is a cache of what this
     run can recompute), where it raised JSONDecodeError or KeyError: 'seconds' before."""
-    from repro import cache, lm_eval_run, scoring
+    from repro import cache, lm_eval_run
 
     calls = []
 
@@ -482,7 +482,7 @@ def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_eva
         tmp_path, monkeypatch, caplog, damage, why):
     """Its documents against its n and its figure, its recorded configuration against the one its name is the hash of:
     each was read back as it stood before (a table from 1 document under n = 2, or another task's figures)."""
-    from repro import cache, lm_eval_run, scoring
+    from repro import cache, lm_eval_run
 
     calls = []
 

@@ -9,7 +9,7 @@ import pytest
 
 from mari_eval.devices import Placement
 
-from repro import cache, command_line, lm_eval_run, profiles, scoring
+from repro import cache, command_line, lm_eval_run, profiles
 
 from .test_repro import _repro
 

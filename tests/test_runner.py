@@ -81,7 +81,7 @@ def test_edited_rows_start_from_the_untouched_rows_states_below_the_site():
     hook.remove()
     torch.testing.assert_close(shared.logprobs, whole.logprobs, atol=1e-4, rtol=0)
     # layer 0 read the prompt before p*, then the BASE rows (every option token once); for the edited
-    # rows, which begin above it, it saw a single placeholder token (site.start_after)
+    # rows, which begin above it, it saw a single placeholder token (layer_spans.start_after)
     assert fed[:2] == [len(CONTEXT) - 1, sum(len(o) for o in OPTIONS)] and set(fed[2:]) == {1}
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mari_eval import site
+from mari_eval import layer_spans, site
 
 from .tiny import VOCAB, tiny_model as _tiny
 
@@ -51,7 +51,7 @@ def test_hidden_at_site_is_the_residual_after_the_layer(model):
     with torch.no_grad():
         ref = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
     for layer in (0, 2):
-        got = site.hidden_at_site(model, ids, mask, layer, pos)
+        got = layer_spans.hidden_at_site(model, ids, mask, layer, pos)
         want = ref[layer + 1][torch.arange(3), pos]
         torch.testing.assert_close(got, want)
 

@@ -4,7 +4,7 @@ the slow path it replaced (kept here as a reference): the same numbers to 1e-5."
 import pytest
 import torch
 
-from mari_eval import site, train
+from mari_eval import layer_spans, row_passes, train
 from mari_eval.mari.equations import pca_basis
 
 from .test_reliability import _tiny_session
@@ -16,7 +16,7 @@ def _reference_hidden_of_prompts(session, prompts):
     states = []
     for tokens in prompts:
         ids = torch.tensor([tokens])
-        states.append(site.hidden_at_site(session.model, ids, torch.ones_like(ids), session.layer)[0].float())
+        states.append(layer_spans.hidden_at_site(session.model, ids, torch.ones_like(ids), session.layer)[0].float())
     return torch.stack(states)
 
 
@@ -54,7 +54,7 @@ def _reference_prepare(session, examples):
         prefix = encode_prefix(session.model, ex.context[:-1], base=shared)
         ex.shared, ex.own = shared, own_part(prefix, shared)
         rows = [[ex.context[-1]] + option[:-1] for option in ex.options]
-        ex.lower = runner.lower_states(session.model, prefix, rows, session.layer)
+        ex.lower = row_passes.lower_states(session.model, prefix, rows, session.layer)
         ex.hidden = ex.lower[0][0]
 
 
