@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines import loreft, reft, reft_published
+from baselines import loreft, reft, reft_published, reft_step
 from baselines.common import SELECTION_KEY
 from mari_eval.train import Example
 
@@ -69,10 +69,10 @@ def test_a_packed_step_has_the_one_at_a_time_loss_and_gradient():
             model, [0, 1, 2, 3], lambda i, h: loreft.loreft(h, R[i], params["W"][i], params["b"][i]), pos))
 
     sites = lambda length: loreft.pyreft_positions(length, 7, 7)
-    shared = reft_published.shared_length(examples, 7, 7)
+    shared = reft_step.shared_length(examples, 7, 7)
     assert shared > 1  # the preamble runs once per step in both paths
-    packed = reft_published.batch_gradient(session, examples, plan(), sites, params, shared, packed=True)
-    alone = reft_published.batch_gradient(session, examples, plan(), sites, params, shared, packed=False)
+    packed = reft_step.batch_gradient(session, examples, plan(), sites, params, shared, packed=True)
+    alone = reft_step.batch_gradient(session, examples, plan(), sites, params, shared, packed=False)
     assert packed[0] == pytest.approx(alone[0], abs=1e-5)
     for name in params:
         torch.testing.assert_close(packed[1][name], alone[1][name], atol=1e-5, rtol=1e-4)
