@@ -1,4 +1,5 @@
-"""The project's import graph: circles, upward imports and the longest import chain.
+"""The project's import graph: circles, upward imports and the longest import chain; and its
+modules' sizes (one idea per module: at most ``MAX_LINES`` lines).
 
     python tools/import_graph.py [--dot FILE]
 
@@ -8,7 +9,8 @@ in A: at the top, inside functions and under ``TYPE_CHECKING`` alike, since each
 A package's ``__init__`` counts as the package. Prints the module count, the longest import
 chain, every circle (strongly connected component of more than one module) and every upward
 import (a package importing one listed above it in ``LAYERS``); exits 1 if there is a circle or
-an upward import, so CI keeps the graph a tree of layers.
+an upward import, or a module over ``MAX_LINES`` lines, so CI keeps the graph a tree of
+layers and the modules small.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first: a package may import its own modules and those of the packages before it.
 LAYERS = ["mari_eval", "baselines", "harness_tasks", "repro"]
+MAX_LINES = 400
 
 
 def module_name(path: Path) -> str:
@@ -132,17 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     edges = graph()
     found, up, chain = circles(edges), upward(edges), longest_chain(edges)
+    sizes = {name: len(path.read_text().splitlines()) for name, path in project_modules().items()}
+    large = sorted((n, name) for name, n in sizes.items() if n > MAX_LINES)
     print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports; longest chain "
           f"({len(chain)} modules): {' -> '.join(chain)}")
     for component in found:
         print("circle:", " <-> ".join(component))
     for a, b in up:
         print(f"upward: {a} -> {b}")
-    print(f"{len(found)} circles, {len(up)} upward imports")
+    biggest = max(sizes, key=sizes.get)
+    print(f"{sum(sizes.values())} lines; the largest module: {biggest} ({sizes[biggest]} lines)")
+    for n, name in large:
+        print(f"over {MAX_LINES} lines: {name} ({n})")
+    print(f"{len(found)} circles, {len(up)} upward imports, {len(large)} modules over {MAX_LINES} lines")
     if args.dot:
         lines = ["digraph imports {"] + [f'  "{a}" -> "{b}";' for a in sorted(edges) for b in sorted(edges[a])] + ["}"]
         Path(args.dot).write_text("\n".join(lines) + "\n")
-    return 1 if found or up else 0
+    return 1 if found or up or large else 0
 
 
 if __name__ == "__main__":
