@@ -1,4 +1,4 @@
-# The README's two commands: `make repro` (main job) and `make test` (test suite).
+# The README's two commands: `make repro` (main job) and `make test` (test suite); `make test-fast` while editing.
 # Both install first, into the active Python environment.
 PYTHON ?= python
 # torch is installed first, from the index pip is configured with (PyPI by default, whose
@@ -6,7 +6,7 @@ PYTHON ?= python
 # For the CPU build elsewhere: make install TORCH_INDEX=<PyTorch's CPU wheel index>.
 TORCH_INDEX ?=
 
-.PHONY: install repro test
+.PHONY: install repro test test-fast
 
 install:
 	$(PYTHON) -m pip install --quiet "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -18,3 +18,8 @@ repro: install
 
 test: install
 	$(PYTHON) -m pytest
+
+# While editing (after `make install`): everything but the subprocess and real-model runs (marker
+# e2e) and the GPU tests; CI runs them all (`make test`).
+test-fast:
+	$(PYTHON) -m pytest -m "not e2e and not gpu"

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--recipe", choices=["adapted", "published"],
-                   help="baselines: adapted (default; this suite's setting) or published (the authors' recipe); README: Baselines")
+                   help="baselines: adapted (default; this suite's setting) or published (the authors' recipe); docs/baselines.md")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
     add_placement_arguments(p)
     p.add_argument("--max-memory", help="what training may keep of the frozen model's work, e.g. 40GiB (default: half "

@@ -23,7 +23,7 @@ Several methods' lm-eval runs can share the frozen model's log-likelihood work: 
 (a directory or a Hub repository, at ``bundle_revision``: ``mari_eval.hub``), ``diagnostics``
 (a JSON file of every choice the method made, each record naming its task and ``doc_id`` as
 ``--log_samples`` does), ``allow_other_model``, and the evaluation options of the bundle's method
-(``Intervention.option_fields``; README: MARI, evaluation switches; ``scale`` for CAA, ITI
+(``Intervention.option_fields``; docs/mari.md, evaluation switches; ``scale`` for CAA, ITI
 and NL-ITI). Everything else (chat templates, ``--limit``, ``--log_samples``) is HFLM's.
 Under ``--use_cache``, results read from the cache never reach this class: the diagnostics
 say so (``ChoiceLog.use_cache``).

@@ -3,7 +3,7 @@
     python repro/baseline_recipes.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2] [--methods caa,iti,nl_iti,reft]
 
 Rows: Vanilla, then CAA, ITI, NL-ITI and ReFT each trained on TruthfulQA's D_train with the
-adapted recipe (this suite's setting) and with the published one (its authors'; README,
+adapted recipe (this suite's setting) and with the published one (its authors'; docs/baselines.md,
 Baselines). Columns: held-out TruthfulQA MC1 and MC2, and ``val_loss``, the task loss on the
 validation slice of D_train of the configuration each recipe keeps (fitted on the other 80%;
 Vanilla: the base model's), reported and not used to choose: the main table scores the
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     cells, notes = run(profile, store, methods)
     intro = ("Held-out TruthfulQA in %; n = test documents (val_loss: validation questions, from D_train). "
-             "adapted: this suite's setting; published: the authors' recipe (README: Baselines), the main table's "
+             "adapted: this suite's setting; published: the authors' recipe (docs/baselines.md), the main table's "
              "(fixed in advance, not chosen by val_loss). The paper reports neither.")
     tables.write_tables(Path(args.out), "baseline_recipes", "Baselines under both training recipes (TruthfulQA)",
                         intro, cells, [c[0] for c in COLUMNS] + ["val_loss"], lambda model: ("(not reported)", {}),

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
              "@sorry under the BBQ- and SORRY-Bench-trained ones. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
              "not the same model, not comparable in size. Each baseline's training recipe (published: its "
-             "authors', fixed in advance; adapted: this suite's setting; README: Baselines) is listed under the table.")
+             "authors', fixed in advance; adapted: this suite's setting; docs/baselines.md) is listed under the table.")
     tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store, notes)
     return 0

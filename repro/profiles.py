@@ -105,7 +105,7 @@ CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "L
 # Published ReFT's least number of optimizer steps in the quick profile, for its hour on 2 CPU
 # cores (the rule's MIN_STEPS = 100 elsewhere: baselines/reft_published.py). A step cost 11-19 s
 # on BBQ (every layer edited, no shared preamble): about half an hour for 100 steps of one
-# bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (README: ReFT).
+# bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (docs/baselines.md, ReFT).
 QUICK_REFT_STEPS = 20
 # D_ctrl per source in the quick profile (a seeded 40 of the attribute's hold-outs, 40 of the ARC-Easy
 # and 40 of the MMLU controls): MARI's gate calibration runs every expert and the probe on each
@@ -132,7 +132,7 @@ PROFILES = {
     # ARC-Challenge test questions, 20 GSM8K; MMLU and ARC under each attribute's bundle. ARC goes
     # through arc_*_first25: the same 25 shots (the first 25 train questions) before every question,
     # computed once, where lm-eval's arc tasks draw 25 anew per question (the large profile keeps
-    # those; README: ARC's shots).
+    # those; docs/evaluating.md, ARC's shots).
     "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, QUICK_CTRL,
                      {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                       "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20},

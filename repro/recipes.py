@@ -1,6 +1,6 @@
 """Which training recipe of each baseline the tables use: fixed in advance (issue 36.5).
 
-Every baseline has two recipes (README, Baselines): ``adapted`` (this suite's setting, its
+Every baseline has two recipes (docs/baselines.md): ``adapted`` (this suite's setting, its
 strength and site chosen on the validation slice of D_train) and ``published`` (its authors'
 recipe, as their code and papers fix it). The main table scores ``MAIN_TABLE_RECIPE`` for every
 baseline, attribute, model and seed, chosen before any result was seen: the comparison a

@@ -26,10 +26,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "needs_data: reads benchmarks from $MARI_DATA_DIR")
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from mari_eval.models import resolve_model

@@ -19,7 +19,7 @@ from mari_eval.shared_pass import SharedPass
 from .test_shared_pass import QUESTIONS, tiny_bundles
 from .tiny import byte_llama, byte_tokenizer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 METHODS = [("vanilla", {}), ("caa", {}), ("iti", {}), ("mari", {}), ("mari", {"gate": "false"}), ("reft", {})]
 PREAMBLE = "Q: Which planet is closest to the sun?\nA: Mercury.\n\nQ: How many days are in a week?\nA: Seven.\n\n"

@@ -89,7 +89,7 @@ class JudgeConfig:
                 f"SORRY-Bench refusal rates need an LLM judge, and {' and '.join(missing)} is not set. Point it at "
                 f"any OpenAI-compatible server: {ENV_BASE_URL}=http://HOST:PORT/v1 {ENV_MODEL}=<served model name> "
                 f"(and {ENV_API_KEY} if the server wants a key), e.g. vLLM serving Mistral-7B-Instruct-v0.2 (see "
-                f"README, 'SORRY-Bench judge'); or start the embedded judge: python -m mari_eval.judge serve"
+                f"docs/judge.md); or start the embedded judge: python -m mari_eval.judge serve"
             )
         if api_key:
             _check_api_key(api_key, key_source)
