@@ -3,7 +3,7 @@ batch's answers and its gradient (``batch_gradient``), under LoReFT edits at the
 prompt positions of every edited layer. The prompts' edited caches are built once per step where
 examples share a prefix under the same edits (``shared_length``), and the answers of several
 examples run packed in one sequence (``packed_nll``): the same loss and gradient as one example at
-a time (tests/test_training_speed_reft.py).
+a time (tests/test_training_shortcuts_equal_slow_paths_reft.py).
 """
 
 from __future__ import annotations

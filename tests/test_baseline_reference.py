@@ -12,21 +12,14 @@ import torch
 from baselines import caa, iti, reft
 from mari_eval.train import Example
 
-from .test_reliability import _tiny_session
+from .tiny import tiny_session
 from .tiny import tiny_model
-
-
-def _chat_free_session(model):
-    """A tiny session whose 'tokenizer' maps characters to ids (the runner needs no real one)."""
-    session = _tiny_session(model)
-    session.chat_prompt = lambda user, without_template: without_template
-    session.encode_prompt = lambda text: [1 + ord(c) % 96 for c in text]
-    return session
+from .tiny import chat_free_session
 
 
 def test_caa_vector_is_the_mean_difference_of_the_layers_hidden_states_at_the_answer_letter():
     model = tiny_model("llama")
-    session = _chat_free_session(model)
+    session = chat_free_session(model)
     pairs = [("Is ice cold?", "Yes", "No"), ("Is fire cold?", "No", "Yes"), ("2+2?", "4", "5"), ("Sky?", "Blue", "Green")]
     layer = 2
     vector = caa.steering_vector(session, pairs, layer)
@@ -68,7 +61,7 @@ def test_iti_ranks_heads_as_scikit_learn_logistic_regression_probes_do():
 @pytest.mark.parametrize("tokens", [1, 4])  # ITI reads the last token; NL-ITI the last 4 (Hoscilowicz et al., 2024)
 def test_head_outputs_average_the_attention_projection_inputs_over_the_last_tokens(tokens):
     model = tiny_model("llama")
-    session = _tiny_session(model)
+    session = tiny_session(model)
     context, continuations = [5, 17, 33, 2, 41], [[3, 4, 6, 7, 8], [70, 71]]
     ex = Example("ex", context, continuations, 0)
     session.prepare([ex], "test", lower=False)

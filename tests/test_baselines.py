@@ -9,24 +9,20 @@ from mari_eval.prefix_cache import encode_prefix
 
 from .iti_expect import head_shift, heads_shifted
 from .tiny import reloaded, tiny_model
-
-
-def _caa(d=32, layers=4, layer=2, multiplier=3.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    config = {"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": layer},
-              "hyperparameters": {"multiplier": multiplier}}
-    return caa.CAA(config, {"vector": torch.randn(d, generator=g)})
+from .tiny import tiny_caa
+from .tiny import tiny_iti
+from .tiny import tiny_reft
 
 
 def test_caa_edit_is_h_plus_multiplier_times_vector():
-    bundle = _caa()
+    bundle = tiny_caa()
     h = torch.randn(5, 32)
     torch.testing.assert_close(bundle.edit(h), h + 3.0 * bundle.tensors["vector"])
 
 
 def test_caa_edits_p_star_and_every_later_position_only():
     model = tiny_model("llama")
-    bundle = _caa()
+    bundle = tiny_caa()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     p_star = torch.tensor([2, 4])
     every = (torch.arange(2).repeat_interleave(6), torch.arange(6).repeat(2))
@@ -44,7 +40,7 @@ def test_caa_edits_p_star_and_every_later_position_only():
 
 def test_caa_round_trip_is_identical(tmp_path):
     model = tiny_model("llama")
-    bundle = _caa()
+    bundle = tiny_caa()
     loaded = reloaded(bundle, tmp_path / "caa")
     prefix = encode_prefix(model, [5, 17, 33, 2])
     runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (bundle, loaded)]
@@ -69,23 +65,10 @@ def test_caa_fit_scores_its_grid_on_the_held_out_slice_and_keeps_the_best(truthf
 # ----------------------------------------------------------------------------- ITI and NL-ITI
 
 
-def _iti(model, heads=((1, 0), (1, 3), (2, 2)), alpha=4.0, cls=None, seed=0):
-    from baselines import iti
-
-    g = torch.Generator().manual_seed(seed)
-    n_heads, head_dim = site.attention_heads(model)
-    theta = torch.randn(len(heads), head_dim, generator=g)
-    config = {"base_model": {"name": "tiny", "hidden_size": model.config.hidden_size, "num_layers": site.num_layers(model)},
-              "site": {"layer": min(h[0] for h in heads)}, "hyperparameters": {"alpha": alpha}}
-    tensors = {"heads": torch.tensor(heads), "directions": theta / theta.norm(dim=-1, keepdim=True),
-               "sigma": torch.rand(len(heads), generator=g) + 0.5}
-    return (cls or iti.ITI)(config, tensors)
-
-
 def test_iti_moves_the_chosen_heads_outputs_by_alpha_sigma_theta():
     """ITI's hook on the projection's output equals shifting the heads' outputs themselves."""
     model = tiny_model("llama")
-    bundle = _iti(model)
+    bundle = tiny_iti(model)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad(), heads_shifted(model, head_shift(model, bundle, 4.0), first=2):  # p* = 2 and every later position
         want = model(input_ids=ids).logits
@@ -133,7 +116,7 @@ def test_nl_iti_is_iti_with_mlp_probes_and_four_tokens(tmp_path):
     assert (iti.ITI.probe, iti.ITI.tokens, iti.NLITI.probe, iti.NLITI.tokens) == ("linear", 1, "mlp", 4)
     model = tiny_model("llama")
     for cls in (iti.ITI, iti.NLITI):
-        bundle = _iti(model, cls=cls)
+        bundle = tiny_iti(model, cls=cls)
         loaded = reloaded(bundle, tmp_path / cls.method)
         prefix = encode_prefix(model, [5, 17, 33, 2])
         runs = [runner.score_variants(model, prefix, 41, [[3, 4], [70, 71, 72]], b.plan(model)) for b in (bundle, loaded)]
@@ -144,7 +127,7 @@ def test_iti_bundle_for_other_heads_is_refused():
     from mari_eval.methods import BundleError
 
     model = tiny_model("llama")
-    bundle = _iti(model, heads=((1, 7),))  # the tiny model has 4 heads
+    bundle = tiny_iti(model, heads=((1, 7),))  # the tiny model has 4 heads
     with pytest.raises(BundleError, match="has 4 heads of dimension 8"):
         bundle.check_compatible(model, "tiny")
 
@@ -152,20 +135,10 @@ def test_iti_bundle_for_other_heads_is_refused():
 # ----------------------------------------------------------------------------- ReFT
 
 
-def _reft(d=32, layers=4, layer=2, rank=3, first=2, last=3, seed=0):
-    from baselines import reft
-
-    g = torch.Generator().manual_seed(seed)
-    config = {"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": layer},
-              "hyperparameters": {"first": first, "last": last}}
-    R = reft.orthonormal_rows(torch.randn(rank, d, generator=g))
-    return reft.ReFT(config, {"R": R, "W": torch.randn(rank, d, generator=g), "b": torch.randn(rank, generator=g)})
-
-
 def test_loreft_formula_and_orthonormal_rows():
     from baselines.loreft import loreft, orthonormal_rows
 
-    bundle = _reft()
+    bundle = tiny_reft()
     R, W, b = (bundle.tensors[k] for k in ("R", "W", "b"))
     torch.testing.assert_close(R @ R.T, torch.eye(3), atol=1e-5, rtol=0)
     h = torch.randn(5, 32)
@@ -182,14 +155,14 @@ def test_loreft_formula_and_orthonormal_rows():
 def test_reft_edits_the_first_and_last_prompt_tokens():
     from baselines.loreft import first_and_last
 
-    assert _reft(first=2, last=3).prompt_sites(10) == [0, 1, 7, 8]  # p* = 9 is the site itself
+    assert tiny_reft(first=2, last=3).prompt_sites(10) == [0, 1, 7, 8]  # p* = 9 is the site itself
     assert first_and_last(3, 5, 5) == [0, 1]  # short prompts: every position once
     assert first_and_last(1, 5, 5) == []
 
 
 def test_reft_runner_with_an_edited_prompt_equals_the_whole_sequence(tmp_path):
     model = tiny_model("llama")
-    bundle = reloaded(_reft(), tmp_path / "reft")
+    bundle = reloaded(tiny_reft(), tmp_path / "reft")
     context, options = [5, 17, 33, 2, 8, 9, 11, 41], [[3, 4], [70, 71, 72]]
     plan = bundle.plan(model)
     with torch.no_grad():
@@ -214,10 +187,10 @@ def test_reft_fit_trains_and_keeps_the_best_validation_epoch():
 
     from baselines.reft import ReFT
 
-    from .test_reliability import _tiny_examples, _tiny_session
+    from .tiny import tiny_examples, tiny_session
 
-    session = _tiny_session(tiny_model("llama").requires_grad_(False))
-    data = SimpleNamespace(train=_tiny_examples(session, n=10))
+    session = tiny_session(tiny_model("llama").requires_grad_(False))
+    data = SimpleNamespace(train=tiny_examples(session, n=10))
     config = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
     fitted = ReFT.fit(session, data, config, {"epochs": 3}, seed=0)
     history = fitted.config["diagnostics"]["history"]

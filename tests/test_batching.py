@@ -12,8 +12,8 @@ from lm_eval.api.instance import Instance
 from mari_eval import batching
 from mari_eval.lm import MariLM
 
-from .test_baselines import _iti
-from .test_shared_pass import PREAMBLE, QUESTIONS, tiny_bundles
+from .tiny import tiny_iti
+from .helpers import PREAMBLE, QUESTIONS, tiny_bundles
 from .tiny import byte_llama, byte_tokenizer
 
 # (name, MariLM keyword arguments): every method, MARI with its gate and without
@@ -39,7 +39,7 @@ def bundles(model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bundles")
     made = tiny_bundles(model, root)
-    made["nl_iti"] = str(_iti(model, heads=((2, 1), (3, 2)), alpha=5.0, cls=iti.NLITI).save(root / "nl_iti"))
+    made["nl_iti"] = str(tiny_iti(model, heads=((2, 1), (3, 2)), alpha=5.0, cls=iti.NLITI).save(root / "nl_iti"))
     return made
 
 

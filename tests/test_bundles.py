@@ -1,4 +1,4 @@
-"""What a bundle must hold, checked when it is loaded (README "Troubleshooting", bundles):
+"""What a bundle must hold, checked when it is loaded (docs/troubleshooting.md, bundles):
 typed and ranged bundle.json fields for every method, tensors of the dtype and shape its
 config implies, finite weights, readable JSON; and a bundle saved whole or not at all."""
 
@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 from mari_eval import files, intervention, mari, methods
 from mari_eval.mari import fit as mari_fit
 
-from .test_baselines import _caa, _iti, _reft
-from .test_mari import _bundle
-from .test_reliability import _dead_pid, _tiny_examples, _tiny_session
+from .tiny import tiny_caa, tiny_iti, tiny_reft
+from .tiny import tiny_mari
+from .helpers import dead_pid
+from .tiny import tiny_examples, tiny_session
 from .tiny import tiny_model
 
 
@@ -24,10 +25,10 @@ def tiny():
 
 
 MAKERS = {
-    "mari": lambda model: _bundle(),
-    "caa": lambda model: _caa(),
-    "iti": lambda model: _iti(model),
-    "reft": lambda model: _reft(rank=2),
+    "mari": lambda model: tiny_mari(),
+    "caa": lambda model: tiny_caa(),
+    "iti": lambda model: tiny_iti(model),
+    "reft": lambda model: tiny_reft(rank=2),
 }
 
 
@@ -86,15 +87,15 @@ def test_a_bundle_with_non_finite_weights_is_refused_naming_file_tensor_and_coun
 
 
 def test_an_intervention_with_non_finite_tensors_cannot_be_made(tiny):
-    bundle = _caa()
+    bundle = tiny_caa()
     with pytest.raises(methods.BundleError, match=r"tensor vector holds 1 non-finite value"):
         type(bundle)(bundle.config, {"vector": torch.cat([bundle.tensors["vector"][:-1], torch.tensor([float("nan")])])})
 
 
 def test_gate_calibration_refuses_non_finite_energies_naming_the_examples(tiny):
-    session = _tiny_session(tiny)
-    examples = _tiny_examples(session, n=3)
-    tensors = {k: v for k, v in _bundle(K=2, rank=2).tensors.items() if not k.startswith(("ctrl_", "single_"))}
+    session = tiny_session(tiny)
+    examples = tiny_examples(session, n=3)
+    tensors = {k: v for k, v in tiny_mari(K=2, rank=2).tensors.items() if not k.startswith(("ctrl_", "single_"))}
     tensors["probe_U"] = torch.full_like(tensors["probe_U"], 1e30)  # the probe's states overflow: E(x) is not finite
     tensors["probe_V"] = torch.full_like(tensors["probe_V"], 1e30)
     with pytest.raises(FloatingPointError, match=r"gate calibration: the propagation energy E\(x\) is not finite for "
@@ -164,14 +165,14 @@ def test_every_built_in_method_declares_its_fields_and_tensors(tiny, tmp_path):
     (b'{"method": "mari", ', r"is not valid JSON \(Expecting property name enclosed in double quotes at line 1"),
 ])
 def test_an_unreadable_bundle_json_is_a_bundle_error_naming_the_file(tmp_path, content, message):
-    path = _bundle().save(tmp_path / "b")
+    path = tiny_mari().save(tmp_path / "b")
     (path / methods.BUNDLE_JSON).write_bytes(content)
     with pytest.raises(methods.BundleError, match=re.escape(str(path / methods.BUNDLE_JSON)) + " " + message):
         methods.load_bundle(path)
 
 
 def test_a_bundle_json_with_a_byte_order_mark_loads(tmp_path):
-    path = _bundle().save(tmp_path / "b")
+    path = tiny_mari().save(tmp_path / "b")
     meta = path / methods.BUNDLE_JSON
     meta.write_bytes(b"\xef\xbb\xbf" + meta.read_bytes())  # what some Windows editors save
     assert methods.load_bundle(path).layer == 1
@@ -212,14 +213,14 @@ def test_a_tensor_of_another_dtype_or_shape_than_its_config_implies_is_refused(t
 
 
 def test_an_iti_bundle_moving_a_head_outside_the_model_is_refused(tiny):
-    bundle = _iti(tiny, heads=((1, 0), (9, 2)))  # the site is layer 1, valid; the tiny model has 4 layers
+    bundle = tiny_iti(tiny, heads=((1, 0), (9, 2)))  # the site is layer 1, valid; the tiny model has 4 layers
     with pytest.raises(methods.BundleError, match=r"moves heads \[\[1, 0\], \[9, 2\]\] \(layer, head\): a layer outside "
                                                   r"0..3 or a negative index"):
         bundle.check_compatible(tiny, "tiny")
 
 
 def test_a_mari_bundle_without_the_single_adapter_still_loads(tmp_path):
-    path = _tamper(_bundle().save(tmp_path / "b"), tensors=lambda t: [t.pop(k) for k in ("single_U", "single_V", "single_b")])
+    path = _tamper(tiny_mari().save(tmp_path / "b"), tensors=lambda t: [t.pop(k) for k in ("single_U", "single_V", "single_b")])
     assert "single_U" not in methods.load_bundle(path).tensors
 
 
@@ -247,7 +248,7 @@ def test_hyperparameters_a_bundle_would_be_refused_for_fail_before_training():
 
 
 def test_a_failed_save_leaves_the_previous_bundle_whole_and_loadable(tmp_path, monkeypatch):
-    old, new = _bundle(layer=1, seed=0), _bundle(layer=2, seed=1)
+    old, new = tiny_mari(layer=1, seed=0), tiny_mari(layer=2, seed=1)
     path = old.save(tmp_path / "bundle")
 
     def disk_full(*args, **kwargs):
@@ -269,7 +270,7 @@ def test_replacing_without_an_atomic_exchange_also_leaves_one_whole_bundle(tmp_p
     """Where the two names cannot be swapped in one step (not Linux, or a file system without
     renameat2): the old bundle is renamed aside, the new one in, the old one deleted; a writer
     killed between the two renames has the old one put back by the next load."""
-    old, new = _bundle(layer=1, seed=0), _bundle(layer=2, seed=1)
+    old, new = tiny_mari(layer=1, seed=0), tiny_mari(layer=2, seed=1)
     path = old.save(tmp_path / "bundle")
     monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     new.save(path)
@@ -277,7 +278,7 @@ def test_replacing_without_an_atomic_exchange_also_leaves_one_whole_bundle(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
     # The state a writer killed between its renames leaves: no bundle, the old one aside, the new one beside it.
-    owner = f"{files._host()}-{_dead_pid()}"
+    owner = f"{files._host()}-{dead_pid()}"
     aside, unfinished = tmp_path / f".bundle.old-{owner}-1a2b", tmp_path / f".bundle.saving-{owner}-x9y8"
     path.rename(aside)
     old.save(unfinished)
@@ -299,13 +300,13 @@ def test_saving_into_a_directory_that_holds_other_files_is_refused_before_writin
     with pytest.raises(FileExistsError, match=refused):
         methods.check_bundle_directory(target)  # what `mari-eval train` asks before training
     with pytest.raises(FileExistsError, match=refused):
-        _bundle().save(target)
+        tiny_mari().save(target)
     assert [p.name for p in target.iterdir()] == ["notes.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     # An empty directory, or a bundle's own files (repro's record beside them included), are replaced.
     (target / "notes.txt").unlink()
-    _bundle().save(target)
+    tiny_mari().save(target)
     (target / "repro_config.json").write_text("{}")
-    bundle = _bundle(seed=3)
+    bundle = tiny_mari(seed=3)
     bundle.save(target)
     assert methods.load_bundle(target).fingerprint() == bundle.fingerprint()
     assert sorted(p.name for p in target.iterdir()) == [methods.BUNDLE_JSON, methods.BUNDLE_WEIGHTS]

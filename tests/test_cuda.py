@@ -16,7 +16,7 @@ from lm_eval.api.instance import Instance
 from mari_eval.lm import MariLM
 from mari_eval.shared_pass import SharedPass
 
-from .test_shared_pass import QUESTIONS, tiny_bundles
+from .helpers import QUESTIONS, tiny_bundles
 from .tiny import byte_llama, byte_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

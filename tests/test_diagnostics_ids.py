@@ -12,7 +12,7 @@ from lm_eval.tasks import TaskManager
 from mari_eval import methods
 
 from .conftest import HARNESS_TASKS
-from .test_lm_eval import _mari_bundle
+from .helpers import saved_mari_bundle
 
 MODEL = "smollm2-135m-instruct"
 
@@ -20,7 +20,7 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     vanilla = get_model("mari").create_from_arg_string(f"pretrained={MODEL}")
-    return _mari_bundle(tmp_path_factory.mktemp("mari"), vanilla.model)
+    return saved_mari_bundle(tmp_path_factory.mktemp("mari"), vanilla.model)
 
 
 def _lm(bundle, extra=""):

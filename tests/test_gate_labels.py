@@ -9,7 +9,7 @@ from mari_eval import methods
 from mari_eval.mari import gate_labels
 from mari_eval.mari import equations as mari_equations
 
-from .test_mari import _bundle
+from .tiny import tiny_mari
 
 
 def test_auroc_is_the_probability_that_an_applicable_example_has_the_higher_energy():
@@ -43,7 +43,7 @@ def test_flip_means_wrong_to_right_and_a_twice_as_likely_target():
 
 def _labelled_bundle():
     n = 20
-    bundle = _bundle(K=3, energies=torch.arange(n, dtype=torch.float32))
+    bundle = tiny_mari(K=3, energies=torch.arange(n, dtype=torch.float32))
     bundle.tensors["ctrl_flip"] = (torch.arange(n) % 4 == 0).to(torch.uint8)
     bundle.tensors["ctrl_flip_single"] = (torch.arange(n) % 5 == 0).to(torch.uint8)
     bundle.config["gate"] = {"ctrl_sources": ["attribute"] * 8 + ["arc_easy"] * 12}
@@ -72,7 +72,7 @@ def test_labels_rethreshold_the_gate_without_retraining():
 
 
 def test_a_bundle_without_flip_labels_or_sources_refuses_them_by_name():
-    bundle = _bundle(K=3)  # as trained before the flip labels and the sources were recorded
+    bundle = tiny_mari(K=3)  # as trained before the flip labels and the sources were recorded
     with pytest.raises(ValueError, match="labels=flip: this bundle holds no flip labels .* retrain it"):
         bundle.configure(labels="flip")
     with pytest.raises(ValueError, match="labels=source: this bundle does not record the sources"):

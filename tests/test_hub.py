@@ -22,7 +22,7 @@ from mari_eval import cli, hub, methods
 from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
 
 from .conftest import HARNESS_TASKS
-from .test_mari import _bundle
+from .tiny import tiny_mari
 
 
 def cache_repo(cache: Path, repo_id: str, folder: Path, refs: tuple[str, ...] = ("main",), in_repo: str = "") -> str:
@@ -56,7 +56,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _saved(directory: Path, seed: int = 0) -> Path:
-    return _bundle(seed=seed).save(directory)
+    return tiny_mari(seed=seed).save(directory)
 
 
 def test_the_test_cache_is_laid_out_as_huggingface_hub_reads_it(tmp_path, cache):
@@ -272,9 +272,9 @@ def test_lm_eval_scores_the_hub_bundle_as_the_local_one(tmp_path, cache, smollm2
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
-    from .test_lm_eval import _mari_bundle
+    from .helpers import saved_mari_bundle
 
-    local = _mari_bundle(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(smollm2_path))  # its shapes
+    local = saved_mari_bundle(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(smollm2_path))  # its shapes
     commit = cache_repo(cache, "org/mari", local)
     task, limit, manager = "truthfulqa_mc1", 4, TaskManager(include_path=str(HARNESS_TASKS))
 

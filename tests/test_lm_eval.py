@@ -14,6 +14,9 @@ from lm_eval.tasks import TaskManager
 from mari_eval import methods, site
 
 from .conftest import HARNESS_TASKS
+from .helpers import saved_mari_bundle
+from .helpers import saved_baseline_bundle
+from .helpers import capital_requests
 
 pytestmark = pytest.mark.needs_data
 
@@ -103,12 +106,6 @@ def _shift_bundle(tmp_path, model, layer=10, scale=8.0):
     return tmp_path
 
 
-def _requests():
-    pairs = [("Q: What is the capital of France?\nA:", " Paris."), ("Q: What is the capital of France?\nA:", " Lyon."),
-             ("The sky is", " blue"), ("Water boils at", " 100 degrees Celsius at sea level.")]
-    return [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
-
-
 def _manual_loglikelihood(model, tok, bundle, context, continuation):
     """The continuation's log-likelihood from one forward pass of the whole sequence under the bundle."""
     ctx = tok(context).input_ids
@@ -124,9 +121,9 @@ def test_bundle_edit_at_last_prompt_token_batched_equals_unbatched(tmp_path, mar
     path = _shift_bundle(tmp_path, mari_lm.model)
     lm = get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=4")
     lm1 = get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=1")
-    edited, edited_one_by_one = lm.loglikelihood(_requests()), lm1.loglikelihood(_requests())
-    plain = mari_lm.loglikelihood(_requests())
-    for (a, _), (b, _), (c, _), req in zip(edited, edited_one_by_one, plain, _requests()):
+    edited, edited_one_by_one = lm.loglikelihood(capital_requests()), lm1.loglikelihood(capital_requests())
+    plain = mari_lm.loglikelihood(capital_requests())
+    for (a, _), (b, _), (c, _), req in zip(edited, edited_one_by_one, plain, capital_requests()):
         assert abs(a - b) <= 1e-4
         assert abs(a - c) > 1e-3  # the bundle does something
         want = _manual_loglikelihood(lm.model, lm.tokenizer, lm.intervention, *req.args)
@@ -174,37 +171,18 @@ def test_cli_prints_its_table_offline(tmp_path):
 # ----------------------------------------------------------------------------- baselines through lm-eval
 
 
-def _baseline_bundle(tmp_path, model, method):
-    from baselines import iti, reft
-
-    d, layers = model.config.hidden_size, site.num_layers(model)
-    g = torch.Generator().manual_seed(0)
-    config = {"base_model": {"name": "smollm2-135m-instruct", "hidden_size": d, "num_layers": layers}}
-    if method == "reft":
-        R = reft.orthonormal_rows(torch.randn(4, d, generator=g))
-        bundle = reft.ReFT({**config, "site": {"layer": 15}, "hyperparameters": {"first": 5, "last": 5}},
-                           {"R": R, "W": R + 0.5 * torch.randn(4, d, generator=g), "b": torch.randn(4, generator=g)})
-    else:
-        n_heads, head_dim = site.attention_heads(model)
-        theta = torch.randn(3, head_dim, generator=g)
-        bundle = iti.ITI({**config, "site": {"layer": 8}, "hyperparameters": {"alpha": 15.0}},
-                         {"heads": torch.tensor([[8, 1], [12, 0], [20, 5]]), "sigma": torch.full((3,), 2.0),
-                          "directions": theta / theta.norm(dim=-1, keepdim=True)})
-    return bundle.save(tmp_path / method)
-
-
 @pytest.mark.parametrize("method", ["reft", "iti"])
 def test_baseline_loglikelihoods_equal_the_whole_sequence_under_the_edit(tmp_path, mari_lm, method):
     """ReFT's edited prompt and ITI's shifted heads give what one full forward pass gives."""
-    lm = _mari(_baseline_bundle(tmp_path, mari_lm.model, method))
-    plain = mari_lm.loglikelihood(_requests())
-    for (got, _), (base, _), req in zip(lm.loglikelihood(_requests()), plain, _requests()):
+    lm = _mari(saved_baseline_bundle(tmp_path, mari_lm.model, method))
+    plain = mari_lm.loglikelihood(capital_requests())
+    for (got, _), (base, _), req in zip(lm.loglikelihood(capital_requests()), plain, capital_requests()):
         want = _manual_loglikelihood(lm.model, lm.tokenizer, lm.intervention, *req.args)
         assert abs(got - want) <= 1e-4 and abs(got - base) > 1e-3
 
 
 def test_reft_generation_edits_each_left_padded_prompt_at_its_own_positions(tmp_path, mari_lm):
-    lm = _mari(_baseline_bundle(tmp_path, mari_lm.model, "reft"))
+    lm = _mari(saved_baseline_bundle(tmp_path, mari_lm.model, "reft"))
     prompts = ["Q: What is the capital of France?\nA:", "The sky is"]
     reqs = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 10}), i) for i, p in enumerate(prompts)]
     batched = lm.generate_until(reqs)  # one left-padded batch of two prompts of different lengths
@@ -222,25 +200,13 @@ def test_reft_generation_edits_each_left_padded_prompt_at_its_own_positions(tmp_
 # ----------------------------------------------------------------------------- MARI through lm-eval
 
 
-def _mari_bundle(tmp_path, model, gate_never_opens=False):
-    from .test_mari import _bundle
-
-    n = 20
-    energies = torch.full((n,), 1e9) if gate_never_opens else None
-    applicable = torch.zeros(n, dtype=torch.uint8) if gate_never_opens else None
-    bundle = _bundle(K=3, d=model.config.hidden_size, layers=site.num_layers(model), layer=15,
-                     energies=energies, applicable=applicable)
-    bundle.config["base_model"]["name"] = "smollm2-135m-instruct"
-    return bundle.save(tmp_path / ("closed" if gate_never_opens else "open"))
-
-
 def _mari(path, extra=""):
     return get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=4{extra}")
 
 
 def test_mari_gate_that_never_opens_is_exactly_vanilla(tmp_path, mari_lm):
-    lm = _mari(_mari_bundle(tmp_path, mari_lm.model, gate_never_opens=True))
-    assert lm.loglikelihood(_requests()) == mari_lm.loglikelihood(_requests())
+    lm = _mari(saved_mari_bundle(tmp_path, mari_lm.model, gate_never_opens=True))
+    assert lm.loglikelihood(capital_requests()) == mari_lm.loglikelihood(capital_requests())
     summary = lm.get_model_info()["mari_diagnostics"]
     assert summary["gate_rate"] == 0.0 and summary["prompts"] == 3  # three distinct contexts
     # Generation: the closed gate hands every prompt to the untouched model before any expert runs.
@@ -251,29 +217,29 @@ def test_mari_gate_that_never_opens_is_exactly_vanilla(tmp_path, mari_lm):
 
 
 def test_mari_routed_answer_is_the_chosen_experts_answer(tmp_path, mari_lm):
-    path = _mari_bundle(tmp_path, mari_lm.model)
+    path = saved_mari_bundle(tmp_path, mari_lm.model)
     diag = tmp_path / "diag.json"
     routed = _mari(path, f",gate=false,diagnostics={diag}")
-    answers = routed.loglikelihood(_requests())
+    answers = routed.loglikelihood(capital_requests())
     records = json.loads(diag.read_text())["records"]
     assert len(records) == 3 and all(0 <= r["expert"] < 3 for r in records)
     assert records[0]["expert"] == min(range(3), key=lambda k: records[0]["entropy"][k])  # eq:entropy_route
-    assert answers != mari_lm.loglikelihood(_requests())  # the experts do something
+    assert answers != mari_lm.loglikelihood(capital_requests())  # the experts do something
     for k in range(3):
-        forced = _mari(path, f",gate=false,experts={k}").loglikelihood(_requests())
+        forced = _mari(path, f",gate=false,experts={k}").loglikelihood(capital_requests())
         by_context = {}
-        for req, ans in zip(_requests(), forced):
+        for req, ans in zip(capital_requests(), forced):
             by_context.setdefault(req.args[0], []).append(ans)
-        for record, context in zip(records, dict.fromkeys(r.args[0] for r in _requests())):
+        for record, context in zip(records, dict.fromkeys(r.args[0] for r in capital_requests())):
             if record["expert"] == k:
-                mine = [a for req, a in zip(_requests(), answers) if req.args[0] == context]
+                mine = [a for req, a in zip(capital_requests(), answers) if req.args[0] == context]
                 assert [x for x, _ in mine] == pytest.approx([x for x, _ in by_context[context]], abs=1e-4)
     usage = routed.get_model_info()["mari_diagnostics"]["expert_usage"]
     assert sum(usage.values()) == pytest.approx(1.0)
 
 
 def test_mari_generation_routes_over_the_first_steps(tmp_path, mari_lm):
-    lm = _mari(_mari_bundle(tmp_path, mari_lm.model))
+    lm = _mari(saved_mari_bundle(tmp_path, mari_lm.model))
     req = [Instance("generate_until", {}, ("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 12}), 0,
                     metadata=("gsm8k", 0, 1))]
     out = lm.generate_until(req)
@@ -284,7 +250,7 @@ def test_mari_generation_routes_over_the_first_steps(tmp_path, mari_lm):
 
 
 def test_mari_ablation_args_are_checked(tmp_path, mari_lm):
-    path = _mari_bundle(tmp_path, mari_lm.model)
+    path = saved_mari_bundle(tmp_path, mari_lm.model)
     with pytest.raises(ValueError, match="out of range: this bundle has K=3"):
         _mari(path, ",experts=5")
     with pytest.raises(ValueError, match="gate='maybe'"):

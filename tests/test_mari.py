@@ -1,6 +1,5 @@
 """MARI's equations against brute-force references, its routing and gate rules, its bundle."""
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -17,6 +16,8 @@ from mari_eval.plan import VANILLA, Plan
 from mari_eval.prefix_cache import PrefixCache, encode_prefix
 
 from .tiny import reloaded, tiny_model
+from .tiny import tiny_mari
+from .tiny import score_under
 
 
 # ----------------------------------------------------------------------------- equations
@@ -107,7 +108,7 @@ def test_option_entropy_and_routing_picks_the_lowest():
     u = mari_equations.option_entropy(z)
     expected = [-(p * math.log(p) + (1 - p) * math.log(1 - p)) for p in (0.5, 0.9, 0.99)]
     torch.testing.assert_close(u, torch.tensor(expected))
-    bundle = _bundle(K=3)
+    bundle = tiny_mari(K=3)
     bundle.configure(gate=False)
     run = runner.VariantRun([0, 1, 2], z, None, {})
     assert bundle.choose(run)[0] == 2
@@ -129,38 +130,6 @@ def test_winner_take_gradient_detaches_the_losers():
 # ----------------------------------------------------------------------------- the method on a tiny model
 
 
-def _bundle(K=3, d=32, layers=4, layer=1, rank=2, seed=0, energies=None, applicable=None):
-    g = torch.Generator().manual_seed(seed)
-    hp = {**mari.DEFAULTS, "K": K, "rank": rank}
-    n = 20
-    tensors = {
-        "expert_U": torch.randn(K, d, rank, generator=g), "expert_V": torch.randn(K, d, rank, generator=g) / d,
-        "expert_b": torch.randn(K, rank, generator=g),
-        "single_U": torch.randn(1, d, rank, generator=g), "single_V": torch.randn(1, d, rank, generator=g) / d,
-        "single_b": torch.randn(1, rank, generator=g),
-        "probe_U": torch.randn(d, 2, generator=g), "probe_V": torch.randn(d, 2, generator=g) / d,
-        "probe_b": torch.randn(2, generator=g), "pca_basis": torch.linalg.qr(torch.randn(d, 16, generator=g)).Q,
-        "ctrl_energy": torch.rand(n, generator=g) if energies is None else energies,
-        "ctrl_applicable": (torch.arange(n) % 2).to(torch.uint8) if applicable is None else applicable,
-        "ctrl_applicable_single": (torch.arange(n) % 3 == 0).to(torch.uint8),
-    }
-    config = {"base_model": {"name": "tiny", "hidden_size": d, "num_layers": layers}, "site": {"layer": layer},
-              "hyperparameters": hp}
-    return mari.MARI(config, tensors)
-
-
-def _score(model, bundle, context, options, variants=None):
-    variants = variants if variants is not None else ([runner.BASE] if bundle is None else
-                                                      ([runner.BASE] if bundle.uses_base else []) + bundle.variants())
-    apply = (lambda ids, pos: contextlib.nullcontext()) if bundle is None else (
-        lambda ids, pos: bundle.applied(model, pos, ids))
-    prefix = encode_prefix(model, context[:-1])
-    plan = Plan(tuple(variants), apply, capture=() if bundle is None else tuple(bundle.captured_layers()),
-                site_only=() if bundle is None else tuple(bundle.site_only_variants()))
-    with torch.no_grad():
-        return runner.score_variants(model, prefix, context[-1], options, plan)
-
-
 CONTEXT = [5, 17, 33, 2, 41, 8, 9, 60, 11]
 OPTIONS = [[3, 4], [70, 71, 72], [5]]
 
@@ -168,8 +137,8 @@ OPTIONS = [[3, 4], [70, 71, 72], [5]]
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_variants_equal_scoring_each_edit_alone(family):
     model = tiny_model(family, sliding_window=6)  # the 9-token context crosses Gemma's window: batched path
-    bundle = _bundle()
-    run = _score(model, bundle, CONTEXT, OPTIONS)
+    bundle = tiny_mari()
+    run = score_under(model, bundle, CONTEXT, OPTIONS)
     for v in bundle.answering_variants():
         for m, option in enumerate(OPTIONS):
             ids = torch.tensor([CONTEXT + option[:-1]])
@@ -183,7 +152,7 @@ def test_variants_equal_scoring_each_edit_alone(family):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_rows_above_the_site_reuse_the_base_rows_lower_states(family):
     model = tiny_model(family)
-    bundle = _bundle()
+    bundle = tiny_mari()
     variants = [runner.BASE] + bundle.variants()
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
     prefix = encode_prefix(model, CONTEXT[:-1])
@@ -203,7 +172,7 @@ def test_rows_above_the_site_reuse_the_base_rows_lower_states(family):
 
 def test_a_closed_gate_never_runs_the_experts():
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     bundle.tau = math.inf
     seen = []
     variants = [runner.BASE] + bundle.variants()
@@ -221,7 +190,7 @@ def test_a_closed_gate_never_runs_the_experts():
     assert run.logprobs[[run.row(v) for v in bundle.answering_variants()]].isnan().all()
     chosen, record = bundle.choose(run)
     assert chosen == runner.BASE and record["gate_open"] is False and "expert" not in record
-    assert torch.equal(run.logprobs[run.row(runner.BASE)], _score(model, None, CONTEXT, OPTIONS).logprobs[0])
+    assert torch.equal(run.logprobs[run.row(runner.BASE)], score_under(model, None, CONTEXT, OPTIONS).logprobs[0])
 
 
 def test_prefix_cache_computes_a_shared_preamble_once_and_equals_fresh_prefixes():
@@ -245,19 +214,19 @@ def test_prefix_cache_computes_a_shared_preamble_once_and_equals_fresh_prefixes(
 
 def test_gate_with_infinite_threshold_is_exactly_vanilla():
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     bundle.tau = math.inf
-    run = _score(model, bundle, CONTEXT, OPTIONS)
+    run = score_under(model, bundle, CONTEXT, OPTIONS)
     chosen, record = bundle.choose(run)
     assert chosen == runner.BASE and record["gate_open"] is False
-    vanilla = _score(model, None, CONTEXT, OPTIONS)
+    vanilla = score_under(model, None, CONTEXT, OPTIONS)
     assert torch.equal(run.logprobs[run.row(chosen)], vanilla.logprobs[0])
 
 
 def test_energy_is_read_from_the_probe_run():
     model = tiny_model("llama")
-    bundle = _bundle()
-    run = _score(model, bundle, CONTEXT, OPTIONS)
+    bundle = tiny_mari()
+    run = score_under(model, bundle, CONTEXT, OPTIONS)
     # Recompute by hand: hidden states at p* after every layer from l* on, with and without the probe.
     ids = torch.tensor([CONTEXT])
     layers = list(range(bundle.layer, 4))
@@ -272,7 +241,7 @@ def test_energy_is_read_from_the_probe_run():
 
 
 def test_ablation_switches():
-    bundle = _bundle(K=3)
+    bundle = tiny_mari(K=3)
     bundle.configure(experts="single")
     assert bundle.answering_variants() == [bundle.single_id]
     bundle.configure(experts="2", gate=False)
@@ -286,15 +255,15 @@ def test_ablation_switches():
 
 def test_bundle_round_trip_is_identical(tmp_path):
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     loaded = reloaded(bundle, tmp_path / "b")
-    a, b = _score(model, bundle, CONTEXT, OPTIONS), _score(model, loaded, CONTEXT, OPTIONS)
+    a, b = score_under(model, bundle, CONTEXT, OPTIONS), score_under(model, loaded, CONTEXT, OPTIONS)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=0, equal_nan=True)
     assert bundle.choose(a) == loaded.choose(b)
 
 
 def test_inconsistent_bundle_is_refused(tmp_path):
-    bundle = _bundle(K=3)
+    bundle = tiny_mari(K=3)
     bundle.config["hyperparameters"]["K"] = 4
     bundle.save(tmp_path / "b")
     with pytest.raises(methods.BundleError, match=r"expert_U has shape \(3, 32, 2\), expected \(4, 32, 2\)"):
@@ -319,7 +288,7 @@ def _generate(model, bundle, screened, **kw):
 @pytest.mark.parametrize("screened", [False, True])
 def test_routed_generation_keeps_the_winner_and_equals_its_own_generation(screened):
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     if screened:  # a threshold between the two prompts' energies: one gate opens, the other stays closed
         energies = [r["energy"] for r in _generate(model, bundle, screened=False)[2]]
         bundle.tau = sum(energies) / 2
@@ -345,7 +314,7 @@ def test_routed_generation_keeps_the_winner_and_equals_its_own_generation(screen
 
 def test_routed_generation_of_one_token_prompts_keeps_each_prompt_its_own():
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     bundle.configure(gate=False)
     prompts = torch.tensor([[5], [9]])  # nothing before p*: no shared cache
     apply = lambda ids, pos: bundle.applied(model, pos, ids)
@@ -361,7 +330,7 @@ def test_routed_generation_of_one_token_prompts_keeps_each_prompt_its_own():
 
 def test_streamed_tokens_are_the_answer_only():
     model = tiny_model("llama")
-    bundle = _bundle()
+    bundle = tiny_mari()
     bundle.configure(gate=False)  # every prompt is routed
 
     class Recorder:

@@ -10,7 +10,7 @@ from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import Example, Session
 
-from .test_reliability import _tiny_session
+from .tiny import tiny_session
 from .tiny import tiny_model
 
 GiB = 2**30
@@ -84,7 +84,7 @@ def test_prepared_examples_run_alike_kept_or_recomputed(family):
     edit = lambda h, ids: h + 0.5 * torch.sin(h) * (ids[:, None] + 1)  # one edit per variant, at l*
     runs = {}
     for budget in (10 * GiB, 0):
-        session = _tiny_session(model)
+        session = tiny_session(model)
         session.memory_budget = budget
         examples = _examples()
         plan = session.prepare(examples, "test")
@@ -102,7 +102,7 @@ def test_prepared_examples_run_alike_kept_or_recomputed(family):
 
 
 def test_prepare_holds_what_it_estimated():
-    session = _tiny_session(tiny_model("llama"))
+    session = tiny_session(tiny_model("llama"))
     session.memory_budget = 10 * GiB
     examples = _examples(n=6, preamble=20)
     plan = session.prepare(examples, "test")

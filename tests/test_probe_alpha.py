@@ -16,9 +16,9 @@ from mari_eval.mari import equations as mari_equations
 from mari_eval.mari import fit as mari_fit
 from mari_eval.plan import BASE
 
-from .test_mari import _bundle, _score
-from .test_shared_pass import DISTINCT_GROUPS, _close, _evaluate, _lm, _requests
-from .test_shared_pass import model, tokenizer  # noqa: F401 (the shared-pass test's fixtures)
+from .tiny import score_under, tiny_mari
+from .helpers import DISTINCT_GROUPS, close, evaluate, lm_for
+from .helpers import model, tokenizer, truthfulqa_requests  # noqa: F401 (fixtures)
 from .tiny import tiny_model
 
 GRID = [0.1, 0.3, 1.0]  # mari_fit.probe_alpha_grid(1.0): the strengths a default bundle stores
@@ -29,9 +29,9 @@ def _training():
     control examples (6 held-out attribute ones, 6 general-capability ones)."""
     from mari_eval.train import AttributeData, Example
 
-    from .test_reliability import _tiny_session
+    from .tiny import tiny_session
 
-    session = _tiny_session(tiny_model("llama"))
+    session = tiny_session(tiny_model("llama"))
     session.memory_budget = 2**30
     g = torch.Generator().manual_seed(4)
     make = lambda i: Example(f"ex{i}", torch.randint(1, 97, (9,), generator=g).tolist(),  # noqa: E731
@@ -88,7 +88,7 @@ def test_probe_alpha_at_the_trained_strength_is_the_default_evaluation_exactly(t
     assert same.tau == default.tau and same.tau == methods.load_bundle(path).config["gate"]["tau_E"]
     records = []
     for bundle in (default, same):
-        runs = [_score(tiny, bundle, ex.context, ex.options) for ex in ctrl[:4]]
+        runs = [score_under(tiny, bundle, ex.context, ex.options) for ex in ctrl[:4]]
         records.append([bundle.choose(run) for run in runs])
         records[-1].append(bundle.summarize([r for _, r in records[-1]]))
         records[-1].append([run.logprobs for run in runs])
@@ -119,7 +119,7 @@ def test_another_probe_alpha_injects_the_same_probe_and_takes_tau_from_the_energ
     assert "energy_linearity" not in default.summarize([])
     # The gate's probe row at inference: h + 0.1 delta_phi(h), the energy calibration stored for the example.
     for i in (1, 8):
-        run = _score(tiny, bundle, ctrl[i].context, ctrl[i].options)
+        run = score_under(tiny, bundle, ctrl[i].context, ctrl[i].options)
         assert float(bundle.energy(run)) == pytest.approx(float(energies[i]), rel=1e-4)
         assert float(bundle.energy(run)) == pytest.approx(_energy_by_hand(tiny, bundle, ctrl[i].context, 0.1), rel=1e-4)
     h = torch.randn(2, 32)
@@ -188,7 +188,7 @@ def test_energies_by_alpha_must_agree_with_the_stored_strengths(trained, tmp_pat
 
 def _grid_bundle(d, layers, by_alpha, path):
     """test_mari's synthetic MARI (K = 3) with energies stored at GRID: ``by_alpha`` [3, 20]."""
-    made = _bundle(K=3, d=d, layers=layers, layer=1, energies=by_alpha[GRID.index(1.0)].clone())
+    made = tiny_mari(K=3, d=d, layers=layers, layer=1, energies=by_alpha[GRID.index(1.0)].clone())
     config = {**made.config, "gate": {"probe_alphas": GRID}}
     return str(mari.MARI(config, {**made.tensors, "ctrl_energy_by_alpha": by_alpha}).save(path))
 
@@ -200,7 +200,7 @@ def test_rows_differing_in_probe_alpha_share_a_pass_with_their_own_answers(model
     first = {"mari": _grid_bundle(d, layers, torch.ones(3, 20), tmp_path / "first")}
     midway = []
     for alpha in GRID:
-        _, records, _ = _evaluate(_lm(model, tokenizer, first, "mari", {"probe_alpha": str(alpha)}), _requests(), model)
+        _, records, _ = evaluate(lm_for(model, tokenizer, first, "mari", {"probe_alpha": str(alpha)}), truthfulqa_requests(), model)
         energies = [r["energy"] for r in records]
         midway.append(torch.full((20,), (min(energies) + max(energies)) / 2))
     bundles = {"mari": _grid_bundle(d, layers, torch.stack(midway), tmp_path / "mari")}
@@ -214,22 +214,22 @@ def test_rows_differing_in_probe_alpha_share_a_pass_with_their_own_answers(model
         return original(self, hidden, variant_ids)
 
     rows = [{}, {"probe_alpha": "0.1"}, {"probe_alpha": "0.3"}, {"probe_alpha": "1"}]
-    alone = [_evaluate(_lm(model, tokenizer, bundles, "mari", options), _requests(), model) for options in rows]
+    alone = [evaluate(lm_for(model, tokenizer, bundles, "mari", options), truthfulqa_requests(), model) for options in rows]
     monkeypatch.setattr(mari.MARI, "edit_variants", counting)
     from mari_eval.shared_pass import SharedPass
 
     shared = SharedPass(model)
-    lms = [_lm(model, tokenizer, bundles, "mari", options, shared) for options in rows]
-    together = [_evaluate(lm, _requests(), model) for lm in lms]
+    lms = [lm_for(model, tokenizer, bundles, "mari", options, shared) for options in rows]
+    together = [evaluate(lm, truthfulqa_requests(), model) for lm in lms]
     for options, (answers, records, _), (got, got_records, _) in zip(rows, alone, together):
         assert [x for x, _ in got] == pytest.approx([x for x, _ in answers], abs=1e-5), options
-        assert _close(got_records, records), (options, got_records, records)
+        assert close(got_records, records), (options, got_records, records)
         assert {r["gate_open"] for r in records} == {True, False}, options
     # Each strength's own probe row: the energies differ between strengths, and at the trained one
     # probe_alpha=1 is the default row itself.
     energies = [[r["energy"] for r in records] for _, records, _ in alone]
     assert all(abs(a - b) > 1e-4 for a, b in zip(energies[0], energies[1]))
-    assert _close(alone[3][1], alone[0][1], tol=0)
+    assert close(alone[3][1], alone[0][1], tol=0)
     summaries = [lm.get_model_info()["mari_diagnostics"] for lm in lms]
     assert [s["probe_alpha"] for s in summaries] == [1.0, 0.1, 0.3, 1.0]
     assert [s["tau_E"] for s in summaries] == pytest.approx([float(midway[i][0]) for i in (2, 0, 1, 2)])

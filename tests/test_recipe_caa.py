@@ -13,7 +13,7 @@ from mari_eval import methods, runner
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import AttributeData, Example
 
-from .test_baseline_reference import _chat_free_session
+from .tiny import chat_free_session
 from .tiny import reloaded, tiny_model
 
 QUESTIONS = [("Is ice cold?", ["Yes", "No", "Warm"], 0), ("Is fire cold?", ["Yes", "No", "Wet"], 1),
@@ -26,7 +26,7 @@ QUESTIONS = [("Is ice cold?", ["Yes", "No", "Warm"], 0), ("Is fire cold?", ["Yes
 @pytest.fixture(scope="module")
 def fitted():
     model = tiny_model("llama")  # 4 layers: the published layer is round(13 * 4 / 32) = 2
-    session = _chat_free_session(model)
+    session = chat_free_session(model)
     examples = [Example(f"q{i}", session.encode_prompt(q + "\nA:"), [session.encode_prompt(" " + c) for c in choices], gold,
                         question=q, choices=choices) for i, (q, choices, gold) in enumerate(QUESTIONS)]
     data = AttributeData("tiny", None, [], examples, [], [])
@@ -121,7 +121,7 @@ def test_published_bundle_round_trips_and_applies_the_vector_at_its_layer(fitted
 
 def test_published_recipe_refuses_a_grid():
     model = tiny_model("llama")
-    session = _chat_free_session(model)
+    session = chat_free_session(model)
     with pytest.raises(ValueError, match=r"published recipe fixes the layer and the multiplier; drop --set layers "
                                          r"or train with --recipe adapted"):
         caa.CAA.fit(session, AttributeData("tiny", None, [], [], [], []), {"site": {"layer": 1}},

@@ -14,28 +14,17 @@ import torch
 
 from baselines import iti, iti_heads, iti_published
 from baselines.common import SELECTION_KEY
-from mari_eval import runner, site
+from mari_eval import runner
 from mari_eval.bundle_spec import BundleError
 from mari_eval.prefix_cache import encode_prefix
-from mari_eval.train import AttributeData, Example
+from mari_eval.train import Example
 
-from .test_baseline_reference import _chat_free_session
+from .tiny import chat_free_session
 from .iti_expect import head_shift, heads_shifted
 from .tiny import reloaded, tiny_model
-
-
-def _examples(session, n=10):
-    """Multiple-choice examples whose prompts and options use the character tokenizer."""
-    out = []
-    for i in range(n):
-        question, choices = f"Is {i} odd or even, and why {i * 7}?", [f"option {i}-{j} says {j * i}" for j in range(3)]
-        out.append(Example(f"ex{i}", session.encode_prompt(f"Q: {question}\nA:"),
-                           [session.encode_prompt(" " + c) for c in choices], i % 3, question=question, choices=choices))
-    return out
-
-
-def _data(examples):
-    return AttributeData("truthfulqa", None, [], examples, [], [])
+from .tiny import char_examples
+from .tiny import attribute_of
+from .tiny import tiny_config
 
 
 def _mc2(examples):
@@ -52,19 +41,14 @@ def mc2(monkeypatch):
     return served
 
 
-def _config(model):
-    return {"base_model": {"name": "tiny", "hidden_size": model.config.hidden_size, "num_layers": site.num_layers(model)},
-            "site": {"layer": 1, "position": "last prompt token"}}
-
-
 @pytest.mark.parametrize("cls, probe, probe_tokens, tokens, shift_from", [
     (iti.ITI, "linear", 1, 1, "answer"), (iti.NLITI, "mlp", 4, 6, "last_prompt_token")])
 def test_published_fit_records_its_recipe_and_round_trips(tmp_path, mc2, cls, probe, probe_tokens, tokens, shift_from):
     model = tiny_model("llama")
-    session = _chat_free_session(model)
-    examples = _examples(session)
+    session = chat_free_session(model)
+    examples = char_examples(session)
     mc2.update(_mc2(examples))
-    fitted = cls.fit(session, _data(examples), _config(model), {"recipe": "published"}, seed=0)
+    fitted = cls.fit(session, attribute_of(examples), tiny_config(model), {"recipe": "published"}, seed=0)
     hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
     assert (hp["recipe"], hp["alpha"], hp["probe"], hp["probe_tokens"], hp["tokens"], hp["shift_from"]) == \
         ("published", 15.0, probe, probe_tokens, tokens, shift_from)
@@ -91,8 +75,8 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
     """honest_llama ``tokenized_tqa`` and NL-ITI ``prepare_dataset``: one row per answer of
     ``mc2_targets``, label 1 for each true answer, 0 for each false one, split by question."""
     model = tiny_model("llama")
-    session = _chat_free_session(model)
-    examples = _examples(session)
+    session = chat_free_session(model)
+    examples = char_examples(session)
     mc2.update(_mc2(examples))
     seen, texts = {}, []
     scored = iti_published.logistic_accuracy
@@ -104,7 +88,7 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
     read = iti_published.window_outputs
     monkeypatch.setattr(iti_published, "logistic_accuracy", spy)
     monkeypatch.setattr(iti_published, "window_outputs", lambda s, t, w: texts.extend(t) or read(s, t, w))
-    fitted = iti.ITI.fit(session, _data(examples), _config(model), {"recipe": "published"}, seed=0)
+    fitted = iti.ITI.fit(session, attribute_of(examples), tiny_config(model), {"recipe": "published"}, seed=0)
     val_ids = set(fitted.config["diagnostics"]["validation_ids"])
     for part, ids in (("fit", {ex.id for ex in examples} - val_ids), ("val", val_ids)):
         true, false = sum(len(mc2[i][0]) for i in ids), sum(len(mc2[i][1]) for i in ids)
@@ -116,8 +100,8 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
 
 
 def test_probe_rows_elsewhere_are_the_options_or_the_refusal():
-    session = _chat_free_session(tiny_model("llama"))
-    examples = _examples(session, n=2)
+    session = chat_free_session(tiny_model("llama"))
+    examples = char_examples(session, n=2)
     kind, answers = iti_published.probe_answers("bbq", examples)
     assert kind == "options" and answers[1] == ([examples[1].choices[1]], [examples[1].choices[0], examples[1].choices[2]])
     refusal = Example("s", [1], [[2]], None, question="Do it", choices=["I can't."])
@@ -125,16 +109,16 @@ def test_probe_rows_elsewhere_are_the_options_or_the_refusal():
 
 
 def test_a_training_question_missing_from_the_truthfulqa_file_is_named(mc2):
-    session = _chat_free_session(tiny_model("llama"))
+    session = chat_free_session(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"probes TruthfulQA's MC2 answers, but 2 training example\(s\) \(ex0, ex1\).*MARI_DATA_DIR"):
-        iti_published.probe_answers("truthfulqa", _examples(session, n=2))
+        iti_published.probe_answers("truthfulqa", char_examples(session, n=2))
 
 
 def test_published_recipe_refuses_the_adapted_grid():
     model = tiny_model("llama")
-    session = _chat_free_session(model)
+    session = chat_free_session(model)
     with pytest.raises(ValueError, match="published recipe fixes K and alpha.*drop --set alphas"):
-        iti.ITI.fit(session, _data(_examples(session)), _config(model), {"recipe": "published", "alphas": [1.0]}, seed=0)
+        iti.ITI.fit(session, attribute_of(char_examples(session)), tiny_config(model), {"recipe": "published", "alphas": [1.0]}, seed=0)
 
 
 def test_k_is_itis_share_of_the_heads():
@@ -279,7 +263,7 @@ def test_direction_is_the_mass_mean_and_sigma_the_population_std_of_the_tuning_p
 @pytest.mark.parametrize("windows", [(1,), (4, 6)])
 def test_window_outputs_average_the_heads_over_the_targets_last_tokens(windows):
     model = tiny_model("llama")
-    session = _chat_free_session(model)
+    session = chat_free_session(model)
     texts = [("Q: Why?\nA:", " Because it is"), ("Q: Why?\nA:", " No"), ("Q: Why?\nA: No\n\nQ:", " Where is it?")]
     got = iti_published.window_outputs(session, texts, windows)
     for r, (before, target) in enumerate(texts):
@@ -302,7 +286,7 @@ def _published_bundle(model, shift_from):
     heads = torch.tensor([[1, 0], [2, 3]])
     theta = torch.randn(2, 8, generator=g)
     hp = {"alpha": 4.0, "recipe": "published", **({"shift_from": shift_from} if shift_from else {})}
-    config = {**_config(model), "hyperparameters": hp}
+    config = {**tiny_config(model), "hyperparameters": hp}
     return iti.ITI(config, {"heads": heads, "directions": theta / theta.norm(dim=-1, keepdim=True),
                             "sigma": torch.tensor([0.7, 1.3])})
 

@@ -16,7 +16,7 @@ from baselines.common import SELECTION_KEY
 from baselines.loreft import continuous_rows, distance_from_init, dropped, initial_parameters
 from baselines.reft_published import evaluation_loss, fit_published, step_plan, warmup_linear
 
-from .test_reliability import _tiny_examples, _tiny_session
+from .tiny import tiny_examples, tiny_session
 from .tiny import reloaded, tiny_model
 
 CONFIG = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
@@ -25,8 +25,8 @@ CONFIG = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "s
 @pytest.fixture(scope="module")
 def tiny():
     model = tiny_model("llama").requires_grad_(False)  # frozen, as every trained method's base model
-    session = _tiny_session(model)
-    return model, session, _tiny_examples(session, n=10)
+    session = tiny_session(model)
+    return model, session, tiny_examples(session, n=10)
 
 
 def _fit(tiny, min_steps=6, examples=None, **given):
@@ -330,7 +330,7 @@ def test_a_shared_preamble_runs_once_per_step_with_the_same_loss_and_gradient():
     from mari_eval.train import Example
 
     model = tiny_model("llama").requires_grad_(False)
-    session = _tiny_session(model)
+    session = tiny_session(model)
     g = torch.Generator().manual_seed(3)
     preamble = torch.randint(1, 97, (12,), generator=g).tolist()
     examples = [Example(f"q{i}", preamble + torch.randint(1, 97, (9 + i,), generator=g).tolist(),

@@ -14,7 +14,7 @@ from mari_eval import data_splits, lm as mari_lm
 from mari_eval import lm_checks
 from mari_eval.models import resolve_model
 
-from .test_mari import _bundle
+from .tiny import tiny_mari
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_mari_switches_without_a_bundle_are_refused(arg):
 
 
 def test_values_of_the_wrong_type_name_their_argument(tiny_lm, tmp_path):
-    path = _bundle(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
+    path = tiny_mari(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
     with pytest.raises(ValueError, match=r"rho='abc' in --model_args is not a number"):
         _lm(tiny_lm, path, rho="abc", allow_other_model=True)
     with pytest.raises(ValueError, match=r"allow_other_model='maybe' in --model_args: use true or false"):
@@ -74,7 +74,7 @@ def test_values_of_the_wrong_type_name_their_argument(tiny_lm, tmp_path):
 
 
 def test_an_unwritable_diagnostics_path_is_refused_before_scoring(tiny_lm, tmp_path, monkeypatch):
-    path = _bundle(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
+    path = tiny_mari(K=3, d=32, layers=4, layer=1).save(tmp_path / "b")
     scored = []
     monkeypatch.setattr(mari_lm.MariLM, "_loglikelihood_tokens", lambda self, *a, **k: scored.append(1))
     (tmp_path / "a-file").write_text("x")
@@ -90,7 +90,7 @@ def test_an_unwritable_diagnostics_path_is_refused_before_scoring(tiny_lm, tmp_p
 
 
 def _overflowing_bundle(expert: int):
-    bundle = _bundle(K=3, d=32, layers=4, layer=1)
+    bundle = tiny_mari(K=3, d=32, layers=4, layer=1)
     bundle.tensors["expert_U"][expert] = 1e20  # finite weights whose edit overflows float32
     bundle.tensors["expert_b"][expert] = 1e20
     return bundle
@@ -125,7 +125,7 @@ def test_non_finite_scores_while_generating_stop_naming_the_prompt(tiny_lm, tmp_
 
 
 def _trained_on_truthfulqa(seed: int = 0):
-    bundle = _bundle(K=3, d=32, layers=4, layer=1)
+    bundle = tiny_mari(K=3, d=32, layers=4, layer=1)
     splits = data_splits.make_splits("truthfulqa", seed)
     bundle.config.update(splits={**splits.to_json(), "fingerprint": splits.fingerprint()},
                          data_files=data_splits.data_fingerprint("truthfulqa"))

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error, interrupted work resumes, nothing is lost (README "Troubleshooting").
+"""Bad input gets a clear error, interrupted work resumes, nothing is lost (docs/troubleshooting.md).
 
 One section per kind of failure. Elsewhere: missing data files, bad lines and wrong schemas
 (test_data.py), the judge's failures (test_judge.py), kill -9 during repro/main_table.py
@@ -24,10 +24,12 @@ from lm_eval.api.registry import get_model
 from mari_eval import data, mari, methods, site
 from mari_eval.mari import fit as mari_fit
 from mari_eval.checkpoint import EpochCheckpoints
-from mari_eval.train import Example, Session
 
-from .test_mari import _bundle
+from .tiny import tiny_mari
 from .tiny import tiny_model
+from .tiny import tiny_session
+from .tiny import tiny_examples
+from .helpers import dead_pid
 
 # ----------------------------------------------------------------------------- bundles
 
@@ -47,14 +49,14 @@ def _renamed(bundle, name):
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: _renamed(_bundle(), "other-model"),
+    (lambda: _renamed(tiny_mari(), "other-model"),
      r"trained for 'other-model', not 'tiny' .* pretrained=other-model, retrain it on 'tiny', or, if both names hold the "
      r"same checkpoint, pass allow_other_model=true"),
-    (lambda: _bundle(d=64),
+    (lambda: tiny_mari(d=64),
      r"trained for 'tiny' with hidden size 64 \(this model: 32\); it cannot be applied to 'tiny'\. Load it with pretrained=tiny or retrain"),
-    (lambda: _bundle(layers=12),
+    (lambda: tiny_mari(layers=12),
      r"with 12 layers \(this model: 4\)"),
-    (lambda: _bundle(layer=7),
+    (lambda: tiny_mari(layer=7),
      r"bundle's site is invalid: Layer 7 is out of range for LlamaForCausalLM with 4 decoder layers.*retrain it"),
 ])
 def test_a_bundle_for_another_model_or_site_is_refused_with_the_fix(tmp_path, tiny, make, message):
@@ -66,7 +68,7 @@ def test_a_bundle_for_another_model_or_site_is_refused_with_the_fix(tmp_path, ti
 def test_another_name_for_the_same_checkpoint_is_accepted(tmp_path, tiny, smollm2_path):
     from mari_eval.models import same_model
 
-    bundle = methods.load_bundle(_saved(tmp_path, _bundle()))
+    bundle = methods.load_bundle(_saved(tmp_path, tiny_mari()))
     bundle.config["base_model"]["name"] = "other-model"
     bundle.check_compatible(tiny, "tiny", allow_other_model=True)
     # The embedded alias and the directory it is materialised into are one model.
@@ -78,14 +80,14 @@ def test_another_name_for_the_same_checkpoint_is_accepted(tmp_path, tiny, smollm
     ("rank", r"expert_U has shape \(3, 32, 2\), expected \(3, 32, 5\) from bundle.json \(K=3, rank=5"),
 ])
 def test_a_k_or_rank_that_disagrees_with_the_tensors_is_refused(tmp_path, hyperparameter, message):
-    bundle = _bundle(K=3, rank=2)
+    bundle = tiny_mari(K=3, rank=2)
     bundle.config["hyperparameters"][hyperparameter] = 5
     with pytest.raises(methods.BundleError, match=message + r".*retrain it"):
         methods.load_bundle(_saved(tmp_path, bundle))
 
 
 def test_missing_truncated_and_pickled_bundle_files_are_refused(tmp_path):
-    path = _saved(tmp_path, _bundle())
+    path = _saved(tmp_path, tiny_mari())
     weights = path / methods.BUNDLE_WEIGHTS
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2])
@@ -105,7 +107,7 @@ def test_missing_truncated_and_pickled_bundle_files_are_refused(tmp_path):
 
 
 def test_lm_eval_refuses_a_bundle_for_another_model_before_scoring(tmp_path):
-    bundle = _bundle(d=576, layers=30, layer=15)
+    bundle = tiny_mari(d=576, layers=30, layer=15)
     bundle.config["base_model"]["name"] = "HuggingFaceTB/SmolLM2-135M"  # same shapes, other weights
     path = _saved(tmp_path, bundle)
     with pytest.raises(methods.BundleError, match="pretrained=HuggingFaceTB/SmolLM2-135M"):
@@ -141,9 +143,9 @@ def vanilla_lm():
 
 @pytest.fixture(scope="module")
 def mari_lm(tmp_path_factory, vanilla_lm):
-    from .test_lm_eval import _mari_bundle
+    from .helpers import saved_mari_bundle
 
-    path = _mari_bundle(tmp_path_factory.mktemp("bundle"), vanilla_lm.model)
+    path = saved_mari_bundle(tmp_path_factory.mktemp("bundle"), vanilla_lm.model)
     return get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,bundle={path},batch_size=4,gate=false")
 
 
@@ -180,9 +182,9 @@ def test_an_empty_prompt_is_read_as_lm_evals_prefix_token(vanilla_lm, mari_lm):
 
 
 def test_a_prompt_longer_than_the_context_window_is_cut_from_the_left(tmp_path, vanilla_lm):
-    from .test_lm_eval import _mari_bundle
+    from .helpers import saved_mari_bundle
 
-    path = _mari_bundle(tmp_path, vanilla_lm.model)
+    path = saved_mari_bundle(tmp_path, vanilla_lm.model)
     lm = get_model("mari").create_from_arg_string(
         f"pretrained=smollm2-135m-instruct,bundle={path},max_length=24,gate=false")
     context = " ".join(f"w{i}" for i in range(60))
@@ -228,23 +230,6 @@ def test_non_ascii_and_right_to_left_text_is_scored_as_tokenised(vanilla_lm, mar
 # ----------------------------------------------------------------------------- training
 
 
-def _tiny_session(model, checkpoints=None) -> Session:
-    # A Session around a tiny random model (Session() itself loads a checkpoint through lm-eval).
-    session = Session.__new__(Session)
-    session.model, session.layer, session.num_layers, session.hidden_size = model, 1, 4, 32
-    session.max_tokens = 1024
-    session.checkpoints = checkpoints or EpochCheckpoints(None)
-    return session
-
-
-def _tiny_examples(session, n=6):
-    g = torch.Generator().manual_seed(1)
-    examples = [Example(f"ex{i}", torch.randint(1, 97, (7,), generator=g).tolist(),
-                        [torch.randint(1, 97, (2,), generator=g).tolist() for _ in range(3)], i % 3) for i in range(n)]
-    session.prepare(examples, "tiny")
-    return examples
-
-
 class Killed(Exception):
     """Stands in for SIGKILL in-process: raised from inside a training step."""
 
@@ -266,15 +251,15 @@ HP = {**mari.DEFAULTS, "K": 2, "epochs": 3, "batch_size": 2, "lr": 2e-2}
 
 
 def test_a_non_finite_loss_stops_training_naming_epoch_step_and_examples(tiny):
-    session = _tiny_session(tiny)
-    examples = _tiny_examples(session)
+    session = tiny_session(tiny)
+    examples = tiny_examples(session)
     with pytest.raises(FloatingPointError, match=r"experts: loss is nan at epoch 1, step 2 \(examples ex\d, ex\d...\); lower --lr"):
         mari_fit.fit_experts(session, examples, 2, {**HP, "lr": float("inf")}, torch.Generator().manual_seed(0), "experts")
 
 
 def test_a_collapsing_expert_is_warned_about(tiny, caplog):
-    session = _tiny_session(tiny)
-    examples = _tiny_examples(session, n=2)
+    session = tiny_session(tiny)
+    examples = tiny_examples(session, n=2)
     with caplog.at_level(logging.WARNING, logger="mari_eval.mari"):
         _, history = mari_fit.fit_experts(session, examples, 4, {**HP, "epochs": 1}, torch.Generator().manual_seed(0), "experts")
     assert min(history[0]["usage"]) < 1 / 16  # 2 examples cannot reach 4 experts
@@ -291,24 +276,24 @@ def test_killed_mari_training_resumes_from_its_last_epoch_bit_identically(tiny, 
         tensors, history = mari_fit.fit_experts(session, examples, 2, HP, gen, "experts")
         return tensors, history, gen.get_state()
 
-    session = _tiny_session(tiny)
-    examples = _tiny_examples(session)
+    session = tiny_session(tiny)
+    examples = tiny_examples(session)
     reference = fit(session)
     assert all(torch.equal(a, b) for a, b in zip(reference[0].values(), fit(session)[0].values()))  # deterministic
 
     checkpoints = EpochCheckpoints(tmp_path / "ckpt", key="run-a")
-    killed = _tiny_session(tiny, checkpoints)
+    killed = tiny_session(tiny, checkpoints)
     killed.run, _ = _dies_after(killed.run, 6 + 3)  # one epoch is 6 runs: dies during the second epoch
     with pytest.raises(Killed):
         fit(killed)
-    resumed = _tiny_session(tiny, checkpoints)
+    resumed = tiny_session(tiny, checkpoints)
     resumed.run, count = _dies_after(resumed.run, 10**9)
     tensors, history, generator = fit(resumed)
     assert count["n"] == 2 * 6  # epochs 2 and 3 only
     assert all(torch.equal(tensors[k], reference[0][k]) for k in tensors)
     assert history == reference[1] and torch.equal(generator, reference[2])
     # A checkpoint written by another configuration is never resumed from.
-    other = _tiny_session(tiny, EpochCheckpoints(tmp_path / "ckpt", key="run-b"))
+    other = tiny_session(tiny, EpochCheckpoints(tmp_path / "ckpt", key="run-b"))
     other.run, count = _dies_after(other.run, 10**9)
     fit(other)
     assert count["n"] == 3 * 6
@@ -322,17 +307,17 @@ def test_killed_reft_training_resumes_from_its_last_epoch_bit_identically(tiny, 
         config = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
         return ReFT.fit(session, SimpleNamespace(train=examples), config, {"epochs": 3, "batch": 2, "first": 2, "last": 2}, 0)
 
-    session = _tiny_session(tiny)
-    examples = _tiny_examples(session, n=5)
+    session = tiny_session(tiny)
+    examples = tiny_examples(session, n=5)
     reference = fit(session)
     checkpoints = EpochCheckpoints(tmp_path / "ckpt", key="reft")
     monkeypatch.setattr(reft, "task_loss", _dies_after(reft.task_loss, 7)[0])  # dies in the second epoch
     with pytest.raises(Killed):
-        fit(_tiny_session(tiny, checkpoints))
+        fit(tiny_session(tiny, checkpoints))
     monkeypatch.undo()
     counted, count = _dies_after(reft.task_loss, 10**9)
     monkeypatch.setattr(reft, "task_loss", counted)
-    resumed = fit(_tiny_session(tiny, checkpoints))
+    resumed = fit(tiny_session(tiny, checkpoints))
     assert count["n"] == 2 * 5  # epochs 2 and 3 only (4 training examples + 1 validation example each)
     assert resumed.fingerprint() == reference.fingerprint()
     assert resumed.config["diagnostics"]["history"] == reference.config["diagnostics"]["history"]
@@ -372,12 +357,6 @@ def test_two_processes_writing_the_same_files_never_corrupt_them(tmp_path):
 # ----------------------------------------------------------------------------- half-trained repro bundles, hosts sharing runs/
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()  # reaped: no process has its pid now
-    return child.pid
-
-
 def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_gone(tmp_path, caplog, monkeypatch):
     from repro import cache
 
@@ -388,7 +367,7 @@ def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_go
     assert cache._partial_owner(mine) == ("gpu_node_3.cluster", os.getpid())
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        dead = _dead_pid()
+        dead = dead_pid()
         partials = {
             "another host, its process unknown here": f"other_host-{dead}",
             "another host, a pid alive here": f"other_host-{live.pid}",
@@ -417,7 +396,7 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
     odd = ["old", "²", "99999999999999999999", f"{cache._host()}-99999999999", "0", f"{cache._host()}-"]
     for suffix in odd:
         (tmp_path / f"{final.name}.partial-{suffix}").mkdir()
-    not_a_directory = tmp_path / f"{final.name}.partial-{cache._host()}-{_dead_pid()}"
+    not_a_directory = tmp_path / f"{final.name}.partial-{cache._host()}-{dead_pid()}"
     not_a_directory.write_text("a file, not a bundle directory")
     with caplog.at_level(logging.INFO, logger="repro"):
         cache._remove_abandoned(sorted(tmp_path.glob(f"{final.name}.partial-*")))  # raised ValueError/OverflowError
@@ -513,7 +492,7 @@ def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp
 
     def train(method, attribute, model, seed, out, **kwargs):
         trained.append(seed)
-        return _bundle().save(out)
+        return tiny_mari().save(out)
 
     monkeypatch.setattr("mari_eval.train.train", train)
     smoke = profiles.PROFILES["smoke"]
@@ -536,7 +515,7 @@ def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its
     evaluation replaced the first's, so every mmlu column showed the last bundle's figures."""
     from repro import cache, lm_eval_run, profiles, scoring
 
-    bundles = {"truthfulqa": _bundle().save(tmp_path / "tqa"), "bbq": _bundle(layer=7).save(tmp_path / "bbq")}
+    bundles = {"truthfulqa": tiny_mari().save(tmp_path / "tqa"), "bbq": tiny_mari(layer=7).save(tmp_path / "bbq")}
     accuracy = {bundles["truthfulqa"].name: 0.25, bundles["bbq"].name: 0.75}
 
     def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
@@ -557,7 +536,7 @@ def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(
 
     def train(method, attribute, model, seed, out, **kwargs):
         trained.append(out)
-        methods_bundle = _bundle()  # a real bundle, written as training writes it
+        methods_bundle = tiny_mari()  # a real bundle, written as training writes it
         methods_bundle.config["train_seconds"] = 2.0
         return methods_bundle.save(out)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO
+from .helpers import run_repro
 
 pytestmark = pytest.mark.needs_data
 
@@ -91,18 +92,10 @@ def smoke_dirs(tmp_path_factory):
     return root / "runs", root / "results"
 
 
-def _repro(script: str, dirs, *args: str) -> subprocess.CompletedProcess:
-    runs, out = dirs
-    proc = subprocess.run([sys.executable, str(REPO / "repro" / script), "--smoke", "--runs", str(runs),
-                           "--out", str(out), *args], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(smoke_dirs):
     """The main table's smoke run, start to finish in one process."""
-    _repro("main_table.py", smoke_dirs, "--methods", "vanilla,mari")
+    run_repro("main_table.py", smoke_dirs, "--methods", "vanilla,mari")
     return _strict((smoke_dirs[1] / "main_table.json").read_text())
 
 
@@ -124,7 +117,7 @@ def test_main_table_smoke_writes_ours_beside_the_papers_and_resumes_without_reco
     assert re.search(r"^\| Vanilla +\| ", (out / "main_table.md").read_text(), re.M)
     assert re.search(r"^ ?Vanilla +& ", (out / "main_table.tex").read_text(), re.M)
     # A finished run is read back, not recomputed, and gives the same table.
-    _repro("main_table.py", smoke_dirs, "--methods", "vanilla,mari")
+    run_repro("main_table.py", smoke_dirs, "--methods", "vanilla,mari")
     second = _strict((out / "main_table.json").read_text())
     assert second["computed_now"] == []
     assert second["models"] == first["models"]
@@ -243,7 +236,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     before = _finished(runs)
     assert before and not (out / "main_table.json").exists()
 
-    rerun = _repro("main_table.py", (runs, out), *selection)
+    rerun = run_repro("main_table.py", (runs, out), *selection)
     assert "from its checkpoint after epoch" in rerun.stderr  # the killed training resumed, not restarted
     result = _strict((out / "main_table.json").read_text())
     assert result["computed_now"] and not set(result["computed_now"]) & before  # nothing computed twice
@@ -276,7 +269,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     ("baseline_recipes.py", ["--methods", "caa"], ["baseline_recipes.json", "baseline_recipes.md", "baseline_recipes.tex"]),
 ])
 def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs):
-    _repro(script, smoke_dirs, *args)
+    run_repro(script, smoke_dirs, *args)
     for name in outputs:
         assert (smoke_dirs[1] / name).stat().st_size > 0, name
     if outputs[0].endswith(".json"):

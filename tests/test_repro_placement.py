@@ -11,7 +11,7 @@ from mari_eval.devices import Placement
 
 from repro import cache, command_line, lm_eval_run, profiles
 
-from .test_repro import _repro
+from .helpers import run_repro
 
 MODEL = "smollm2-135m-instruct"  # a float32 checkpoint
 
@@ -129,7 +129,7 @@ def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, m
 def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "results"
     # Vanilla on one MMLU question: the cheapest real evaluation (the bundles' placement is tested above).
-    _repro("main_table.py", (runs, out), "--methods", "vanilla", "--columns", "mmlu", "--dtype", "bfloat16")
+    run_repro("main_table.py", (runs, out), "--methods", "vanilla", "--columns", "mmlu", "--dtype", "bfloat16")
     record = json.loads((out / "main_table.json").read_text())
     assert record["placement"]["dtype"] == "bfloat16" and record["models"][MODEL]["dtype"] == "bfloat16"
     assert "dtype bfloat16" in (out / "main_table.md").read_text()

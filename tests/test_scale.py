@@ -18,7 +18,7 @@ from lm_eval.api.registry import get_model
 from mari_eval import site
 
 from .conftest import HARNESS_TASKS
-from .test_lm_eval import _baseline_bundle, _mari_bundle, _requests
+from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
 
 pytestmark = pytest.mark.needs_data
 
@@ -36,18 +36,18 @@ def bundles(tmp_path_factory):
     d, layers = model.config.hidden_size, site.num_layers(model)
     config = {"base_model": {"name": "smollm2-135m-instruct", "hidden_size": d, "num_layers": layers}}
     g = torch.Generator().manual_seed(1)
-    iti_path = _baseline_bundle(tmp, model, "iti")
+    iti_path = saved_baseline_bundle(tmp, model, "iti")
     from mari_eval import methods
 
     iti_bundle = methods.load_bundle(iti_path)
     return {
         "vanilla": None,
-        "mari": _mari_bundle(tmp, model),
+        "mari": saved_mari_bundle(tmp, model),
         "caa": caa.CAA({**config, "site": {"layer": 12}, "hyperparameters": {"multiplier": 4.0}},
                        {"vector": torch.randn(d, generator=g)}).save(tmp / "caa"),
         "iti": iti_path,
         "nl_iti": iti.NLITI(iti_bundle.config, iti_bundle.tensors).save(tmp / "nl_iti"),
-        "reft": _baseline_bundle(tmp, model, "reft"),
+        "reft": saved_baseline_bundle(tmp, model, "reft"),
     }
 
 
@@ -72,7 +72,7 @@ def _bf16_tolerance(logprob: float) -> float:
 def test_every_method_scores_and_generates_in_half_precision(bundles, method, dtype):
     fp32, bf16 = _lm(bundles[method], ",dtype=float32"), _lm(bundles[method], f",dtype={dtype}")
     assert fp32.model.dtype == torch.float32 and bf16.model.dtype == getattr(torch, dtype)
-    for (a, _), (b, _) in zip(fp32.loglikelihood(_requests()), bf16.loglikelihood(_requests())):
+    for (a, _), (b, _) in zip(fp32.loglikelihood(capital_requests()), bf16.loglikelihood(capital_requests())):
         assert abs(a - b) <= _bf16_tolerance(a)
     answers = bf16.generate_until(_generations())
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
@@ -90,7 +90,7 @@ def test_offloaded_device_map_scores_and_generates_like_one_device(bundles, meth
     spread = _lm(bundles[method], f",parallelize=True,max_cpu_memory=250MB,offload_folder={tmp_path / 'offload'}")
     assert set(spread.model.hf_device_map.values()) == {"cpu", "disk"}
     assert any(p.device.type == "meta" for p in spread.model.parameters())  # offloaded until a hook loads them
-    for (a, greedy_a), (b, greedy_b) in zip(one.loglikelihood(_requests()), spread.loglikelihood(_requests())):
+    for (a, greedy_a), (b, greedy_b) in zip(one.loglikelihood(capital_requests()), spread.loglikelihood(capital_requests())):
         assert abs(a - b) <= 1e-4 and greedy_a == greedy_b
     assert one.generate_until(_generations()) == spread.generate_until(_generations())
     # accelerate's hooks are still installed on every layer, and forward is still theirs.
@@ -101,7 +101,7 @@ def test_offloaded_device_map_scores_and_generates_like_one_device(bundles, meth
 def test_lm_evals_padding_copies_never_join_a_routing_group(bundles):
     """Under data parallelism lm-eval pads a rank with copies (the same object) of its last request."""
     lm = _lm(bundles["mari"], ",gate=false")
-    requests = _requests()
+    requests = capital_requests()
     plain = lm.loglikelihood(requests)
     records = [dict(r) for r in lm.records]
     padded = lm.loglikelihood(requests + [requests[-1]] * 2)
@@ -152,10 +152,10 @@ def _tiny_training(n_pca=20):
     """A Session around a tiny bf16 model (bf16 backward is slow on CPUs) and an attribute's data."""
     from mari_eval.train import AttributeData, Example
 
-    from .test_reliability import _tiny_session
+    from .tiny import tiny_session
     from .tiny import tiny_model
 
-    session = _tiny_session(tiny_model("llama").to(torch.bfloat16))
+    session = tiny_session(tiny_model("llama").to(torch.bfloat16))
     session.memory_budget = 2**30
     session.encode_prompt = lambda text: [5, 6, 7]  # CAA's A/B prompts (the tiny model has no tokenizer)
     session.chat_prompt = lambda user, without_template: without_template

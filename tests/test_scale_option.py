@@ -11,7 +11,7 @@ from lm_eval.api.registry import get_model
 from baselines import caa, iti
 from mari_eval import methods, site
 
-from .test_lm_eval import _baseline_bundle, _mari_bundle, _requests
+from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
 from .tiny import tiny_model
 
 MODEL = "smollm2-135m-instruct"
@@ -51,9 +51,9 @@ def _with_added(model, layer, shift, context, continuation, tok):
 
 @pytest.mark.parametrize("method", ["caa", "iti"])
 def test_scale_zero_gives_exactly_the_untouched_models_loglikelihoods(tmp_path, vanilla, method):
-    bundle = _caa(vanilla.model, tmp_path / "caa") if method == "caa" else _baseline_bundle(tmp_path, vanilla.model, "iti")
+    bundle = _caa(vanilla.model, tmp_path / "caa") if method == "caa" else saved_baseline_bundle(tmp_path, vanilla.model, "iti")
     off = _lm(bundle, ",scale=0")
-    assert off.loglikelihood(_requests()) == vanilla.loglikelihood(_requests())  # exactly, not within a tolerance
+    assert off.loglikelihood(capital_requests()) == vanilla.loglikelihood(capital_requests())  # exactly, not within a tolerance
     if method == "caa":  # the edit reaches generated tokens too: still the untouched model's answer
         request = lambda: [Instance("generate_until", {}, ("Q: Name a colour.\nA:", {"until": ["\n"], "max_gen_toks": 8}), 0)]
         assert off.generate_until(request()) == vanilla.generate_until(request())
@@ -64,7 +64,7 @@ def test_caa_scale_two_adds_twice_the_trained_vector(tmp_path, vanilla):
     path = _caa(vanilla.model, tmp_path / "caa")
     lm = _lm(path, ",scale=2")
     vector = methods.load_bundle(path).tensors["vector"]
-    for (got, _), request in zip(lm.loglikelihood(_requests()), _requests()):
+    for (got, _), request in zip(lm.loglikelihood(capital_requests()), capital_requests()):
         twice = _with_added(lm.model, 12, 2 * MULTIPLIER * vector, *request.args, lm.tokenizer)
         once = _with_added(lm.model, 12, MULTIPLIER * vector, *request.args, lm.tokenizer)
         assert abs(got - twice) <= 1e-4 and abs(got - once) > 1e-3
@@ -116,7 +116,7 @@ def test_scale_is_recorded_in_the_results(tmp_path, vanilla):
 
 @pytest.mark.parametrize("method", ["reft", "mari"])
 def test_scale_is_refused_by_a_method_without_a_vector_naming_the_methods_that_take_it(tmp_path, vanilla, method):
-    path = _mari_bundle(tmp_path, vanilla.model) if method == "mari" else _baseline_bundle(tmp_path, vanilla.model, "reft")
+    path = saved_mari_bundle(tmp_path, vanilla.model) if method == "mari" else saved_baseline_bundle(tmp_path, vanilla.model, "reft")
     message = rf"scale in --model_args: not an option of {method} bundles .*scale is an option of caa, iti, nl_iti bundles only"
     with pytest.raises(ValueError, match=message):
         methods.load_bundle(path).configure_from({"scale": "2"})

@@ -1,4 +1,4 @@
-"""Issue 26.4: ReFT's published fit runs a batch's prompts packed in one pass (``packed_nll``)
+"""ReFT's published fit runs a batch's prompts packed in one pass (``packed_nll``)
 instead of one prompt at a time. The one-at-a-time path stays (sliding windows, dropout) and is
 the reference: the same losses, gradients and fitted bundle to 1e-5."""
 
@@ -11,7 +11,7 @@ from baselines import loreft, reft, reft_published, reft_step
 from baselines.common import SELECTION_KEY
 from mari_eval.train import Example
 
-from .test_reliability import _tiny_session
+from .tiny import tiny_session
 from .tiny import tiny_model
 
 CONFIG = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
@@ -34,7 +34,7 @@ def _one_at_a_time(monkeypatch):
 def test_packed_steps_fit_the_bundle_one_prompt_at_a_time_fitted(preamble, max_tokens, monkeypatch):
     monkeypatch.setattr(reft_published, "MIN_STEPS", 4)  # the step rule's 100 steps are not what this tests
     model = tiny_model("llama").requires_grad_(False)
-    session = _tiny_session(model)
+    session = tiny_session(model)
     session.max_tokens = max_tokens
     examples = _examples(preamble)
     session.prepare(examples, "tiny", lower=False)
@@ -55,7 +55,7 @@ def test_packed_steps_fit_the_bundle_one_prompt_at_a_time_fitted(preamble, max_t
 
 def test_a_packed_step_has_the_one_at_a_time_loss_and_gradient():
     model = tiny_model("llama").requires_grad_(False)
-    session = _tiny_session(model)
+    session = tiny_session(model)
     examples = _examples(list(range(40, 52)), n=5)
     session.prepare(examples, "tiny", lower=False)
     gen = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""Issue 26.4: MARI's training shares the frozen model's work. Each speed-up is checked against
+"""MARI's training shares the frozen model's work. Each speed-up is checked against
 the slow path it replaced (kept here as a reference): the same numbers to 1e-5."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from mari_eval import layer_spans, row_passes, train
 from mari_eval.mari.equations import pca_basis
 
-from .test_reliability import _tiny_session
+from .tiny import tiny_session
 from .tiny import tiny_model
 
 
@@ -30,7 +30,7 @@ def _prompts(n=12, preamble=10):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3's 6-token window is shorter than the preamble
 @pytest.mark.parametrize("max_tokens", [1024, 20])  # one batch, or several
 def test_pca_states_over_the_shared_preamble_equal_each_prompt_run_whole(family, max_tokens):
-    session = _tiny_session(tiny_model(family, sliding_window=6))
+    session = tiny_session(tiny_model(family, sliding_window=6))
     session.max_tokens = max_tokens
     prompts = _prompts()
     expected = _reference_hidden_of_prompts(session, prompts)
@@ -45,7 +45,7 @@ def test_pca_states_over_the_shared_preamble_equal_each_prompt_run_whole(family,
 
 def _reference_prepare(session, examples):
     """``Session.prepare`` as it was: one example at a time over the shared preamble."""
-    from mari_eval import memory, runner
+    from mari_eval import memory
     from mari_eval.prefix_cache import encode_prefix, own_part
 
     common, _, _ = memory.token_counts(examples)
@@ -79,7 +79,7 @@ def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tok
     from mari_eval import runner
     from mari_eval.plan import Plan
 
-    session = _tiny_session(tiny_model("llama"))
+    session = tiny_session(tiny_model("llama"))
     session.max_tokens, session.memory_budget = max_tokens, 2**30
     examples = _examples(preamble)
     assert (len(train._example_batches(examples, len(preamble), max_tokens)) > 1) == (max_tokens < 100)

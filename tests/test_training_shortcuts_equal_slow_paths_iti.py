@@ -1,4 +1,4 @@
-"""Issue 26.4: ITI and NL-ITI's adapted fit scores its validation grid in one run per question
+"""ITI and NL-ITI's adapted fit scores its validation grid in one run per question
 (every (K, alpha) cell a variant of one plan) and reads head outputs without the vocabulary
 projection. These tests keep the slow path as a reference and check that the fitted bundle is
 the same: the same cell chosen, the same grid losses and tensors to 1e-5."""
@@ -12,8 +12,8 @@ from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan
 from mari_eval.prefix_cache import broadcast_cache, encode_prefix, with_cache
 
-from .test_baseline_reference import _chat_free_session
-from .test_recipe_iti import _config, _data, _examples
+from .tiny import chat_free_session
+from .tiny import attribute_of, char_examples, tiny_config
 from .tiny import tiny_model
 
 FRACTIONS, ALPHAS = [0.125, 0.25, 0.5], [2.5, 15.0]  # K = 2, 4, 8 of the tiny model's 16 heads
@@ -77,10 +77,10 @@ def _reference_fit(cls, session, examples, seed=0):
 @pytest.mark.parametrize("cls", [iti.ITI, iti.NLITI])
 def test_the_one_pass_grid_fits_the_bundle_the_per_cell_runs_fitted(cls):
     model = tiny_model("llama")
-    session = _chat_free_session(model)
-    examples = _examples(session, n=20)
+    session = chat_free_session(model)
+    examples = char_examples(session, n=20)
     reference = _reference_fit(cls, session, examples)
-    fitted = cls.fit(session, _data(examples), _config(model), {"head_fractions": FRACTIONS, "alphas": ALPHAS}, seed=0)
+    fitted = cls.fit(session, attribute_of(examples), tiny_config(model), {"head_fractions": FRACTIONS, "alphas": ALPHAS}, seed=0)
     hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
     assert (hp["num_heads"], hp["alpha"]) == (reference["k"], reference["alpha"])
     assert list(diag["validation_loss"]) == [f"{k}:{a}" for k, a in reference["scores"]]  # the grid, in its order
@@ -94,8 +94,8 @@ def test_the_one_pass_grid_fits_the_bundle_the_per_cell_runs_fitted(cls):
 
 def test_head_outputs_read_without_the_vocabulary_projection_are_the_same():
     model = tiny_model("llama")
-    session = _chat_free_session(model)
-    ex = _examples(session, n=1)[0]
+    session = chat_free_session(model)
+    ex = char_examples(session, n=1)[0]
     session.prepare([ex], "test", lower=False)
     for tokens in (1, 4):
         torch.testing.assert_close(iti.head_outputs(session, ex, ex.options, tokens),
