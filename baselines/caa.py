@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_loss, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
 from mari_eval import layer_spans, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
@@ -150,11 +150,8 @@ class CAA(ScaledVector):
         return "CAA's grid"
 
     @classmethod
-    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
-            seed: int) -> Intervention:
-        hyperparameters = cls.training_hyperparameters(hyperparameters)
-        if recipe_of(hyperparameters) == "published":
-            return cls.fit_published(session, data, config, hyperparameters, seed)
+    def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+                    seed: int) -> Intervention:
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
         fit_examples, val_examples = validation_split(data.train, seed)
         L = session.num_layers

@@ -97,7 +97,36 @@ def validation_losses(session: Session, examples: list[Example], plan: Plan) -> 
     return (totals / len(examples)).tolist()
 
 
-class ScaledVector(Intervention):
+class Baseline(Intervention):
+    """A baseline, trained under one of its two recipes (``RECIPES``): ``fit`` hands the
+    hyperparameters, checked, to ``fit_adapted`` (this suite's setting) or to ``fit_published``
+    (its authors'; ``published_given`` says what that recipe receives)."""
+
+    @classmethod
+    def fit(cls, session: Session, data, config: dict[str, Any], hyperparameters: dict[str, Any],
+            seed: int) -> Intervention:
+        if recipe_of(hyperparameters) == "published":
+            return cls.fit_published(session, data, config, cls.published_given(hyperparameters), seed)
+        return cls.fit_adapted(session, data, config, cls.training_hyperparameters(hyperparameters), seed)
+
+    @classmethod
+    def published_given(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+        """What the published recipe receives: the given hyperparameters checked like the adapted
+        recipe's (ReFT's own defaults complete them instead: it takes them as given)."""
+        return cls.training_hyperparameters(hyperparameters)
+
+    @classmethod
+    def fit_adapted(cls, session: Session, data, config: dict[str, Any], hyperparameters: dict[str, Any],
+                    seed: int) -> Intervention:
+        raise NotImplementedError
+
+    @classmethod
+    def fit_published(cls, session: Session, data, config: dict[str, Any], hyperparameters: dict[str, Any],
+                      seed: int) -> Intervention:
+        raise NotImplementedError
+
+
+class ScaledVector(Baseline):
     """A method that adds a trained vector (CAA's steering vector, ITI's head shifts): ``scale=``
     in lm-eval's ``--model_args`` multiplies its trained strength at evaluation (CAA's
     multiplier, ITI's alpha), the ablation of lm-eval's ``steered`` model (its

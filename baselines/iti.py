@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, recipe_of, validation_losses, validation_split
+from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_losses, validation_split
 from .iti_heads import RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 from mari_eval import devices, site
@@ -331,11 +331,8 @@ class ITI(ScaledVector):
         return f"{cls.method}'s grid"
 
     @classmethod
-    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
-            seed: int) -> Intervention:
-        hyperparameters = cls.training_hyperparameters(hyperparameters)
-        if recipe_of(hyperparameters) == "published":
-            return cls.fit_published(session, data, config, hyperparameters, seed)
+    def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+                    seed: int) -> Intervention:
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
+from .common import RECIPE_FIELD, Baseline, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
 from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
 from mari_eval import runner
 from mari_eval.plan import Plan, Positions
@@ -79,7 +79,7 @@ PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad
 
 
 @register_method("reft")
-class ReFT(Intervention):
+class ReFT(Baseline):
     """Tensors: ``R`` [r, d] (orthonormal rows), ``W`` [r, d], ``b`` [r]; config: hyperparameters.first/last.
     With hyperparameters.layers (the published recipe), one of each per layer: [len(layers), r, d] and [len(layers), r]."""
 
@@ -135,17 +135,22 @@ class ReFT(Intervention):
 
         return edits_at_layers(model, layers, edit_at, positions)
 
+    def plan(self, model: torch.nn.Module) -> Plan:
+        """One edit, at p* and at the prompt positions before it (``prompt_sites``): the runner
+        computes each prompt under the edit instead of sharing the frozen prefix."""
+        return Plan((0,), lambda variant_ids, positions: self.applied(model, positions, variant_ids), self.choose,
+                    prompt_sites=self.prompt_sites)
+
     def prompt_sites(self, length: int) -> list[int]:
+        """The first ``first`` and last ``last`` positions of a prompt of ``length`` tokens, p* excluded."""
         hp = self.config["hyperparameters"]
         positions = pyreft_positions if recipe_of(hp) == "published" else first_and_last
         return positions(length, int(hp["first"]), int(hp["last"]))
 
     @classmethod
-    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
-            seed: int) -> Intervention:
-        if recipe_of(hyperparameters) == "published":  # its own defaults complete what was given
-            return cls.fit_published(session, data, config, hyperparameters, seed)
-        hp = cls.training_hyperparameters(hyperparameters)
+    def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
+                    seed: int) -> Intervention:
+        hp = hyperparameters
         published_only = sorted(k for k in PUBLISHED_ONLY if k in hp)
         if published_only:
             raise ValueError(f"ReFT's adapted recipe does not read {published_only} (settings of the published recipe): "
@@ -200,6 +205,10 @@ class ReFT(Intervention):
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, tensors)
 
+
+    @classmethod
+    def published_given(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+        return hyperparameters  # the published recipe's own defaults complete what was given
 
     @classmethod
     def fit_published(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],

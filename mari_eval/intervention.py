@@ -69,38 +69,11 @@ class Intervention(ABC):
 
     # -- applying ----------------------------------------------------------------
     #
-    # A method proposes one or more *variants* (alternative edits) for a prompt; the
-    # runner (mari_eval.runner) runs them side by side over the shared prompt prefix
-    # and ``choose`` picks which one answers. Single-edit methods keep the defaults:
-    # one variant, always chosen. MARI proposes its K experts and its gate probe.
-
-    uses_base: ClassVar[bool] = False  # whether ``choose`` reads the untouched model's run
-
-    def variants(self) -> list[int]:
-        """Ids of the edits run for every prompt (``runner.BASE`` = -1 is the untouched model)."""
-        return [0]
-
-    def site_only_variants(self) -> list[int]:
-        """Variants whose outputs are not needed, only their hidden states at p*."""
-        return []
-
-    def screen(self, run) -> bool:
-        """Whether the other variants are needed, given a run holding only BASE and the
-        site-only variants. False (MARI: a closed gate) answers with BASE without running them."""
-        return True
-
-    def prompt_sites(self, length: int) -> list[int]:
-        """Positions before p* that the edit also replaces, in a prompt of ``length`` tokens.
-
-        None by default: every method edits p* (and, for some, later tokens) only, so the
-        prompt before p* is the frozen model's and is shared. ReFT also edits the first and
-        last few prompt tokens; the runner then computes each prompt under the edit.
-        """
-        return []
-
-    def captured_layers(self) -> list[int]:
-        """Layers whose hidden state at p* ``choose`` reads (``run.site``)."""
-        return []
+    # A method hands the runner one ``Plan`` (mari_eval/plan.py): the variants (alternative
+    # edits) it runs side by side for a prompt over the shared prefix, how their edits are
+    # applied, and how ``choose`` picks the one that answers. The default is one edit at the
+    # site, always chosen; a method with several variants (MARI: its experts and its gate's
+    # probe) or other sites (ReFT: prompt positions before p*) builds its own ``plan``.
 
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         """Map hidden states at p* ([B, d]) to their replacements (single-edit methods)."""
@@ -119,32 +92,19 @@ class Intervention(ABC):
         Without ``variant_ids`` every row gets variant 0.
         """
         if variant_ids is None:
-            return site.edit_site(model, self.layer, self.edit_variants_default, positions)
-        return site.edit_site(model, self.layer, lambda h: self.edit_variants(h, variant_ids.to(h.device)), positions)
-
-    def edit_variants_default(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.edit_variants(hidden, torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device))
+            ids = lambda h: torch.zeros(h.shape[0], dtype=torch.long, device=h.device)  # noqa: E731
+        else:
+            ids = lambda h: variant_ids.to(h.device)  # noqa: E731
+        return site.edit_site(model, self.layer, lambda h: self.edit_variants(h, ids(h)), positions)
 
     def choose(self, run) -> tuple[int, dict[str, Any]]:
         """Which variant of ``run`` (a ``plan.VariantRun``) answers, and a diagnostics record."""
-        return self.variants()[0], {}
-
-    routing_window: ClassVar[int] = 8  # greedy steps before ``choose`` in generation (several variants only)
+        return 0, {}
 
     def plan(self, model: torch.nn.Module) -> Plan:
-        """What the runner runs for every prompt of ``model`` under this intervention."""
-        variants = ([BASE] if self.uses_base else []) + self.variants()
-        if self.prompt_sites(64) and len(variants) > 1:
-            raise ValueError(f"{self.method}: edits before p* (prompt_sites) need a method with one variant")
-
-        def apply(variant_ids, positions):
-            return self.applied(model, positions, variant_ids)
-
-        return Plan(tuple(variants), apply, self.choose, capture=tuple(self.captured_layers()),
-                    site_only=tuple(self.site_only_variants()), screen=self.screen if self.uses_base else None,
-                    # several variants start from the untouched states at the site (runner.score_variants)
-                    edit_layer=self.layer if len(variants) > 1 else None,
-                    window=self.routing_window, prompt_sites=self.prompt_sites)
+        """What the runner runs for every prompt of ``model`` under this intervention: by default
+        variant 0, this method's edit at the site, always chosen."""
+        return Plan((0,), lambda variant_ids, positions: self.applied(model, positions, variant_ids), self.choose)
 
     def variant_name(self, variant: int) -> str:
         """How errors and diagnostics name a variant."""

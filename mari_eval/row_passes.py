@@ -47,7 +47,7 @@ def forward_rows(
     if packable(model, max(map(prompts.length, set(row_prompt))), max(map(len, rows))):
         return _forward_packed(model, prompts, row_prompt, rows, variant_ids, apply, capture, start, keep)
     if prompts.own_width:
-        raise ValueError("rows after several prompts run packed only (runner.packable)")
+        raise ValueError("rows after several prompts run packed only (row_passes.packable)")
     return (*_forward_batched(model, prompts.cache, rows, variant_ids, apply, capture), {})
 
 

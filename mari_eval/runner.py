@@ -92,7 +92,7 @@ def score_questions(model: torch.nn.Module, prompts: PackedPrompts, questions: S
     row tokens each), so a GPU computes many questions' rows per pass. The same numbers as one
     question at a time (to rounding: the passes are larger), and the same stages per question."""
     if len(questions) > 1 and not packable(model, max(map(prompts.length, range(len(questions)))), 1):
-        raise ValueError("several questions are scored together only where their rows can be packed (runner.packable)")
+        raise ValueError("several questions are scored together only where their rows can be packed (row_passes.packable)")
     rows = [_Rows(model, prompts, q.last_token, q.continuations, plan, max_tokens) for q in questions]
     variants = plan.variants
     base = [i for i, v in enumerate(variants) if v == BASE]

@@ -1,8 +1,6 @@
 """Tiny things shared by the tests: random models of every supported family (fast, no download), a
 training session around one, and small bundles of every method with made-up tensors."""
 
-import contextlib
-
 import torch
 import transformers
 
@@ -116,13 +114,12 @@ def tiny_mari(K=3, d=32, layers=4, layer=1, rank=2, seed=0, energies=None, appli
 
 
 def score_under(model, bundle, context, options, variants=None):
-    variants = variants if variants is not None else ([runner.BASE] if bundle is None else
-                                                      ([runner.BASE] if bundle.uses_base else []) + bundle.variants())
-    apply = (lambda ids, pos: contextlib.nullcontext()) if bundle is None else (
-        lambda ids, pos: bundle.applied(model, pos, ids))
+    """Every option of ``context`` under each variant of ``bundle``'s plan (or ``variants``), all of
+    them run: the plan without its choice, screen or shared start (None: the untouched model)."""
+    full = Plan((runner.BASE,)) if bundle is None else bundle.plan(model)
+    plan = Plan(tuple(variants) if variants is not None else full.variants, full.apply, capture=full.capture,
+                site_only=full.site_only)
     prefix = encode_prefix(model, context[:-1])
-    plan = Plan(tuple(variants), apply, capture=() if bundle is None else tuple(bundle.captured_layers()),
-                site_only=() if bundle is None else tuple(bundle.site_only_variants()))
     with torch.no_grad():
         return runner.score_variants(model, prefix, context[-1], options, plan)
 

@@ -1,7 +1,7 @@
 """Which control examples MARI's energy gate should let through, and how well energy tells.
 
 The gate's threshold tau_E is the rho-quantile of the energies of the *non-applicable*
-examples of D_ctrl (mari_equations.energy_threshold). The paper says an example's label comes
+examples of D_ctrl (equations.energy_threshold). The paper says an example's label comes
 from "its computable intervention outcome", with both sources (held-out attribute examples
 and general-capability ones) holding applicable and non-applicable examples; its Table 3
 (the TruthfulQA gain kept at rho = 1.0) is only reachable if the non-applicable set is in

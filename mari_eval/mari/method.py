@@ -31,7 +31,7 @@ the bundle; see DEFAULTS):
   alpha (eq:energy_nonapp_compact_main); repro/sensitivity.py measures alpha_probe = 0.1, 0.3
   and 1 twice: retrained at each (--alphas), and over the one probe trained at 1, injected at
   each strength at inference (probe_alpha=..., --probe-alphas). Calibration stores E(x; alpha)
-  of D_ctrl at mari_fit.PROBE_ALPHAS and the trained alpha (gate.probe_alphas), so that
+  of D_ctrl at fit.PROBE_ALPHAS and the trained alpha (gate.probe_alphas), so that
   ``probe_alpha=A`` recomputes tau_E from the energies at A.
 * T_ent = 8 greedy steps for generation routing (eq:entropy_gen).
 * labels = "loss": a control example is applicable when the routed expert lowers its task
@@ -55,6 +55,7 @@ from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.intervention import Intervention
 from mari_eval.registry import register_method
 from mari_eval.options import Option
+from mari_eval.plan import Plan
 
 DEFAULTS: dict[str, Any] = {
     "K": 4,
@@ -109,7 +110,7 @@ class MARI(Intervention):
                      "labels": Str(optional=True, choices=gate_labels.LABELINGS),
                      "n_applicable": Int(0, optional=True), "quantile": Str(optional=True),
                      "ctrl_sources": List(Str(), optional=True),
-                     # the probe strengths of ctrl_energy_by_alpha's rows (mari_fit.probe_alpha_grid)
+                     # the probe strengths of ctrl_energy_by_alpha's rows (fit.probe_alpha_grid)
                      "probe_alphas": List(Float(0, lo_open=True), optional=True)}, optional=True),
     }
 
@@ -210,7 +211,7 @@ class MARI(Intervention):
     def edit_fingerprint(self) -> str:
         """The bundle's alone: the options (gate, rho, labels, experts) choose which variants run and
         answer, and the gate's threshold, but never change a variant's edit; probe_alpha chooses
-        another probe variant (a distinct id per stored strength, mari_equations.probe_variant)."""
+        another probe variant (a distinct id per stored strength, equations.probe_variant)."""
         return self.fingerprint()
 
     def applicable(self, labels: str, single: bool = False) -> torch.Tensor:
@@ -246,6 +247,18 @@ class MARI(Intervention):
 
     def captured_layers(self) -> list[int]:
         return list(range(self.layer, int(self.config["base_model"]["num_layers"]))) if self.gate else []
+
+    def plan(self, model: torch.nn.Module) -> Plan:
+        """Every prompt's variants: BASE (when the gate reads it), the answering experts, and the
+        gate's probe, run for its states alone after every layer from l* (eq:energy); a closed gate
+        turns the experts away (``screen``); ``choose`` routes (eq:entropy_route); generation routes
+        after ``routing_window`` greedy steps (eq:entropy_gen)."""
+        variants = ([runner.BASE] if self.uses_base else []) + self.variants()
+        return Plan(tuple(variants), lambda variant_ids, positions: self.applied(model, positions, variant_ids),
+                    self.choose, capture=tuple(self.captured_layers()), site_only=tuple(self.site_only_variants()),
+                    screen=self.screen if self.uses_base else None,
+                    # several variants start from the untouched states at the site (runner.score_variants)
+                    edit_layer=self.layer if len(variants) > 1 else None, window=self.routing_window)
 
     # ------------------------------------------------------------------ the edit
 
