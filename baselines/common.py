@@ -12,6 +12,7 @@ import torch
 from mari_eval import runner
 from mari_eval.bundle_spec import Str
 from mari_eval.intervention import Intervention
+from mari_eval.objectives import task_losses
 from mari_eval.options import Option
 from mari_eval.plan import VANILLA, Plan
 
@@ -71,8 +72,6 @@ def validation_split(examples: list[Example], seed: int) -> tuple[list[Example],
 def validation_loss(session: Session, examples: list[Example], plan: Plan = VANILLA) -> float:
     """Mean task loss (option cross-entropy, or target NLL for generation) of ``examples``
     under ``plan``'s first variant (MARI's eq:per_adapter_ce_mc / eq:per_adapter_ce_gen)."""
-    from mari_eval.objectives import task_losses
-
     losses = []
     for ex in examples:
         run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, plan,
@@ -87,8 +86,6 @@ def validation_losses(session: Session, examples: list[Example], plan: Plan) -> 
     them scored in one run per example: the prompt's prefix is read once and the variants'
     rows share packed forward passes, instead of one pass per variant (a validation grid's
     cells as variants). BASE rows run exactly as ``validation_loss`` runs them alone."""
-    from mari_eval.objectives import task_losses
-
     totals = torch.zeros(len(plan.variants), dtype=torch.float64)
     for ex in examples:
         run = runner.score_variants(session.model, session.prefix(ex), ex.context[-1], ex.options, plan,

@@ -53,23 +53,25 @@ answer's first token, not at p* (honest_llama's multiple-choice scoring): its bu
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from mari_eval import devices, site
+from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
+from mari_eval.intervention import Intervention
+from mari_eval.plan import BASE, Plan, Positions
+from mari_eval.prefix_cache import broadcast_cache, with_cache
+from mari_eval.registry import register_method
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_losses, validation_split
 from .iti_heads import RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
-from mari_eval import devices, site
-from mari_eval.plan import BASE, Plan, Positions
-from mari_eval.prefix_cache import broadcast_cache, with_cache
-from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
-from mari_eval.intervention import Intervention
-from mari_eval.registry import register_method
 
 if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session
@@ -115,8 +117,6 @@ def head_outputs(session: Session, ex: Example, continuations: list[list[int]], 
 def labelled_outputs(session: Session, examples: list[Example], tokens: int,
                      desc: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(features [N, layers, heads, head_dim], labels [N], example index [N]) over ``examples``."""
-    from tqdm import tqdm
-
     heads, head_dim = site.attention_heads(session.model)
     feats, labels, owner = [], [], []
     for i, ex in enumerate(tqdm(examples, desc=desc, leave=False)):

@@ -74,17 +74,21 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from mari_eval import site
+from mari_eval.data import load_truthfulqa_mc
+from mari_eval.objectives import COMPLIANCE_TARGET
+from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
 from .iti_heads import choice_record, rank_heads
-from mari_eval import site
-from mari_eval.objectives import COMPLIANCE_TARGET
-from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
@@ -176,8 +180,6 @@ def contrast_texts(ex: Example) -> tuple[list[str], list[str]]:
 def truthfulqa_mc2() -> dict[str, tuple[list[str], list[str]]]:
     """TruthfulQA's MC2 answers by question id (``data.load_truthfulqa_mc``): (true, false) as
     ``mc2_targets.labels`` marks them (1 true, 0 false), in the file's order."""
-    from mari_eval.data import load_truthfulqa_mc
-
     out = {}
     for record in load_truthfulqa_mc():
         targets = record["mc2_targets"]
@@ -216,8 +218,6 @@ def recipe_activations(session: Session, recipe: Recipe, examples: list[Example]
     """The recipe's activations of ``examples``' (true, false) ``answers`` ([rows, layers, heads,
     head_dim] each): ``probe`` and ``direction`` on the Q/A prompts (``labels``, ``owner``: the
     example's index), ``sigma`` on the prompts ending with another question (``sigma_owner``)."""
-    from tqdm import tqdm
-
     n_heads, head_dim = site.attention_heads(session.model)
     shape = lambda x: x.reshape(len(x), session.num_layers, n_heads, head_dim)
     parts: dict[str, list] = {"probe": [], "direction": [], "sigma": [], "labels": [], "owner": [], "sigma_owner": []}
@@ -248,10 +248,10 @@ def logistic_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Ten
     authors' estimator rather than a re-solve: the same optimum to lbfgs's tolerance, in about
     two seconds for 270 heads (one torch L-BFGS over all heads at once, whose curvatures differ
     by orders of magnitude, stopped short of it on some heads and took 30 times longer)."""
-    import warnings
-
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.exceptions import \
+        ConvergenceWarning  # deferred: scikit-learn is heavy; only this path needs it
+    from sklearn.linear_model import \
+        LogisticRegression  # deferred: scikit-learn is heavy; only this path needs it
 
     fit_x, val_x = x_fit.double().numpy(), x_val.double().numpy()
     fit_y, val_y = y_fit.numpy() > 0.5, y_val.numpy() > 0.5

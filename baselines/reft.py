@@ -58,15 +58,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import RECIPE_FIELD, Baseline, SELECTION_KEY, VALIDATION_FRACTION, recipe_of, validation_loss, validation_split
-from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
 from mari_eval import runner
+from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
+from mari_eval.epochs import EpochLoop
+from mari_eval.intervention import Intervention
+from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
-from mari_eval.epochs import EpochLoop
-from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
-from mari_eval.intervention import Intervention
 from mari_eval.registry import register_method
+
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, recipe_of, validation_loss,
+                     validation_split)
+from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
+from .reft_published import fit_published
 
 if TYPE_CHECKING:
     from mari_eval.train import AttributeData, Example, Session
@@ -214,15 +218,11 @@ class ReFT(Baseline):
     def fit_published(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
                       seed: int) -> Intervention:
         """The authors' recipe (module docstring, ``baselines.reft_published``)."""
-        from .reft_published import fit_published
-
         return fit_published(cls, session, data, config, hyperparameters, seed)
 
 
 def task_loss(session: Session, ex: Example, hp: dict[str, Any], params: dict[str, torch.Tensor]) -> torch.Tensor:
     """MARI's single-expert task loss of ``ex`` with LoReFT at the first/last prompt tokens of l*."""
-    from mari_eval.objectives import task_losses
-
     R = orthonormal_rows(params["free"])
     plan = Plan.at_site(session.model, session.layer, lambda h, ids: loreft(h, R.to(h), params["W"].to(h), params["b"].to(h)), [0])
     sites = first_and_last(len(ex.context), hp["first"], hp["last"])

@@ -43,16 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
-from .reft_step import batch_gradient, shared_length
-from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
-                     pyreft_positions, python_rng_state)
 from mari_eval import row_passes, runner
 from mari_eval.bundle_spec import check_hyperparameters
 from mari_eval.epochs import EpochLoop
+from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
 
+from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
+                     pyreft_positions, python_rng_state)
+from .reft_step import batch_gradient, shared_length
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
@@ -216,9 +217,8 @@ def evaluation_loss(session: Session, bundle: Intervention, examples: list[Examp
     applies it (``MariLM``: the prompt computed under its edits, then the options scored). The
     prompts' common head (``shared_length``) is computed once under the edit and extended for each
     prompt (``encode_prefix``'s ``base``, as lm-eval's prefix cache does): the same numbers."""
-    from transformers.cache_utils import DynamicLayer
-
-    from mari_eval.objectives import task_losses
+    from transformers.cache_utils import \
+        DynamicLayer  # deferred: transformers is heavy; only this path needs it
 
     plan, hp = bundle.plan(session.model), bundle.config["hyperparameters"]
     shared, head = shared_length(examples, int(hp["first"]), int(hp["last"])), None

@@ -16,7 +16,8 @@ import torch
 
 from mari_eval import devices, runner
 from mari_eval.plan import Plan
-from mari_eval.prefix_cache import Prefix, encode_prefix
+from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, packed_inputs,
+                                    with_cache)
 
 if TYPE_CHECKING:
     from mari_eval.train import Example, Session
@@ -32,8 +33,6 @@ def shared_length(examples: list[Example], first: int, last: int) -> int:
     pass over them under the edit serves every example of a step: their common prefix, cut
     before any example's last-token window and, where the first-token windows differ (prompts
     capped at half their length), to the shortest of them. 0: nothing worth sharing."""
-    from mari_eval.prefix_cache import common_prefix
-
     if len(examples) < 2:
         return 0
     n = len(common_prefix([ex.context[:-1] for ex in examples]))
@@ -59,7 +58,8 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
     answers run packed in one sequence per ``session.max_tokens`` tokens (``packed_nll``), so memory
     holds one such group instead of one example; the same numbers to float rounding.
     """
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import \
+        DynamicLayer  # deferred: transformers is heavy; only this path needs it
 
     model, names = session.model, list(params)
     tokens = sum(len(answer_of(ex)) for ex in batch)
@@ -135,9 +135,6 @@ def packed_nll(model: torch.nn.Module, head: Prefix | None, group: list[Example]
     answer, packed in one sequence where each token sees ``head`` and its own example's earlier
     tokens only, at its own positions, under ``plan``'s edits at ``sites(prompt length)`` and at p*
     (what ``_extended`` and ``runner.score_variants`` run for one example)."""
-    from mari_eval.prefix_cache import broadcast_cache, with_cache
-    from mari_eval.prefix_cache import packed_inputs
-
     start = len(head.tokens) if head is not None else 0
     rows = [list(ex.context[start:]) + answer_of(ex)[:-1] for ex in group]
     inputs = packed_inputs(model, start, rows, [], [start] * len(rows))
@@ -175,8 +172,6 @@ def _with_tensors(cache, tensors: list[torch.Tensor]):
 def _extended(model: torch.nn.Module, head: Prefix, tokens: list[int], cols: list[int], plan: Plan) -> Prefix:
     """The cache of ``tokens`` from ``head``'s (a prefix of them), the rest run under ``plan``'s edits at
     ``cols`` (positions counted from the end of ``head``); ``head`` itself is never written."""
-    from mari_eval.prefix_cache import broadcast_cache, cache_of, with_cache
-
     rest = tokens[len(head.tokens):]
     cache = broadcast_cache(head.cache, 1)
     if not rest:

@@ -30,7 +30,8 @@ CATEGORY_ALIAS = {"stem": "stem", "other": "other", "social_sciences": "social s
 
 def subjects() -> dict[str, str]:
     """subject -> category, from lm-eval's own MMLU config generator."""
-    from lm_eval.tasks.mmlu._generate_configs import SUBJECTS
+    from lm_eval.tasks.mmlu._generate_configs import \
+        SUBJECTS  # deferred: lm-eval is heavy; only this path needs it
 
     return dict(SUBJECTS)
 

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError, _json_type, _shown, check_config, check_tensors
+from mari_eval.bundle_spec import (BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError, _json_type, _shown, check_config,
+                                   check_tensors)
 from mari_eval.files import recover_directory
 from mari_eval.intervention import Intervention
 from mari_eval.registry import method_class, method_names
@@ -18,8 +19,8 @@ from mari_eval.registry import method_class, method_names
 def load_bundle(directory: str | Path, source: dict[str, Any] | None = None) -> Intervention:
     """The bundle in ``directory``, checked (``bundle_spec``); ``source``: where it was fetched from
     (``mari_eval.hub``: a Hub bundle), reported by ``describe``. A Hub reference is ``hub.load_bundle``'s."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # deferred: safetensors is heavy; only this path needs it
+    from safetensors.torch import load_file  # deferred: safetensors is heavy; only this path needs it
 
     directory = Path(directory)
     meta_path, weights_path = directory / BUNDLE_JSON, directory / BUNDLE_WEIGHTS

@@ -48,7 +48,7 @@ class EpochCheckpoints:
              extra: dict[str, torch.Tensor] | None = None) -> None:
         if self.directory is None:
             return
-        from safetensors.torch import save
+        from safetensors.torch import save  # deferred: safetensors is heavy; only this path needs it
 
         tensors = {f"param.{k}": v.detach() for k, v in params.items()}
         for i, slot in optimizer.state_dict()["state"].items():
@@ -69,7 +69,7 @@ class EpochCheckpoints:
         """
         if self.directory is None or not self.path(stage).is_file():
             return 0, {}, {}
-        from safetensors import safe_open
+        from safetensors import safe_open  # deferred: safetensors is heavy; only this path needs it
 
         path = self.path(stage)
         try:
@@ -104,3 +104,9 @@ class EpochCheckpoints:
 
 
 NO_CHECKPOINTS = EpochCheckpoints(None)
+
+
+def checkpoint_dir(out: str | Path) -> Path:
+    """Where ``train`` keeps the per-epoch checkpoints of the bundle it writes to ``out``."""
+    out = Path(out)
+    return out.with_name(out.name + ".checkpoint")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 
 def _materialize(args: argparse.Namespace) -> int:
-    from mari_eval.models import EMBEDDED, materialize
+    from mari_eval.models import (EMBEDDED,  # deferred: keeps this module light (start-up, `mari-eval --help`)
+                                  materialize)
 
     for alias in args.alias or list(EMBEDDED):
         if alias not in EMBEDDED:
@@ -24,7 +25,7 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _splits(args: argparse.Namespace) -> int:
-    from mari_eval.data_splits import make_splits
+    from mari_eval.data_splits import make_splits  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     splits = make_splits(args.dataset, args.seed)
     text = json.dumps({**splits.to_json(), "fingerprint": splits.fingerprint()}, indent=2)
@@ -39,10 +40,10 @@ def _splits(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import logging
+    import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
-    from mari_eval.devices import Placement
-    from mari_eval.train import train
+    from mari_eval.devices import Placement  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.train import train  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho, "recipe": args.recipe}
@@ -67,9 +68,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _judge(args: argparse.Namespace) -> int:
-    import logging
+    import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
-    from mari_eval.judge.samples import judge_file, print_result
+    from mari_eval.judge.samples import (judge_file,  # deferred: keeps this module light (start-up, `mari-eval --help`)
+                                         print_result)
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # not every HTTP request
     logging.getLogger("mari_eval").setLevel(logging.INFO)
@@ -98,7 +100,7 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from mari_eval.hub import push
+    from mari_eval.hub import push  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     pushed = push(args.bundle, args.repo, revision=args.revision, private=args.private,
                   commit_message=args.commit_message, to_dir=args.to_dir)

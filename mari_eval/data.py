@@ -25,18 +25,8 @@ from pathlib import Path
 from typing import Iterable
 
 # The record schemas and their checks (data_schema.py); the names below are also read as data.X.
-from .data_schema import (  # noqa: F401
-    BBQ_CATEGORIES,
-    BBQ_UNKNOWN_RESPONSES,
-    MAX_DEPTH,
-    REQUIRED_FIELDS,
-    SCHEMAS,
-    SORRY_BENCH_CATEGORIES,
-    DataError,
-    Records,
-    Schema,
-    check_records,
-)
+from .data_schema import (BBQ_CATEGORIES, BBQ_UNKNOWN_RESPONSES, MAX_DEPTH, REQUIRED_FIELDS, SCHEMAS,  # noqa: F401
+                          SORRY_BENCH_CATEGORIES, DataError, Records, Schema, check_records)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +83,7 @@ _checked: set[tuple] = set()  # (sha256 of a file's bytes, schema, fixed fields)
 
 
 def _hub(path: str, name: str | None, split: str, family: str | None = None) -> list[dict]:
-    import datasets
+    import datasets  # deferred: datasets is heavy; only this path needs it
 
     try:
         rows = list(datasets.load_dataset(path, name, split=split))

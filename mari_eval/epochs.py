@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from mari_eval.checkpoint import EpochCheckpoints
 
@@ -46,8 +47,6 @@ class EpochLoop:
         ``extra()`` add to each checkpoint what the caller must resume with (JSON and tensors),
         and ``restored(state, extra)`` gets them back when a run resumes.
         """
-        from tqdm import tqdm
-
         done, saved, kept = self.checkpoints.restore(self.stage, self.params, self.optimizer, self.generator)
         history: list[dict[str, Any]] = saved.get("history", [])
         if done:

@@ -29,6 +29,7 @@ import torch
 
 from mari_eval import data, data_splits
 from mari_eval.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
+from mari_eval.tasks import tasks_dir
 
 if TYPE_CHECKING:
     from mari_eval.lm import MariLM
@@ -117,9 +118,7 @@ class AttributeData:
 
 
 def _task_manager():
-    from lm_eval.tasks import TaskManager
-
-    from mari_eval.tasks import tasks_dir  # the wheel's copy or the checkout's folder; a clear error if neither
+    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
 
     # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
     return TaskManager(include_path=str(tasks_dir()), include_defaults=False)

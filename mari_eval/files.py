@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -68,8 +69,6 @@ def writing_alone(target: Path, option: str) -> Iterator[None]:
     the output, even by a killed process): a second process writing the same target meanwhile is
     refused (FileExistsError naming the first's pid), where both would report success and one
     would overwrite the other. The kernel releases the lock when its holder exits, however it does."""
-    import hashlib
-
     where = str(Path(target).expanduser().resolve())
     lock = Path(tempfile.gettempdir()) / "mari-eval-locks" / (hashlib.sha256(where.encode()).hexdigest()[:32] + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mari_eval import methods
 from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
+from mari_eval.checkpoint import checkpoint_dir
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
@@ -79,8 +81,10 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
 
     ``hf://...`` always names the Hub; a bare ``org/name`` does when ``bare_ok`` (the caller has
     found no local path of that name). A revision given in the URI and as ``revision`` is refused."""
-    from huggingface_hub.errors import HfUriError, HFValidationError
-    from huggingface_hub.utils import parse_hf_uri, validate_repo_id
+    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
+        HfUriError, HFValidationError)
+    from huggingface_hub.utils import (  # deferred: huggingface_hub is heavy; only this path needs it
+        parse_hf_uri, validate_repo_id)
 
     if reference.startswith(HF_PREFIX):
         try:
@@ -134,15 +138,11 @@ def resolve(reference: str | Path, revision: str | None = None) -> Resolved:
 
 
 def _download(hub: HubRef, reference: str) -> Resolved:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        IncompleteSnapshotError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import (constants,  # deferred: huggingface_hub is heavy; only this path needs it
+                                 snapshot_download)
+    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
+        GatedRepoError, HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        RevisionNotFoundError)
 
     at = f" at revision {hub.revision!r}" if hub.revision else ""
     where = f"bundle={reference}: Hub repository {hub.repo_id}{at}"
@@ -193,8 +193,6 @@ def _download(hub: HubRef, reference: str) -> Resolved:
 def load_bundle(reference: str | Path, revision: str | None = None) -> Intervention:
     """The bundle ``reference`` names (local directory or Hub repository), loaded and checked;
     a Hub bundle reports its origin in ``describe()``."""
-    from mari_eval import methods
-
     resolved = resolve(reference, revision)
     if resolved.hub is None:
         return methods.load_bundle(resolved.directory)
@@ -211,8 +209,6 @@ def bundle_files(directory: str | Path) -> list[str]:
     """The files of bundle ``directory`` that a push sends, after refusing a directory that is
     not a finished bundle: a training checkpoint, a bundle whose training has not finished, one
     being saved, partial writes, or files that are not a bundle's."""
-    from mari_eval.train import checkpoint_dir
-
     directory = Path(directory)
     if not directory.is_dir():
         raise BundleError(f"{directory} is not a directory: push the directory `mari-eval train --out` wrote")
@@ -251,8 +247,6 @@ def push(directory: str | Path, repo: str, *, revision: str | None = None, priva
     the repository (a model repository unless the URI says otherwise) is created when missing,
     ``revision`` as a branch when missing. ``to_dir``: send nothing, write the staged files (the
     exact upload) under ``to_dir`` as the repository would hold them."""
-    from mari_eval import methods
-
     hub = parse_hub(repo if repo.startswith(HF_PREFIX) else HF_PREFIX + repo, revision)
     assert hub is not None
     files = bundle_files(directory)
@@ -288,13 +282,11 @@ def _unreachable() -> tuple[type[BaseException], ...]:
 
 
 def _upload(hub: HubRef, staged: Path, private: bool, message: str, stale: list[str]):
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        LocalTokenNotFoundError,
-        RepositoryNotFoundError,
-    )
-    from huggingface_hub.utils import OfflineModeIsEnabled
+    from huggingface_hub import HfApi  # deferred: huggingface_hub is heavy; only this path needs it
+    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
+        HfHubHTTPError, LocalTokenNotFoundError, RepositoryNotFoundError)
+    from huggingface_hub.utils import \
+        OfflineModeIsEnabled  # deferred: huggingface_hub is heavy; only this path needs it
 
     api = HfApi()
     try:

@@ -23,6 +23,7 @@ from mari_eval import site
 from mari_eval.bundle_spec import (BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError, Field, TensorSpec, check_bundle,
                                    check_hyperparameters, is_bundle_file)
 from mari_eval.files import atomic_write, atomic_write_json, replace_directory
+from mari_eval.models import same_model
 from mari_eval.options import Option, parse_options
 from mari_eval.plan import BASE, Plan
 from mari_eval.registry import option_methods
@@ -199,8 +200,6 @@ class Intervention(ABC):
         materialised into are the same model), unless ``allow_other_model``: a bundle
         trained on another checkpoint of the same shape runs but edits the wrong states.
         """
-        from mari_eval.models import same_model
-
         base = self.config["base_model"]
         hidden, layers = int(model.config.get_text_config().hidden_size), site.num_layers(model)
         problems = []
@@ -244,7 +243,7 @@ class Intervention(ABC):
         sibling directory, which then takes the place of ``directory``. A failure or a crash leaves
         the previous bundle there, complete, or the new one, never new weights beside an old
         bundle.json. An existing directory is replaced only if it holds bundle files alone."""
-        from safetensors.torch import save
+        from safetensors.torch import save  # deferred: safetensors is heavy; only this path needs it
 
         directory = Path(directory)
         stored = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in self.tensors.items()}

@@ -32,6 +32,7 @@ say so (``ChoiceLog.use_cache``).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections import deque
 from pathlib import Path
@@ -42,10 +43,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from mari_eval import batching, hub, methods, options, runner
-from mari_eval import lm_checks as checks
+from mari_eval import batching, hub, lm_checks as checks, methods, options, runner
 from mari_eval.choice_log import ChoiceLog, prompt_order
-from mari_eval.lm_generation import CHAT_TURN_FIELD, GenerationMixin  # noqa: F401 (CHAT_TURN_FIELD: the tasks' doc field)
+from mari_eval.lm_generation import (CHAT_TURN_FIELD,  # noqa: F401 (CHAT_TURN_FIELD: the tasks' doc field)
+                                     GenerationMixin)
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 from mari_eval.shared_pass import OwnRuns, SharedPass, join_shared
 
@@ -284,7 +285,5 @@ def _cpu_ranks_under_a_launcher() -> None:
     process unless told to use the CPU (``accelerate launch --cpu`` says so through
     ACCELERATE_USE_CPU). A user's own setting is kept.
     """
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mari_eval import data_splits, options
+from mari_eval import data, data_splits, options
 from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
@@ -160,8 +160,6 @@ def check_heldout_splits(requests, bundle_config: dict, checked: set[tuple]) -> 
     (``data_splits.check_recorded_splits``: same fingerprint, same file hashes). ``checked`` holds
     the splits already found consistent (each is checked once).
     """
-    from mari_eval import data
-
     recorded = bundle_config.get("splits") or {}
     for request in requests:
         doc = request.doc if isinstance(request.doc, dict) else {}

@@ -40,6 +40,9 @@ from typing import Sequence
 
 import torch
 
+from mari_eval import site
+from mari_eval.prefix_cache import common_prefix
+
 DEFAULT_BUDGET_FRACTION = 0.5
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -65,8 +68,6 @@ def format_size(n: float) -> str:
 
 def cache_bytes_per_token(model: torch.nn.Module) -> int:
     """c: bytes of keys and values one token adds to the cache of every layer (works on meta models)."""
-    from mari_eval import site
-
     config = model.config.get_text_config()
     heads, head_dim = site.attention_heads(model)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -95,8 +96,6 @@ class Estimate:
 def token_counts(examples) -> tuple[tuple[int, ...], list[int], list[int]]:
     """(P's tokens, q_i, r_i) of a set of ``train.Example``s: the preamble all share (when
     longer than one token), each one's own prompt tokens before p*, its option rows' tokens."""
-    from mari_eval.prefix_cache import common_prefix
-
     common = common_prefix([ex.context[:-1] for ex in examples]) if len(examples) > 1 else ()
     common = common if len(common) > 1 else ()
     return common, [len(ex.context) - 1 - len(common) for ex in examples], [sum(map(len, ex.options)) for ex in examples]

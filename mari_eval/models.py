@@ -87,7 +87,7 @@ def cache_root() -> Path:
     env = os.environ.get("MARI_EVAL_CACHE")
     if env:
         return Path(env)
-    import platformdirs
+    import platformdirs  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     return Path(platformdirs.user_cache_dir("mari-eval"))
 
@@ -144,8 +144,9 @@ def materialize(alias: str, force: bool = False) -> Path:
 
 
 def _write_plain_checkpoint(gguf: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # deferred: torch is heavy; only this path needs it
+    from transformers import (  # deferred: transformers is heavy; only this path needs it
+        AutoModelForCausalLM, AutoTokenizer)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -171,8 +172,9 @@ def _tied_keys(model) -> set[str]:
 
 def load_model(name: str, device: str | None = None, dtype: str = "float32"):
     """Load (model, tokenizer) for any model name, frozen and in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # deferred: torch is heavy; only this path needs it
+    from transformers import (  # deferred: transformers is heavy; only this path needs it
+        AutoModelForCausalLM, AutoTokenizer)
 
     path = resolve_model(name)
     tokenizer = AutoTokenizer.from_pretrained(path)

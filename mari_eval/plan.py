@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from mari_eval import site
+
 BASE = -1  # variant id of the untouched model
 
 # Positions to edit in a batch: (rows [N], cols [N]), a column per row [R], or None (each row's last token).
@@ -110,8 +112,6 @@ class Plan:
     def at_site(cls, model: torch.nn.Module, layer: int, edit: VariantEdit, variants: Sequence[int],
                 capture: Sequence[int] = (), site_only: Sequence[int] = ()) -> "Plan":
         """The plan of ``edit(hidden, variant_ids)`` at the output of ``layer`` (training's edits)."""
-        from mari_eval import site
-
         def apply(variant_ids, positions):
             return site.edit_site(model, layer, lambda h: edit(h, _ids_for(variant_ids, h)), positions)
 

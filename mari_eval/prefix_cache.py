@@ -185,7 +185,8 @@ def _layerwise(cache, change: Callable[[int, object], None]):
 
 
 def _full_attention(layer) -> bool:
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import \
+        DynamicLayer  # deferred: transformers is heavy; only this path needs it
 
     return type(layer) is DynamicLayer
 

@@ -119,7 +119,7 @@ def extend_task_manager(task_manager_cls: type) -> None:
     original: Callable[..., None] = task_manager_cls.__init__
     if getattr(original, _WRAPPED, False):
         return
-    import lm_eval.tasks as lm_eval_tasks
+    import lm_eval.tasks as lm_eval_tasks  # deferred: lm-eval is heavy; only this path needs it
 
     builtin = Path(lm_eval_tasks.__file__).resolve().parent
     index_logger = logging.getLogger("lm_eval.tasks._index")

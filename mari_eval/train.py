@@ -17,6 +17,9 @@ The same for every method:
 from __future__ import annotations
 
 import copy
+import hashlib
+import importlib.metadata as md
+import json
 import logging
 import platform
 import time
@@ -24,16 +27,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm import tqdm
 
-from mari_eval import data_splits, devices, layer_spans, memory, row_passes, runner, site
+from mari_eval import data_splits, devices, layer_spans, memory, methods, row_passes, runner, site
+from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints, checkpoint_dir
 from mari_eval.devices import Placement
-from mari_eval.files import writing_alone
-from mari_eval.plan import Plan, VariantEdit, VariantRun
-from mari_eval.prefix_cache import (Prefix, broadcast_cache, common_prefix, encode_prefix, encode_prompts, joined, own_part,
-                                   with_cache)
-from mari_eval.checkpoint import NO_CHECKPOINTS, EpochCheckpoints
 # The examples and their rendering live in mari_eval.examples; these names are read as train.X too.
 from mari_eval.examples import ATTRIBUTE_TASKS, AttributeData, Example, attribute_data  # noqa: F401
+from mari_eval.files import writing_alone
+from mari_eval.lm import MariLM
+from mari_eval.plan import Plan, VariantEdit, VariantRun
+from mari_eval.prefix_cache import (Prefix, broadcast_cache, common_prefix, encode_prefix, encode_prompts, joined,
+                                    own_part, with_cache)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +53,6 @@ class Session:
     def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
                  max_tokens: int = 1024, max_memory: str | int | None = None, lm=None):
         """``lm``: an already loaded ``MariLM`` to train through (``model_name`` then only names it)."""
-        from mari_eval.lm import MariLM
-
         self.model_name = model_name
         self.placement = placement or Placement()
         self.lm = lm if lm is not None else MariLM(pretrained=model_name, **self.placement.model_args())
@@ -117,8 +120,6 @@ class Session:
         does not fit the memory budget is recomputed at each use instead; the plan is logged
         before any work starts.
         """
-        from tqdm import tqdm
-
         common, own_tokens, row_tokens = memory.token_counts(examples)
         need = memory.estimate(self.model, len(common), own_tokens, row_tokens, lower)
         plan = memory.plan(need, max(0, self.memory_budget - self.memory_held))
@@ -244,7 +245,8 @@ def _example_batches(examples: list[Example], shared: int, max_tokens: int) -> l
 
 def _full_attention_only(prefix: Prefix) -> bool:
     """Whether every layer of ``prefix``'s cache holds every token (none is a sliding window)."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import \
+        DynamicLayer  # deferred: transformers is heavy; only this path needs it
 
     return prefix.cache is None or all(type(layer) is DynamicLayer for layer in prefix.cache.layers)
 
@@ -276,8 +278,6 @@ def _token_batches(rows: list[list[int]], max_tokens: int) -> list[list[list[int
 
 
 def provenance(session: Session, attribute: str, seed: int, splits: data_splits.Splits, train_ids: Sequence[str]) -> dict:
-    import importlib.metadata as md
-
     versions = {}
     for pkg in ("torch", "transformers", "lm_eval", "mari-eval", "safetensors"):
         try:
@@ -308,12 +308,6 @@ def check_arguments(cls, hyperparameters: dict[str, Any], **limits: int | None) 
     cls.training_hyperparameters(hyperparameters, max_pca=limits.get("max_pca"))
 
 
-def checkpoint_dir(out: str | Path) -> Path:
-    """Where ``train`` keeps the per-epoch checkpoints of the bundle it writes to ``out``."""
-    out = Path(out)
-    return out.with_name(out.name + ".checkpoint")
-
-
 def train(method: str, attribute: str, model: str, seed: int, out: str | Path, layer: int | None = None,
           max_train: int | None = None, max_ctrl: int | None = None, max_pca: int | None = None,
           hyperparameters: dict[str, Any] | None = None, checkpoints: str | Path | None = None,
@@ -325,11 +319,6 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     last epoch when started again with the same arguments. ``lm``: an already loaded
     ``MariLM`` to train through (``Session``'s; ``model`` then only names the model in
     the bundle, and ``placement`` is not used)."""
-    import hashlib
-    import json
-
-    from mari_eval import methods
-
     cls = methods.method_class(method)
     check_arguments(cls, hyperparameters or {}, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from repro import cache, command_line, profiles, scoring, tables
 from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
@@ -50,8 +52,6 @@ COMPARISONS = [("EG-MARI", "w/o Multi-Adapter")]
 
 
 def run(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> dict:
-    from tqdm import tqdm
-
     cells: dict = {}
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="ablation", unit="seed"):
         trained = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in columns})}

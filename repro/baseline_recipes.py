@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from mari_eval.methods import load_bundle
 from repro import cache, command_line, profiles, recipes, scoring, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS
 
@@ -25,10 +28,6 @@ COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES) -> tuple[dict, dict]:
-    from tqdm import tqdm
-
-    from mari_eval.methods import load_bundle
-
     cells: dict = {}
     notes: dict = {}
     steps = [(m, s) for m in profile.models for s in profile.seeds]

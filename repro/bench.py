@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,8 +48,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from mari_eval.cli import add_placement_arguments
+from mari_eval.devices import Placement
 from mari_eval.files import check_writable_dir, write_results_json
+from mari_eval.models import resolve_model
+from repro import profiles
+from repro.cache import Store
 from repro.command_line import at_least, listed
+from repro.tables import markdown_table
 from repro.timing import gate_rate, sorry_prompt_ids, time_generation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,8 +70,6 @@ PLACEMENT_FIELDS = ("dtype", "device", "device_map", "max_memory_per_gpu", "max_
 
 def placement_of(args):
     """The ``train.Placement`` of bench's flags (or of any namespace with its fields, e.g. latency.py's)."""
-    from mari_eval.devices import Placement
-
     return Placement(**{k: getattr(args, k, None) for k in PLACEMENT_FIELDS if getattr(args, k, None) is not None})
 
 
@@ -79,11 +84,8 @@ def _placement_argv(placement) -> list[str]:
 
 
 def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args: str = "", placement=None):
-    import torch
-    from lm_eval.api.registry import get_model
-
-    from mari_eval.models import resolve_model
-    from mari_eval.devices import Placement
+    import torch  # deferred: torch is heavy; only this path needs it
+    from lm_eval.api.registry import get_model  # deferred: lm-eval is heavy; only this path needs it
 
     placed = placement or Placement()
     # The same placement for everyone; the device named, since lm-eval's hf has its own default.
@@ -96,14 +98,12 @@ def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args:
 
 
 def _peak_rss_mib() -> float:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def measure_mc(lm, limit: int | None, repeats: int) -> dict:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
+    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
 
     manager = TaskManager(include_path=str(REPO / "harness_tasks"))
     run = lambda n: simple_evaluate(model=lm, tasks=["truthfulqa_mc2"], limit=n, task_manager=manager, bootstrap_iters=0)
@@ -156,8 +156,6 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
 
 def table(results: dict, tokens: int) -> list[str]:
     """The Markdown table of ``results`` (repro.tables.markdown_table), ratios to lm-eval's ``hf``."""
-    from repro.tables import markdown_table
-
     hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
     headers = ["entry", "TQA MC2 wall (s)", "x hf", "acc", "first token (ms)", "x hf", "tokens/s", "x hf",
                f"{tokens}-token latency (s)", "x hf", "gate rate (mc / gen)", "peak RSS (MiB)"]
@@ -186,9 +184,6 @@ def table(results: dict, tokens: int) -> list[str]:
 def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[dict[str, str], dict[str, str]]:
     """The repro cache's TruthfulQA (mc) and SORRY-Bench (gen) bundles of every method, trained
     now where missing (paths relative to the working directory, as the timed processes see them)."""
-    from repro import profiles
-    from repro.cache import Store
-
     if profile_name not in profiles.PROFILES:
         raise SystemExit(f"--from-runs {profile_name!r}: choose one of {sorted(profiles.PROFILES)}")
     profile = profiles.PROFILES[profile_name]
@@ -205,8 +200,6 @@ def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[
 
 
 def main() -> int:
-    from mari_eval.cli import add_placement_arguments
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR[,ARGS]",

@@ -15,6 +15,7 @@ own host judges whether it was abandoned.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import json
 import logging
 import os
@@ -26,9 +27,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
-from repro.documents import documents_disagree
+from mari_eval.train import train
 from repro import lm_eval_run
+from repro.documents import documents_disagree
 from repro.profiles import Profile, describe
 
 # Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
@@ -41,8 +44,6 @@ log = logging.getLogger("repro")
 
 
 def _versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
     out = {}
     for pkg in ("mari-eval", "torch", "transformers", "lm_eval"):
         try:
@@ -106,8 +107,6 @@ class Store:
     """Bundles and evaluation results under ``root``, keyed by configuration."""
 
     def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None):
-        from mari_eval.devices import Placement
-
         self.root, self.force = Path(root), force
         self.placement = placement or Placement()  # of every bundle trained and every evaluation run here
         self.max_memory = max_memory  # training's budget for the frozen model's work: not in keys (same results)
@@ -123,8 +122,6 @@ class Store:
     def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
                hyperparameters: dict[str, Any] | None = None) -> Path:
         """A trained bundle directory, trained now unless this configuration is stored."""
-        from mari_eval.train import train
-
         hp = {**profile.hyperparameters, **(hyperparameters or {})}
         if method in ("caa", "iti", "nl_iti"):
             hp = {k: v for k, v in hp.items() if k not in ("epochs",)}  # no epochs: closed-form fits

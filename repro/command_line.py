@@ -6,13 +6,16 @@ Every script takes ``mari-eval train``'s placement flags (``--dtype``, ``--devic
 the bundles it trains and the evaluations it runs (``placement_from_args``).
 """
 
+import argparse
 import logging
 import sys
 from pathlib import Path
 
+from mari_eval.cli import add_placement_arguments
+from mari_eval.devices import Placement
+from mari_eval.files import check_writable_dir
 from repro.cache import Store
 from repro.profiles import PROFILES, REPO, Profile
-
 
 PLACEMENT_HELP = """\
 The frozen model's placement, for the bundles a script trains and the evaluations it runs
@@ -35,8 +38,6 @@ def profile_from_args(args) -> Profile:
 def placement_from_args(args, profile: Profile):
     """The ``train.Placement`` of a script's command line: its flags, else the profile's
     defaults on a CUDA machine (``Profile.cuda_placement``), else ``mari-eval train``'s."""
-    from mari_eval.devices import Placement
-
     values = {"dtype": args.dtype, "device": args.device, "device_map": args.device_map,
               "max_memory_per_gpu": args.max_memory_per_gpu, "max_cpu_memory": args.max_cpu_memory}
     if profile.cuda_placement:
@@ -51,8 +52,6 @@ def placement_from_args(args, profile: Profile):
 
 
 def add_common_args(parser) -> None:
-    from mari_eval.cli import add_placement_arguments
-
     parser.add_argument("--profile", choices=sorted(PROFILES), default="quick",
                         help="how much to compute (default: quick); paper also defaults to bf16 with --device-map auto "
                              "on a CUDA machine (see placement below)")
@@ -94,8 +93,6 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
 def at_least(least: int):
     """An argparse ``type`` for a count option: an integer >= ``least`` (``--repeats 0`` would be a
     median of nothing, ``--prompts -1`` a slice from the end), refused with a usage error."""
-    import argparse
-
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -126,15 +123,11 @@ def setup_logging() -> None:
 
 def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     """Parse a repro script's command line: (args, profile, store, the command as it will be recorded)."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     if extra_args is not None:
         extra_args(parser)
     args = parser.parse_args(argv)
-    from mari_eval.files import check_writable_dir
-
     for option, folder in (("--out ", args.out), ("--runs ", args.runs)):  # before the work they will hold
         try:
             check_writable_dir(Path(folder), option)

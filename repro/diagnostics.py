@@ -23,9 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from mari_eval.files import atomic_write, write_results_json
-from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.mari.equations import energy_threshold
+from mari_eval.mari.gate_labels import LABELINGS
+from mari_eval.methods import load_bundle
 from repro import cache, command_line, profiles, scoring, tables
 from repro.ablation_table import labels_args
 from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
@@ -36,10 +39,6 @@ TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthf
 
 
 def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> dict:
-    from tqdm import tqdm
-
-    from mari_eval.methods import load_bundle
-
     out: dict = {}
     gate_rates: dict = {}
     steps = [(m, s, a) for m in profile.models for s in profile.seeds for a in TASKS]
@@ -133,7 +132,7 @@ COLORS = {("attribute", True): "tab:green", ("attribute", False): "tab:red",
 
 def plot(diag: dict, path: Path) -> None:
     """One column per bundle, one row per labelling: D_ctrl energies by source and label, and tau_E."""
-    import numpy as np
+    import numpy as np  # deferred: numpy is heavy; only this path needs it
 
     plt = tables.pyplot()
     panels = [(model, name, d) for model, bundles in diag.items() for name, d in bundles.items()]

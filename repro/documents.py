@@ -25,7 +25,8 @@ import importlib.util
 import math
 from typing import Any
 
-from repro.profiles import REPO
+from mari_eval.data import bbq_context_key, bbq_template_key
+from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL, REPO
 
 # {metric key as in lm-eval's results ("acc,none")}: {document id: score (None: no score)}
 DocumentScores = dict[str, dict[str, float | None]]
@@ -42,16 +43,12 @@ def cluster_unit(task: str) -> str | None:
 
 def clustered_columns() -> set[str]:
     """The tables' columns (repro/profiles.py) whose task clusters: their documents must carry clusters."""
-    from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
-
     return {column for column, task, *_ in [*BENCHMARKS, *GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL] if cluster_unit(task)}
 
 
 def cluster_id(record: dict) -> str:
     """A BBQ record's context as a short id: "category|question_index|hash of bbq_context_key"
     (the template, ``bbq_template_key``, is what precedes the last "|")."""
-    from mari_eval.data import bbq_context_key, bbq_template_key
-
     digest = hashlib.sha256(bbq_context_key(record).encode("utf-8")).hexdigest()[:12]
     return f"{bbq_template_key(record)}|{digest}"
 

@@ -87,7 +87,7 @@ def _missing(value) -> bool:
 
 def read_documents(path: Path) -> tuple[dict, dict[str, str | None], list[str]]:
     """(cells as ``repro.tables.tally`` builds them, {model: reference row}, columns in order) from ``path``."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is heavy; only this path needs it
 
     frame = pd.read_parquet(path)
     cells: dict = {}

@@ -53,8 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout that is not pip-installed (the GPU machine)
     sys.path.insert(0, str(REPO))
 
+import importlib.metadata as md
+
 from mari_eval.files import write_results_json  # noqa: E402
-from repro import gpu_bench_steps as steps  # noqa: E402
+from repro import gpu_bench_steps as steps, random_model  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
 
@@ -156,9 +158,7 @@ def expected_seconds(kind: str, longest: dict[str, float]) -> float:
 
 def environment(settings: Settings, model, shape, tokenizer) -> dict:
     """Device, versions, model shape and dtype: what every figure was measured on."""
-    import importlib.metadata as md
-
-    import torch
+    import torch  # deferred: torch is heavy; only this path needs it
 
     versions = {}
     for package in ("torch", "transformers", "lm_eval", "datasets", "accelerate", "huggingface_hub", "tokenizers",
@@ -198,9 +198,7 @@ class Recorder:
 
 
 def run(settings: Settings, raw: Path, deadline_s: float | None, command: str) -> dict:
-    import torch
-
-    from repro import random_model
+    import torch  # deferred: torch is heavy; only this path needs it
 
     started = time.perf_counter()
     if settings.device.startswith("cuda") and not torch.cuda.is_available():

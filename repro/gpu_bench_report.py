@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mari_eval.files import atomic_write, write_results_json
 from mari_eval.memory import format_size
+from repro.tables import markdown_table, paper_rows
 
 BASELINES = ("caa", "iti", "nl_iti", "reft")
 TASK_ORDER = ("truthfulqa_mc2", "mmlu", "bbq")
@@ -108,8 +109,6 @@ def generation(raw: dict, paper: dict[str, float]) -> list[dict]:
 
 def paper_ratios() -> dict[str, float]:
     """The paper's Table 4 ratios of MARI to its base model (first token, tokens/s, total latency)."""
-    from repro.tables import paper_rows
-
     rows = {r["method"]: r for r in paper_rows("table4_latency")}
     base, mari = rows["Base Model"], rows["MARI"]
     return {ours: float(mari[theirs]) / float(base[theirs])
@@ -179,8 +178,6 @@ def _gib(value) -> str:
 
 
 def markdown(raw: dict, derived: dict) -> str:
-    from repro.tables import markdown_table
-
     shape, model, s = raw["shape"], raw["model"], raw["settings"]
     versions = raw["versions"]
     lines = [

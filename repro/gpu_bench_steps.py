@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from mari_eval import memory
+from mari_eval.lm import MariLM
+from mari_eval.methods import load_bundle
+from mari_eval.train import train as train_bundle
 from repro import timing
 
 # The methods whose bundles are trained, MARI first (its memory figure is the one the goals ask for).
@@ -89,8 +93,6 @@ class Bench:
 
             return HFLM(pretrained=self.model, tokenizer=self.tokenizer, batch_size=batch_size,
                         max_batch_size=self.max_batch_size, device=self.device, dtype=self.dtype)
-        from mari_eval.lm import MariLM
-
         bundle = None
         if entry.method is not None:
             if entry.method not in self.bundles:
@@ -140,8 +142,6 @@ class PlannedMemory:
         self.plans: list = []
 
     def __enter__(self):
-        from mari_eval import memory
-
         self._original = memory.plan
 
         def recorded(estimate, budget):
@@ -153,8 +153,6 @@ class PlannedMemory:
         return self
 
     def __exit__(self, *exc):
-        from mari_eval import memory
-
         memory.plan = self._original
 
     @property
@@ -175,9 +173,6 @@ class PlannedMemory:
 def train(bench: Bench, method: str, hyperparameters: dict, seed: int, max_train: int | None, max_ctrl: int | None,
           max_pca: int | None) -> dict:
     """``method``'s bundle on TruthfulQA's D_train, trained through ``bench``'s model."""
-    from mari_eval.methods import load_bundle
-    from mari_eval.train import train as train_bundle
-
     lm = bench.lm(ENTRIES["vanilla"], 1)
     out = bench.work / f"{method}-truthfulqa"
     before = _reset_peak(bench)
@@ -259,7 +254,7 @@ def _batch_used(lm, given, mari_calls: list[dict]) -> dict:
 
 def evaluate(bench: Bench, entry: Entry, group: TaskGroup, batch_size: int | str) -> dict:
     """One ``simple_evaluate`` of ``entry`` on ``group``: wall time, time in the model, metrics."""
-    from lm_eval import simple_evaluate
+    from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
 
     lm = bench.lm(entry, batch_size)
     spent = _timed(lm, ("loglikelihood", "generate_until"))
@@ -282,7 +277,7 @@ def evaluate(bench: Bench, entry: Entry, group: TaskGroup, batch_size: int | str
 def warm(bench: Bench, group: TaskGroup) -> dict:
     """Build ``group``'s tasks once, untimed by the evaluations: the data read, BBQ's process_docs
     cached on disk, as an lm-eval user's second run finds them (the first entry would pay it alone)."""
-    from lm_eval.tasks import get_task_dict
+    from lm_eval.tasks import get_task_dict  # deferred: lm-eval is heavy; only this path needs it
 
     started = time.perf_counter()
     get_task_dict(list(group.tasks), bench.manager)

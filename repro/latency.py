@@ -18,15 +18,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from repro import bench, command_line
-from repro import cache, profiles, tables
+from tqdm import tqdm
+
+from repro import bench, cache, command_line, profiles, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 
 
 def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int) -> dict:
-    from tqdm import tqdm
-
     cells: dict = {}
     steps = [(m, s, label) for m in profile.models for s in profile.seeds for label in ROWS]
     for model, seed, label in tqdm(steps, desc="latency", unit="method"):

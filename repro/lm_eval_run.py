@@ -14,6 +14,10 @@ import os
 import time
 from pathlib import Path
 
+from mari_eval.devices import Placement
+from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
+from mari_eval.lm import MariLM
+from mari_eval.shared_pass import SharedPass
 from repro.documents import check_against, document_scores
 from repro.profiles import REPO
 
@@ -31,10 +35,8 @@ GENERATION_BATCH = 16
 
 
 def mari_lm(model: str, bundle: Path | None, model_args: str, placement=None, shared_pass=None):
-    from lm_eval.utils import simple_parse_args_string
-
-    from mari_eval.lm import MariLM
-    from mari_eval.devices import Placement
+    from lm_eval.utils import \
+        simple_parse_args_string  # deferred: lm-eval is heavy; only this path needs it
 
     placement = placement or Placement()
     if (model, placement) not in _BASE_MODELS:  # loaded in the placement; the later MariLMs share the loaded model
@@ -48,9 +50,6 @@ def mari_lm(model: str, bundle: Path | None, model_args: str, placement=None, sh
 
 def shared_pass_over(model: str, placement=None):
     """A shared pass over ``model`` as loaded for this placement (``mari_lm``'s base model)."""
-    from mari_eval.devices import Placement
-    from mari_eval.shared_pass import SharedPass
-
     placement = placement or Placement()
     if (model, placement) not in _BASE_MODELS:
         mari_lm(model, None, "", placement)  # loads it
@@ -68,7 +67,7 @@ def _documents(out: dict, name: str) -> int:
 
 
 def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, placement=None, lm=None) -> dict[str, dict]:
-    from lm_eval import simple_evaluate
+    from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
 
     if any(t.startswith("sorry") for t in tasks):
         _ensure_judge()
@@ -103,7 +102,7 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
 def _task_manager(split_seed: int):
     """lm-eval's index of the tasks (ours and its built-ins), built once per split seed: it reads
     every task YAML (about 4 s), and a table evaluates several rows per task group."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
 
     return TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": split_seed})
 
@@ -114,8 +113,6 @@ _JUDGE = contextlib.ExitStack()
 def _ensure_judge() -> None:
     """SORRY-Bench tasks need a judge: the configured one (MARI_JUDGE_*), else the embedded one,
     started once for this process and stopped at its exit (mari_eval.judge.judge_environment)."""
-    from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
-
     if os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL):
         return
     os.environ.update(_JUDGE.enter_context(judge_environment()))

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from repro import cache, command_line, profiles, recipes, scoring, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
 
@@ -41,8 +43,6 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
 
     ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``."""
-    from tqdm import tqdm
-
     by_seed = profile.seeded_columns(columns)  # the quick profile: TruthfulQA's columns under 3 seeds
     steps = [(m, s, meth) for m in profile.models for s in by_seed for meth in methods]
     cells: dict = {}

@@ -25,6 +25,7 @@ import transformers
 
 from mari_eval import memory
 from mari_eval.files import atomic_write, write_results_json
+from mari_eval.train import Session, attribute_data
 from repro.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,8 +53,6 @@ ATTRIBUTES = ("truthfulqa", "bbq", "sorry_bench")
 
 def token_counts(model_name: str, seed: int) -> dict[str, list[dict]]:
     """Per attribute, per prepared set: shared preamble tokens, own tokens and row tokens of each example."""
-    from mari_eval.train import Session, attribute_data
-
     session = Session(model_name, placement=None)
     out = {}
     for attribute in ATTRIBUTES:

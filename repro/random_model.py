@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from mari_eval.models import resolve_model
+
 SHAPES = Path(__file__).resolve().parent / "shapes"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 # config.json fields that describe the checkpoint file, not the model's shape (the dtype is chosen here).
@@ -65,7 +67,7 @@ def load_shape(name: str) -> Shape:
 def hf_config(shape: Shape, vocab_size: int | None = None, special_tokens: dict[str, int] | None = None):
     """The transformers configuration of ``shape``, with another vocabulary size and special
     token ids when given (the tokenizer's)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers is heavy; only this path needs it
 
     fields = {k: v for k, v in shape.config.items() if k not in NOT_SHAPE}
     if vocab_size is not None:
@@ -76,7 +78,8 @@ def hf_config(shape: Shape, vocab_size: int | None = None, special_tokens: dict[
 
 def parameter_count(shape: Shape) -> int:
     """Parameters of ``shape`` with its published vocabulary, counted on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import \
+        AutoModelForCausalLM  # deferred: transformers is heavy; only this path needs it
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16)
@@ -85,7 +88,7 @@ def parameter_count(shape: Shape) -> int:
 
 def load_tokenizer(folder: str | Path):
     """The tokenizer in ``folder`` (``tokenizer_folder``'s copy), with a pad token."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers is heavy; only this path needs it
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if tokenizer.pad_token is None:
@@ -95,8 +98,6 @@ def load_tokenizer(folder: str | Path):
 
 def tokenizer_folder(out: str | Path, model: str = "smollm2-135m-instruct") -> Path:
     """Copy the tokenizer files of ``model`` (an embedded alias or a model directory) to ``out``."""
-    from mari_eval.models import resolve_model
-
     source, out = Path(resolve_model(model)), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
@@ -124,7 +125,8 @@ def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
 def build(shape: Shape, tokenizer, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """The random model of ``shape`` on ``device`` in ``dtype``, frozen, in eval mode, named
     ``shape.model_name``; its vocabulary and special tokens are ``tokenizer``'s."""
-    from transformers import AutoModelForCausalLM
+    from transformers import \
+        AutoModelForCausalLM  # deferred: transformers is heavy; only this path needs it
 
     specials = {f"{kind}_token_id": getattr(tokenizer, f"{kind}_token_id") for kind in ("bos", "eos", "pad")
                 if getattr(tokenizer, f"{kind}_token_id", None) is not None}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from baselines.common import selection_loss
+from mari_eval.methods import load_bundle
 from repro.cache import Store
 from repro.profiles import Profile
 
@@ -36,7 +38,4 @@ def recipe_bundle(store: Store, method: str, attribute: str, model: str, seed: i
 
 
 def validation_loss_selected(bundle: Path) -> float:
-    from baselines.common import selection_loss
-    from mari_eval.methods import load_bundle
-
     return selection_loss(load_bundle(bundle).config)

@@ -16,11 +16,13 @@ exits 1 on any mismatch (2 when a file is missing), 0 when every cell agrees.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
 
 from mari_eval.files import finite_json
+from repro import tables
 from repro.documents import TOLERANCE
 from repro.documents_file import SUFFIX, read_documents
 from repro.profiles import PERCENT_COLUMNS, REPO
@@ -47,8 +49,6 @@ def _compare(where: str, expected, got, out: list[str], relative: float = RELATI
 def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
     """(mismatches, cells compared, differences compared) of the table ``record`` (its JSON)
     against what ``documents`` (its Parquet) gives."""
-    from repro import tables
-
     cells, references, columns = read_documents(documents)
     out: list[str] = []
     compared_cells = compared_differences = 0
@@ -96,8 +96,6 @@ def paths(target: str) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tables", nargs="+", help="results/NAME (or NAME, NAME.json, NAME_documents.parquet)")
     args = parser.parse_args(argv)

@@ -32,6 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
+from mari_eval.mari.fit import probe_alpha_grid
+from mari_eval.mari.gate_labels import LABELINGS
+from mari_eval.methods import load_bundle
 from repro import cache, command_line, profiles, scoring, tables
 from repro.profiles import BENCHMARKS
 
@@ -57,8 +63,6 @@ def _row_bundle(bundle, model_args: str):
     """``bundle`` loaded and configured as the row with ``model_args`` evaluates it. A bundle the repro
     cache kept from before what the row needs was stored (the energies at other probe strengths of
     ``probe_alpha=``) is refused now, before any evaluation, naming the bundle and the fix."""
-    from mari_eval.methods import load_bundle
-
     loaded = load_bundle(bundle)
     try:
         loaded.configure_from(_options(model_args))
@@ -73,10 +77,6 @@ def _row_bundle(bundle, model_args: str):
 
 def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float], labellings: list[str],
         alphas: list[float], probe_alphas: list[float] = ()) -> dict:
-    from tqdm import tqdm
-
-    from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
-
     cells: dict = {}
     # Each point: (row label, hyperparameters it trains with, lm-eval model_args it evaluates with).
     points = [(f"K={k}", {"K": k}, "") for k in ks]
@@ -133,10 +133,6 @@ def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mari_eval.mari.gate_labels import LABELINGS
-    from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
-    from mari_eval.mari.fit import probe_alpha_grid
-
     stored = ",".join(f"{a:g}" for a in probe_alpha_grid(MARI_DEFAULTS["alpha_probe"]))
 
     def points(parser):

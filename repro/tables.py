@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,9 +21,8 @@ from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
 from repro.cache import Store, resolved_dtype
 from repro.documents import clustered_columns, split_clusters
-from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
 from repro.documents_file import cell_clusters, cell_documents, write_documents
-
+from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
 
 # ----------------------------------------------------------------------------- the paper's tables
 
@@ -37,8 +37,6 @@ def paper_rows(name: str) -> list[dict[str, str]]:
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
-    import statistics
-
     if not values:
         return float("nan"), None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
@@ -84,7 +82,7 @@ def tally(cells: dict, model: str, label: str, scores: dict[str, dict], seed: in
 
 
 def save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib is heavy; only this path needs it
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,10 +92,10 @@ def save_figure(fig, path: Path) -> None:
 
 def pyplot():
     """matplotlib's pyplot on the file-only backend (no display on CI or servers)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is heavy; only this path needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib is heavy; only this path needs it
 
     return plt
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from mari_eval import data
+
 
 class FirstTokenTimer:
     """A transformers streamer that notes when the first answer token arrives (generate's first
@@ -38,9 +40,7 @@ def gate_rate(lm) -> float | None:
 
 def sorry_prompt_ids(lm, prompts: int) -> list:
     """The first ``prompts`` SORRY-Bench prompts as one chat user turn each, token ids [1, T] each."""
-    import torch
-
-    from mari_eval import data
+    import torch  # deferred: torch is heavy; only this path needs it
 
     tok = lm.tokenizer
     records = data.load_sorry_bench()[:prompts]
@@ -50,7 +50,7 @@ def sorry_prompt_ids(lm, prompts: int) -> list:
 
 
 def _synchronize() -> None:
-    import torch
+    import torch  # deferred: torch is heavy; only this path needs it
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -59,7 +59,7 @@ def _synchronize() -> None:
 def generate_once(lm, ids, tokens: int) -> tuple[float, float, int]:
     """(first-token latency, total latency, tokens produced) of one greedy generation of ``tokens``
     tokens from ``ids`` through ``lm._model_generate`` (lm-eval's generation path)."""
-    import torch
+    import torch  # deferred: torch is heavy; only this path needs it
 
     _synchronize()
     timer = FirstTokenTimer()

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from mari_eval.mari.gate_labels import LABELINGS
 from repro import cache, command_line, profiles, scoring, tables
 from repro.ablation_table import labels_args
@@ -39,8 +41,6 @@ def row_label(rho: float, labels: str) -> str:
 
 def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS,
         labellings: list[str] = LABELLINGS) -> dict:
-    from tqdm import tqdm
-
     cells: dict = {}
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="gsm8k transfer", unit="seed"):
         bundles = {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}

@@ -54,7 +54,8 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[:len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            candidates = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # ``from package import module`` imports the module; ``from module import name`` the module
+            candidates = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
         for candidate in candidates:
@@ -62,7 +63,6 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 candidate = candidate.rpartition(".")[0]
             if candidate and candidate != name:
                 targets.add(candidate)
-                break
     return targets
 
 

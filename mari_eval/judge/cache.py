@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from mari_eval.judge.config import ENV_CACHE, JudgeError
+from mari_eval.models import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ def default_cache_path() -> Path:
     """``$MARI_JUDGE_CACHE``, else ``judge/judgements.jsonl`` under mari-eval's user cache dir."""
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE]).expanduser()
-    from mari_eval.models import cache_root
-
     return cache_root() / "judge" / "judgements.jsonl"
 
 

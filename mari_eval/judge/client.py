@@ -26,22 +26,16 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FuturesTimeout, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
+from tqdm import tqdm
+
 from mari_eval.judge.cache import JudgeCache, cache_key
-from mari_eval.judge.config import (
-    ENV_DEADLINE,
-    ENV_MODEL,
-    JudgeConfig,
-    JudgeDeadline,
-    JudgeError,
-    _env_name,
-    safe_url,
-)
+from mari_eval.judge.config import ENV_DEADLINE, ENV_MODEL, JudgeConfig, JudgeDeadline, JudgeError, _env_name, safe_url
 from mari_eval.judge.prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt, parse_verdict
 from mari_eval.judge.transport import Transport
 
@@ -123,7 +117,7 @@ class Judge(Transport):
     def check(self) -> None:
         """Fail now, saying what to do, when nothing answers at the URL, the key is rejected, the URL
         serves something other than the API (an HTML page), or the cache cannot be written."""
-        import openai
+        import openai  # deferred: openai is heavy; only this path needs it
 
         self.cache.check()
 
@@ -153,10 +147,6 @@ class Judge(Transport):
         """Ask for ``todo`` concurrently, within ``config.deadline`` seconds in all."""
         if not todo:
             return set()
-        from concurrent.futures import TimeoutError as FuturesTimeout
-
-        from tqdm import tqdm
-
         self._down.clear()
         self._failure = None
         started = time.monotonic()

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mari_eval.data import data_dir, read_jsonl
 from mari_eval.judge.config import ENV_PROMPT, JudgeError
 
 log = logging.getLogger(__name__)
@@ -90,14 +91,10 @@ def _own_prompt() -> JudgePrompt:
 
 
 def _read_prompt_file(path: Path) -> dict[str, str]:
-    from mari_eval.data import read_jsonl  # names the file and line of a bad entry
-
     return {row["name"]: row["prompt_template"] for row in read_jsonl(path, ("name", "prompt_template"))}
 
 
 def _data_file(rel: str) -> Path | None:
-    from mari_eval.data import data_dir
-
     root = data_dir()
     if root is None or not (root / rel).exists():
         return None

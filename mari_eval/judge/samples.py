@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from mari_eval.files import atomic_write
 from mari_eval.judge.cache import default_cache_path
 from mari_eval.judge.client import Judge
 from mari_eval.judge.config import JudgeConfig, JudgeError
@@ -114,8 +115,6 @@ def save_generations(items: Sequence[Mapping], run: Mapping | None = None) -> Pa
     name = _generations_name(header, body)
     header["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     text = json.dumps(header, ensure_ascii=False, default=str) + "\n" + body
-    from mari_eval.files import atomic_write
-
     errors = []
     for folder in (generations_dir(), Path(tempfile.gettempdir()) / "mari-eval-generations"):
         path = folder / name

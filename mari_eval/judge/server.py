@@ -8,8 +8,10 @@ that point the SORRY-Bench tasks at it.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -24,15 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from mari_eval.judge.config import (
-    ENV_API_KEY,
-    ENV_API_KEY_FALLBACK,
-    ENV_BASE_URL,
-    ENV_DEADLINE,
-    ENV_MODEL,
-    JudgeConfig,
-    JudgeError,
-)
+from mari_eval.judge.config import (ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_URL, ENV_DEADLINE, ENV_MODEL,
+                                    JudgeConfig, JudgeError)
+from mari_eval.models import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +62,6 @@ class EmbeddedServer:
 
     def __init__(self, model: str | None = None, *, port: int | None = None, device: str = "auto",
                  startup_timeout: float = 300.0) -> None:
-        from mari_eval.models import DEFAULT_MODEL, resolve_model
-
         self.alias = model or DEFAULT_MODEL
         self.model = resolve_model(self.alias)  # the pinned model: requests must name it exactly
         self.host = "127.0.0.1"
@@ -190,8 +184,6 @@ def _free_port() -> int:
 
 
 def _transformers_cli() -> str:
-    import importlib.util
-
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise JudgeError(f"transformers serve needs {', '.join(missing)}: pip install 'mari-eval[serve]' "
@@ -208,8 +200,6 @@ def _transformers_cli() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m mari_eval.judge serve``: run the embedded judge until interrupted."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m mari_eval.judge")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the embedded judge model on loopback")

@@ -15,17 +15,8 @@ import re
 import time
 from typing import Callable
 
-from mari_eval.judge.config import (
-    CONNECT_TIMEOUT,
-    ENV_API_KEY,
-    ENV_API_KEY_FALLBACK,
-    ENV_BASE_URL,
-    ENV_MODEL,
-    JudgeError,
-    JudgeUnavailable,
-    _env_name,
-    safe_url,
-)
+from mari_eval.judge.config import (CONNECT_TIMEOUT, ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_URL, ENV_MODEL,
+                                    JudgeError, JudgeUnavailable, _env_name, safe_url)
 
 log = logging.getLogger("mari_eval.judge.client")  # retries are logged as the client's
 
@@ -109,7 +100,7 @@ class Transport:
     def _call(self, request: Callable, what: str):
         """``request(client)``, which the openai client tries up to ``config.attempts`` times (``_before_try``
         ends it at the deadline); its failure becomes a ``JudgeError`` naming the problem and the fix."""
-        import openai
+        import openai  # deferred: openai is heavy; only this path needs it
 
         url = safe_url(self.config.base_url)
         self._local.what, self._local.tries, self._local.last = what, 0, None
@@ -201,7 +192,7 @@ class Transport:
 def _unavailable(e) -> bool:
     """A failure of the kinds the openai client retries (connection errors, timeouts, HTTP 408, 409, 429, 5xx):
     the judge is down or overloaded rather than refusing the request."""
-    import openai
+    import openai  # deferred: openai is heavy; only this path needs it
 
     if isinstance(e, (openai.APIConnectionError, _ReplyInterrupted)):  # APITimeoutError included
         return True

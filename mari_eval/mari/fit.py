@@ -15,13 +15,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from mari_eval import devices, generation, runner
+from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.mari import gate_labels
 from mari_eval.mari.equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       probe_variant, routed_loss, run_energy)
-from mari_eval.epochs import EpochLoop, weighted_means
 from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 
@@ -160,8 +161,6 @@ def calibrate(session: Session, examples: list[Example], tensors: dict[str, torc
     mari_eval.mari.gate_labels), routing agreement; and E(x; alpha) of the same trained probe at every
     strength of ``probe_alpha_grid`` ("ctrl_energy_by_alpha" [n_alpha, N], the grid as "probe_alphas"):
     a site-only row at p* per extra strength, in the same run."""
-    from tqdm import tqdm
-
     K = tensors["expert_U"].shape[0]
     has_single = "single_U" in tensors
     grid = probe_alpha_grid(hp["alpha_probe"])

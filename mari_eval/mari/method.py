@@ -48,14 +48,14 @@ from typing import Any
 import torch
 
 from mari_eval import runner
-from mari_eval.mari import gate_labels
-from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
-                                      run_energy)
 from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
 from mari_eval.intervention import Intervention
-from mari_eval.registry import register_method
+from mari_eval.mari import fit as mari_fit, gate_labels
+from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
+                                      run_energy)
 from mari_eval.options import Option
 from mari_eval.plan import Plan
+from mari_eval.registry import register_method
 
 DEFAULTS: dict[str, Any] = {
     "K": 4,
@@ -389,6 +389,4 @@ class MARI(Intervention):
 
     @classmethod
     def fit(cls, session, data, config, hyperparameters, seed):
-        from mari_eval.mari import fit as mari_fit
-
         return mari_fit.fit_mari(cls, session, data, config, hyperparameters, seed)
