@@ -24,3 +24,17 @@ def test_the_graph_tool_finds_a_circle_and_an_upward_import():
     assert import_graph.circles(edges) == [["mari_eval.a", "mari_eval.b"]]
     assert import_graph.upward(edges) == [("mari_eval.b", "repro.c")]
     assert import_graph.longest_chain({"mari_eval.a": {"mari_eval.b"}, "mari_eval.b": set()}) == ["mari_eval.a", "mari_eval.b"]
+
+
+def test_every_name_of_a_from_import_is_an_edge(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    source = tmp_path / "c.py"
+    source.write_text("from mari_eval import a, b\nfrom mari_eval.d import thing\n\ndef f():\n    from . import e\n")
+    modules = {name: tmp_path / f"{name}.py" for name in ("mari_eval", "mari_eval.a", "mari_eval.b", "mari_eval.d",
+                                                         "mari_eval.e")}
+    assert import_graph.imported("mari_eval.c", source, modules) == {"mari_eval.a", "mari_eval.b", "mari_eval.d",
+                                                                     "mari_eval.e"}
