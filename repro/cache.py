@@ -29,7 +29,7 @@ from typing import Any
 
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
-from mari_eval.train import train
+from mari_eval import train as training
 from repro import lm_eval_run
 from repro.documents import documents_disagree
 from repro.profiles import Profile, describe
@@ -146,7 +146,7 @@ class Store:
         tmp = partial_dir(final)
         _remove_abandoned(final.parent.glob(f"{final.name}.partial-*"))
         log.info("training %s on %s (%s, seed %d, %s)", method, attribute, model, seed, describe(self.placement))
-        train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=config.get("max_ctrl"),
+        training.train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=config.get("max_ctrl"),
               max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
               placement=self.placement, max_memory=self.max_memory)
         atomic_write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})

@@ -1,6 +1,8 @@
 """Shared fixtures: the embedded model (materialised once per machine) and the data folder."""
 
+import inspect
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,28 @@ if os.environ.get("MARI_DATA_DIR"):
     os.environ["MARI_DATA_DIR"] = str(Path(os.environ["MARI_DATA_DIR"]).resolve())
 
 
+# What makes a test ``e2e`` (left out by ``make test-fast``; CI runs everything): a module that runs
+# subprocesses or lm-eval on the embedded model throughout (``pytestmark`` there), a fixture that
+# loads the embedded model or starts a server, or a test whose own code does either.
+E2E_FIXTURES = {"smollm2_session", "truthfulqa_session", "mari_lm", "hf_lm", "embedded", "task_run", "wheel"}
+E2E_CALLS = re.compile(r"subprocess\.|simple_evaluate\(|create_from_arg_string\(|get_model\(\"mari\"\)|"
+                       r"Session\(\"smollm2|run_repro\(|_lm_eval\(|cli\.main\(|serve_embedded\(|judge_environment\(")
+
+
+def _is_e2e(item) -> bool:
+    if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    function = getattr(item, "function", None)
+    try:
+        return bool(function and E2E_CALLS.search(inspect.getsource(function)))
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
     if os.environ.get("MARI_DATA_DIR"):
         return
     skip = pytest.mark.skip(reason="MARI_DATA_DIR is not set: these tests read the local benchmark copy")

@@ -15,7 +15,7 @@ from mari_eval import data
 
 from .conftest import HARNESS_TASKS
 
-pytestmark = pytest.mark.needs_data
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data]
 
 AGGREGATIONS = {"amb_bias_score": bbq_utils.agg_amb_bias_scores, "disamb_bias_score": bbq_utils.agg_disamb_bias_scores}
 

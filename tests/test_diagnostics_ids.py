@@ -14,6 +14,8 @@ from mari_eval import methods
 from .conftest import HARNESS_TASKS
 from .helpers import saved_mari_bundle
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 MODEL = "smollm2-135m-instruct"
 
 

@@ -47,6 +47,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.e2e  # trains and times every method on a tiny model through the benchmark's steps
 @pytest.mark.needs_data
 def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     raw_path = tmp_path / "raw.json"

@@ -18,7 +18,7 @@ from .helpers import saved_mari_bundle
 from .helpers import saved_baseline_bundle
 from .helpers import capital_requests
 
-pytestmark = pytest.mark.needs_data
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data]
 
 
 def _python(code: str) -> str:

@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mari_eval import models, site
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 
 def test_hub_ids_and_local_dirs_pass_through(tmp_path):
     assert models.resolve_model("meta-llama/Meta-Llama-3-8B") == "meta-llama/Meta-Llama-3-8B"

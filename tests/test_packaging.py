@@ -12,6 +12,8 @@ import pytest
 
 from .conftest import HARNESS_TASKS, REPO
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 ENTRY_POINT = ("lm_eval.models", "mari", "mari_eval.lm:MariLM")
 
 

@@ -13,7 +13,7 @@ import pytest
 from .conftest import REPO
 from .helpers import run_repro
 
-pytestmark = pytest.mark.needs_data
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data]
 
 
 def _strict(text: str):

@@ -13,6 +13,8 @@ from repro import cache, command_line, lm_eval_run, profiles
 
 from .helpers import run_repro
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 MODEL = "smollm2-135m-instruct"  # a float32 checkpoint
 
 

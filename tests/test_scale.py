@@ -20,7 +20,7 @@ from mari_eval import site
 from .conftest import HARNESS_TASKS
 from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
 
-pytestmark = pytest.mark.needs_data
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data]
 
 METHODS = ["vanilla", "mari", "caa", "iti", "nl_iti", "reft"]
 

@@ -14,6 +14,8 @@ from mari_eval import methods, site
 from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
 from .tiny import tiny_model
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 MODEL = "smollm2-135m-instruct"
 MULTIPLIER = 3.0
 

@@ -23,6 +23,8 @@ from mari_eval.tasks import DATA_ENV, tasks_dir
 
 from .conftest import HARNESS_TASKS
 
+pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
+
 BUILTIN = Path(lm_eval.tasks.__file__).resolve().parent
 OURS = tasks_dir()
 # Our names that lm-eval also defines -> lm-eval's YAML (tests/test_tasks.py compares their keys).

@@ -33,6 +33,7 @@ def _data_dir() -> Path | None:
 
 DATA_DIR = _data_dir()
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.needs_data,
     pytest.mark.skipif(DATA_DIR is None, reason="MARI_DATA_DIR is not set: these tests read the local benchmark copy"),
 ]
