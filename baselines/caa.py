@@ -65,7 +65,8 @@ from mari_eval.registry import register_method
 from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
 
 if TYPE_CHECKING:
-    from mari_eval.train import AttributeData, Example, Session
+    from mari_eval.examples import AttributeData, Example
+    from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from mari_eval.options import Option
 from mari_eval.plan import VANILLA, Plan
 
 if TYPE_CHECKING:
-    from mari_eval.train import Example, Session
+    from mari_eval.examples import Example
+    from mari_eval.session import Session
 
 VALIDATION_FRACTION = 0.2
 

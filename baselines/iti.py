@@ -74,7 +74,8 @@ from .iti_heads import RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 
 if TYPE_CHECKING:
-    from mari_eval.train import AttributeData, Example, Session
+    from mari_eval.examples import AttributeData, Example
+    from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -92,7 +92,8 @@ from .iti_heads import choice_record, rank_heads
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
-    from mari_eval.train import AttributeData, Example, Session
+    from mari_eval.examples import AttributeData, Example
+    from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,8 @@ from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, p
 from .reft_published import fit_published
 
 if TYPE_CHECKING:
-    from mari_eval.train import AttributeData, Example, Session
+    from mari_eval.examples import AttributeData, Example
+    from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,8 @@ from .reft_step import batch_gradient, shared_length
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
-    from mari_eval.train import AttributeData, Example, Session
+    from mari_eval.examples import AttributeData, Example
+    from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
 

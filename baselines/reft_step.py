@@ -20,7 +20,8 @@ from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_pr
                                     with_cache)
 
 if TYPE_CHECKING:
-    from mari_eval.train import Example, Session
+    from mari_eval.examples import Example
+    from mari_eval.session import Session
 
 
 def answer_of(ex: Example) -> list[int]:

@@ -39,7 +39,7 @@ ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1", "bbq": "bbq_disambig", "sorry
 
 
 class Session(Protocol):
-    """What rendering examples needs of a training session (``mari_eval.train.Session``): the
+    """What rendering examples needs of a training session (``mari_eval.session.Session``): the
     ``MariLM`` that evaluates them, its tokenisation, and the frozen model's work on a set."""
 
     lm: "MariLM"

@@ -183,7 +183,7 @@ class Intervention(ABC):
 
     @classmethod
     def fit(cls, session, data, config: dict[str, Any], hyperparameters: dict[str, Any], seed: int) -> "Intervention":
-        """Train on ``data`` (a ``train.AttributeData``) through ``session`` (a ``train.Session``).
+        """Train on ``data`` (a ``examples.AttributeData``) through ``session`` (a ``session.Session``).
 
         ``config`` holds the provenance (base model, site, splits...); the returned
         intervention's config adds the method's hyperparameters and results.

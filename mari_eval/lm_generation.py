@@ -95,7 +95,7 @@ class GenerationMixin:
     def generation_ids(self, prompt: str) -> list[int]:
         """The token ids HFLM's ``generate_until`` gives the model for ``prompt`` (its
         ``tok_batch_encode``, padding aside); p* is the last. Training and calibration on
-        generation examples use these ids (``train.Session.encode_generation``), never
+        generation examples use these ids (``session.Session.encode_generation``), never
         ``_encode_pair``, which moves a template's trailing "\\n" into the continuation and so
         would put p* on another token than the one generation edits."""
         ids, mask = self.tok_batch_encode([prompt])

@@ -2,7 +2,7 @@
 
 Training runs every example's options many times (epochs, experts, the probe, the
 calibration), so the frozen model's work that no edit changes is done once
-(``train.Session.prepare``) and kept:
+(``session.Session.prepare``) and kept:
 
 * the key/value cache of the prompt before p*, split in two: the preamble every example
   shares (TruthfulQA's 6-shot prompt, a chat template's header), held **once**, and each

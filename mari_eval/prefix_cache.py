@@ -6,7 +6,7 @@ every option and every epoch: ``encode_prefix`` computes them once, and the runn
 (``mari_eval.runner``, ``mari_eval.generation``) runs only short suffixes over them.
 ``PrefixCache`` shares the prompts' common prefixes (few-shot preambles) across
 questions visited in sorted order; ``own_part`` and ``joined`` let training keep one
-shared preamble and each example's own tokens apart (``train.Session.prepare``).
+shared preamble and each example's own tokens apart (``session.Session.prepare``).
 ``PackedPrompts`` holds several prompts in one cache (a shared preamble, then each
 prompt's own tokens), so that many questions' rows run in one forward pass
 (``packed_inputs``; ``runner.score_questions``, training's ``Session.prepare``).

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mari_eval import layer_spans, row_passes, train
+from mari_eval.session import example_batches
 from mari_eval.mari.equations import pca_basis
 
 from .tiny import tiny_session
@@ -82,7 +83,7 @@ def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tok
     session = tiny_session(tiny_model("llama"))
     session.max_tokens, session.memory_budget = max_tokens, 2**30
     examples = _examples(preamble)
-    assert (len(train._example_batches(examples, len(preamble), max_tokens)) > 1) == (max_tokens < 100)
+    assert (len(example_batches(examples, len(preamble), max_tokens)) > 1) == (max_tokens < 100)
     reference = copy.deepcopy(examples)
     _reference_prepare(session, reference)
     session.prepare(examples, "packed")
