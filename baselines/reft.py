@@ -8,7 +8,7 @@ edited positions,
 i.e. the component of h in the r-dimensional subspace spanned by R's rows is replaced
 by the learned projection W h + b. The original edits the first f and the last l prompt
 tokens ("f5+l5" in its instruction-tuning runs, "f7+l7" for commonsense reasoning);
-here f = l = 5, the last one being p*, at l* (``Intervention.prompt_sites``; the
+here f = l = 5, the last one being p*, at l* (``ReFT.prompt_sites``; the
 runner then computes every prompt under the edit). Generated tokens are not edited
 (the original intervenes on the prompt only).
 

@@ -67,7 +67,7 @@ def encode_prefix(
     """The cache of ``tokens``; when ``base`` holds a prefix of them, only the rest is computed.
 
     With ``sites`` (positions in ``tokens``), the forward pass runs under ``apply``'s edit
-    at those positions (``Intervention.prompt_sites``); gradients then flow if enabled. A
+    at those positions (``Plan.prompt_sites``); gradients then flow if enabled. A
     ``base`` extended under an edit must have been computed under the same edit at exactly
     the sites that lie in it (``base.sites``): an edit of one position's state alone (ReFT's)
     then gives the base's tokens the same keys and values in both prompts.

@@ -111,7 +111,7 @@ def _manual_loglikelihood(model, tok, bundle, context, continuation):
     ctx = tok(context).input_ids
     cont = tok(continuation).input_ids
     ids = torch.tensor([ctx + cont])
-    cols = torch.tensor(bundle.prompt_sites(len(ctx)) + [len(ctx) - 1])
+    cols = torch.tensor(bundle.plan(model).prompt_sites(len(ctx)) + [len(ctx) - 1])
     with torch.no_grad(), bundle.applied(model, (torch.zeros_like(cols), cols)):
         logprobs = model(ids).logits.log_softmax(-1)[0, len(ctx) - 1 : -1]
     return float(logprobs.gather(-1, torch.tensor(cont)[:, None]).sum())
