@@ -69,7 +69,7 @@ class ChoiceLog:
             return
         mine = list(zip(self._keys[start:], self.records[start:]))
         if world_size > 1:
-            import torch.distributed as dist
+            import torch.distributed as dist  # deferred: only several ranks need it
 
             everyone: list = [None] * world_size
             cached = None if self.cache is None else self._cached_here

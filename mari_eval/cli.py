@@ -76,9 +76,9 @@ def _judge(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # not every HTTP request
     logging.getLogger("mari_eval").setLevel(logging.INFO)
     if args.forget_cached:
-        import os
+        import os  # deferred: keeps `mari-eval --help` light
 
-        from mari_eval.judge import ENV_MODEL, JudgeCache
+        from mari_eval.judge import ENV_MODEL, JudgeCache  # deferred: keeps `mari-eval --help` light
 
         model = args.model or os.environ.get(ENV_MODEL)
         if not model:

@@ -212,7 +212,7 @@ def load_sorry_bench() -> list[dict]:
 
 def _hub_sorry_bench() -> list[dict]:
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # deferred: huggingface_hub is heavy; only the Hub path needs it
 
         path = hf_hub_download("sorry-bench/sorry-bench-202406", "question.jsonl", repo_type="dataset")
     except Exception as e:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from mari_eval import methods
 from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
 from mari_eval.checkpoint import checkpoint_dir
+from mari_eval.files import check_writable_dir
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
@@ -81,10 +82,10 @@ def parse_hub(reference: str, revision: str | None = None, *, bare_ok: bool = Tr
 
     ``hf://...`` always names the Hub; a bare ``org/name`` does when ``bare_ok`` (the caller has
     found no local path of that name). A revision given in the URI and as ``revision`` is refused."""
-    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
-        HfUriError, HFValidationError)
-    from huggingface_hub.utils import (  # deferred: huggingface_hub is heavy; only this path needs it
-        parse_hf_uri, validate_repo_id)
+    from huggingface_hub.errors import (HfUriError,  # deferred: huggingface_hub is heavy; only this path needs it
+                                        HFValidationError)
+    from huggingface_hub.utils import (parse_hf_uri,  # deferred: huggingface_hub is heavy; only this path needs it
+                                       validate_repo_id)
 
     if reference.startswith(HF_PREFIX):
         try:
@@ -138,11 +139,11 @@ def resolve(reference: str | Path, revision: str | None = None) -> Resolved:
 
 
 def _download(hub: HubRef, reference: str) -> Resolved:
-    from huggingface_hub import (constants,  # deferred: huggingface_hub is heavy; only this path needs it
-                                 snapshot_download)
-    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
-        GatedRepoError, HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError, RepositoryNotFoundError,
-        RevisionNotFoundError)
+    from huggingface_hub import constants  # deferred: huggingface_hub is heavy; only this path needs it
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError,  # deferred: huggingface_hub is heavy; only this path needs it
+                                        HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     at = f" at revision {hub.revision!r}" if hub.revision else ""
     where = f"bundle={reference}: Hub repository {hub.repo_id}{at}"
@@ -255,8 +256,6 @@ def push(directory: str | Path, repo: str, *, revision: str | None = None, priva
         raise FileExistsError(f"--to-dir {target} exists and is not an empty directory: give a new one, so that it "
                               "holds exactly what would be uploaded")
     if target is not None:
-        from mari_eval.files import check_writable_dir
-
         check_writable_dir(target, "--to-dir ")
     with tempfile.TemporaryDirectory(prefix="mari-push-") as tmp:
         staged = Path(tmp) / "bundle"
@@ -275,7 +274,7 @@ def push(directory: str | Path, repo: str, *, revision: str | None = None, priva
 def _unreachable() -> tuple[type[BaseException], ...]:
     """The HTTP client's connection errors (huggingface_hub 2.x sends its requests with httpx2)."""
     try:
-        import httpx2
+        import httpx2  # optional: huggingface_hub 2.x only
     except ImportError:
         return ()
     return (httpx2.TransportError,)
@@ -283,8 +282,8 @@ def _unreachable() -> tuple[type[BaseException], ...]:
 
 def _upload(hub: HubRef, staged: Path, private: bool, message: str, stale: list[str]):
     from huggingface_hub import HfApi  # deferred: huggingface_hub is heavy; only this path needs it
-    from huggingface_hub.errors import (  # deferred: huggingface_hub is heavy; only this path needs it
-        HfHubHTTPError, LocalTokenNotFoundError, RepositoryNotFoundError)
+    from huggingface_hub.errors import (HfHubHTTPError,  # deferred: huggingface_hub is heavy; only this path needs it
+                                        LocalTokenNotFoundError, RepositoryNotFoundError)
     from huggingface_hub.utils import \
         OfflineModeIsEnabled  # deferred: huggingface_hub is heavy; only this path needs it
 

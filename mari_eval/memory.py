@@ -144,7 +144,7 @@ def default_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        import psutil
+        import psutil  # deferred: only the CPU budget reads it
 
         free = psutil.virtual_memory().available
     return int(DEFAULT_BUDGET_FRACTION * free)

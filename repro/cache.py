@@ -27,9 +27,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mari_eval import train as training
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
-from mari_eval import train as training
+from mari_eval.methods import load_bundle
 from repro import lm_eval_run
 from repro.documents import documents_disagree
 from repro.profiles import Profile, describe
@@ -66,9 +67,9 @@ def resolved_dtype(dtype: str, model: str) -> str:
     if dtype != "auto":
         return dtype
     try:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: transformers is heavy; only resolving dtype 'auto' needs it
 
-        from mari_eval.models import resolve_model
+        from mari_eval.models import resolve_model  # deferred: with AutoConfig above
 
         config = AutoConfig.from_pretrained(resolve_model(model))
         found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -172,8 +173,6 @@ class Store:
         """({task: its file under evaluations/}, {task: its configuration}) of an evaluation."""
         fingerprint = None
         if bundle is not None:
-            from mari_eval.methods import load_bundle
-
             if bundle not in self._fingerprints:
                 self._fingerprints[bundle] = load_bundle(bundle).fingerprint()
             fingerprint = self._fingerprints[bundle]

@@ -41,7 +41,7 @@ def placement_from_args(args, profile: Profile):
     values = {"dtype": args.dtype, "device": args.device, "device_map": args.device_map,
               "max_memory_per_gpu": args.max_memory_per_gpu, "max_cpu_memory": args.max_cpu_memory}
     if profile.cuda_placement:
-        import torch
+        import torch  # deferred: torch is heavy; only the paper profile's CUDA default needs it
 
         if torch.cuda.is_available():
             defaults = dict(profile.cuda_placement)

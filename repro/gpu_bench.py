@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if args.render:
-        from repro import gpu_bench_report
+        from repro import gpu_bench_report  # deferred: rendering reads matplotlib; only --render needs it
 
         for path in gpu_bench_report.render([Path(r) for r in args.render], Path(args.out)):
             print(path)

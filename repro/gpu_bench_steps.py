@@ -79,9 +79,9 @@ class Bench:
     def manager(self):
         """lm-eval's task index with this project's task folder (built once: it reads every YAML)."""
         if self._manager is None:
-            from lm_eval.tasks import TaskManager
+            from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only the task index needs it
 
-            from mari_eval.tasks import tasks_dir
+            from mari_eval.tasks import tasks_dir  # deferred: with the task index above
 
             self._manager = TaskManager(include_path=str(tasks_dir()))
         return self._manager
@@ -89,7 +89,7 @@ class Bench:
     def lm(self, entry: Entry, batch_size: int | str):
         """A fresh lm-eval model object of ``entry`` around the shared model."""
         if entry.is_hf:
-            from lm_eval.models.huggingface import HFLM
+            from lm_eval.models.huggingface import HFLM  # deferred: lm-eval is heavy; only the hf entry needs it
 
             return HFLM(pretrained=self.model, tokenizer=self.tokenizer, batch_size=batch_size,
                         max_batch_size=self.max_batch_size, device=self.device, dtype=self.dtype)

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from mari_eval.files import atomic_write
+from mari_eval.files import atomic_write, check_writable_file, write_results_json
 from mari_eval.judge.cache import default_cache_path
 from mari_eval.judge.client import Judge
 from mari_eval.judge.config import JudgeConfig, JudgeError
@@ -241,8 +241,6 @@ def judge_file(path: str | Path, *, base_url: str | None = None, model: str | No
                prompt: str | None = None, out: str | Path | None = None) -> dict:
     """Judge the responses in ``path`` as the task would; ``{"metrics", "summary", ...}`` (also written to ``out``)."""
     if out is not None:  # before any verdict is asked for, not after
-        from mari_eval.files import check_writable_file
-
         check_writable_file(Path(out), "--out ", "judge.json")
     items, run = read_samples(path)
     config = JudgeConfig.from_env(base_url, model)
@@ -255,8 +253,6 @@ def judge_file(path: str | Path, *, base_url: str | None = None, model: str | No
     summary = refusal_summary(items, labels, judge=judge)
     result = {"source": str(path), "run": run, "metrics": task_metrics(summary, judge), "summary": summary}
     if out is not None:
-        from mari_eval.files import write_results_json
-
         write_results_json(out, result, ensure_ascii=False)  # strict JSON: NaN as null
     return result
 

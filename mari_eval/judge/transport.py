@@ -171,7 +171,7 @@ class Transport:
 
     def _openai(self):
         if self._client is None:
-            import openai
+            import openai  # deferred: openai is heavy; only a request needs it
 
             timeout = self.config.timeout
             self._client = openai.OpenAI(
