@@ -20,6 +20,9 @@ import logging
 from collections import deque
 
 import torch
+from lm_eval.models.utils import Collator
+from lm_eval.models.utils_hf import stop_sequences_criteria
+from transformers import LogitsProcessorList
 
 from mari_eval import generation, lm_checks as checks, runner
 from mari_eval.choice_log import prompt_order
@@ -113,9 +116,6 @@ class GenerationMixin:
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         width = context.shape[1]
         context, generation_kwargs["attention_mask"] = self._without_empty_rows(context, generation_kwargs.get("attention_mask"))
-        from transformers import \
-            LogitsProcessorList  # deferred: transformers is heavy; only this path needs it
-
         mask = generation_kwargs["attention_mask"]
         finite = checks.FiniteLogits(lambda i: self._prompt_text(context[i], mask[i]), len(context), self._generation_task)
         generation_kwargs["logits_processor"] = LogitsProcessorList([*generation_kwargs.get("logits_processor", []), finite])
@@ -166,9 +166,6 @@ class GenerationMixin:
 
     def _routed_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """Every variant for the plan's routing window as one batch, then the chosen one continues (eq:entropy_gen)."""
-        from lm_eval.models.utils_hf import \
-            stop_sequences_criteria  # deferred: lm-eval is heavy; only this path needs it
-
         kwargs = dict(generation_kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
         if attention_mask is None:
@@ -207,7 +204,6 @@ def generation_order(requests) -> dict[str, deque]:
     ``generate_until`` generates them: its Collator groups the requests by generation
     arguments (the groups in order of first appearance) and sorts each group stably by prompt,
     so the requests that share a prompt come in this order (and ``tok_batch_encode`` pops them)."""
-    from lm_eval.models.utils import Collator  # deferred: lm-eval is heavy; only this path needs it
 
     groups = Collator.group(list(enumerate(requests)), fn=lambda item: item[1].args[1], group_by="gen_kwargs")
     order: dict[str, deque] = {}

@@ -114,7 +114,9 @@ def _python(words: list[str], monkeypatch) -> None:
             return  # a generator script (harness_tasks/_generate_mmlu.py): its existence is what is checked
         argv = words[2:]
     loaded = importlib.import_module(module)
-    main = getattr(loaded, "main", None) or importlib.import_module(module + ".server").main  # mari_eval.judge
+    if getattr(loaded, "main", None) is None:  # a package run by its __main__ (python -m mari_eval.judge)
+        loaded = importlib.import_module(module + ".__main__")
+    main = loaded.main
     _parse_main(main, argv, words[1], monkeypatch)
 
 

@@ -2,4 +2,5 @@
 
 from mari_eval.judge.server import main
 
-main()
+if __name__ == "__main__":
+    main()
