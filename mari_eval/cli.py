@@ -112,6 +112,23 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_vector(args: argparse.Namespace) -> int:
+    from mari_eval.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+    path = import_gguf(args.file, args.model, args.out, scale=args.scale, allow_other_model=args.allow_other_model)
+    print(f"bundle: {path}")
+    print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path} (scale=S multiplies it)")
+    return 0
+
+
+def _methods(args: argparse.Namespace) -> int:
+    from mari_eval import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+    for name, source in registry.method_sources().items():
+        print(f"{name:16} {source}")
+    return 0
+
+
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device, --device-map and the memory caps (``devices.Placement``), shared with repro/."""
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -145,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_splits)
 
     p = sub.add_parser("train", help="train a method on an attribute, save a bundle")
-    p.add_argument("--method", default="mari", help="mari (default) or a baseline: caa, iti, nl_iti, reft")
+    p.add_argument("--method", default="mari",
+                   help="mari (default), a baseline (caa, iti, nl_iti, reft, lora, prompting) or any method an installed "
+                        "package declares (`mari-eval methods` lists them; docs/plugins.md)")
     p.add_argument("--attribute", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or local directory")
     p.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
@@ -201,6 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-dir", metavar="DIR",
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
+
+    p = sub.add_parser("import-vector", help="import a GGUF control vector (repeng, llama.cpp) as a bundle",
+                       description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
+                                   "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
+                                   "added to the output of decoder layer N (model.model.layers[N]) at every position, "
+                                   "as llama.cpp applies it. Evaluate it with --model_args bundle=OUT (scale=S "
+                                   "multiplies it); docs/methods.md.")
+    p.add_argument("file", help="the control vector .gguf")
+    p.add_argument("--model", required=True, help="the model it steers: embedded alias, Hub id or local directory")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
+    p.add_argument("--allow-other-model", action="store_true",
+                   help="import a vector whose model hint names another architecture (a warning, not an error)")
+    p.set_defaults(run=_import_vector)
+
+    p = sub.add_parser("methods", help="list every method by name: built-in, or declared by an installed package")
+    p.set_defaults(run=_methods)
     return parser
 
 

@@ -107,6 +107,14 @@ class Intervention(ABC):
         variant 0, this method's edit at the site, always chosen."""
         return Plan((0,), lambda variant_ids, positions: self.applied(model, positions, variant_ids), self.choose)
 
+    @property
+    def instruction(self) -> str | None:
+        """Text the lm-eval model puts into every prompt under this method (Prompting's instruction):
+        in the chat template's system turn, else as the context's first paragraph
+        (``mari_eval.lm.MariLM.instructed``). None, the default: the prompts are left as lm-eval
+        renders them (every method that edits hidden states)."""
+        return None
+
     def variant_name(self, variant: int) -> str:
         """How errors and diagnostics name a variant."""
         return "the untouched model" if variant == BASE else f"variant {variant}"

@@ -16,7 +16,10 @@ the last prompt token:
 * generation requests (``mari_eval.lm_generation``, a mixin) are left-padded by HFLM, so
   p* is the last column of the prefill and a one-variant edit is applied once, before
   decoding (``mari_eval.site.edit_site``); a plan with several variants runs them all for
-  its routing window first (``mari_eval.generation``).
+  its routing window first (``mari_eval.generation``);
+* a method that edits no state but the prompt (Prompting: ``Intervention.instruction``) has its
+  instruction put into every prompt: the chat template's system turn, or the context's first
+  paragraph (``MariLM.instructed``); for every other method this is the identity.
 
 Several methods' lm-eval runs can share the frozen model's log-likelihood work: from Python,
 ``shared_pass=`` (``mari_eval.shared_pass.SharedPass``). Model args beyond HFLM's: ``bundle``
@@ -52,6 +55,8 @@ from mari_eval.shared_pass import OwnRuns, SharedPass, join_shared
 
 log = logging.getLogger(__name__)
 
+INSTRUCTION_DELIMITER = "\n\n"  # between a method's instruction and what follows it (``MariLM.instructed``)
+
 
 @register_model("mari")
 class MariLM(GenerationMixin, HFLM):
@@ -78,6 +83,7 @@ class MariLM(GenerationMixin, HFLM):
             checks.check_lm_eval_output(sys.argv[1:])
         # The bundle is read and its options applied before the model is loaded, so a bad one fails fast.
         self.intervention: methods.Intervention | None = None
+        self._templated: set[str] = set()  # prompts rendered by the chat template with the method's instruction
         if bundle is not None:
             self.intervention = hub.load_bundle(bundle, bundle_revision)  # a directory or a Hub repository
             self.intervention.configure_from(method_options)
@@ -222,6 +228,51 @@ class MariLM(GenerationMixin, HFLM):
         if iv is not None:
             doc = meta[idxs[0]][2] if meta else None
             self._record(record, task, doc_id, run, checks.gold_options(task, doc, len(conts)), context)
+
+    # ------------------------------------------------------------------ a method's instruction
+    #
+    # A method may put an instruction into every prompt (``Intervention.instruction``: Prompting's).
+    # With a chat template it joins the system turn (``apply_chat_template``: lm-eval's
+    # --apply_chat_template; ``chat_prompt``: SORRY-Bench's chat turn); otherwise it is the context's
+    # first paragraph, before any few-shot preamble (``instructed``), as lm-eval's ``_encode_pair``
+    # encodes a log-likelihood request and as ``generate_until`` hands a prompt on. For every other
+    # method (instruction None) and without a bundle each of these is the identity.
+
+    @property
+    def instruction(self) -> str | None:
+        return None if self.intervention is None else self.intervention.instruction
+
+    def instructed(self, context: str) -> str:
+        """``context`` after the method's instruction, unless the chat template put it in its system turn."""
+        if not self.instruction or context in self._templated:
+            return context
+        return self.instruction + INSTRUCTION_DELIMITER + context
+
+    def with_instruction(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """Chat ``messages`` with the method's instruction in their system turn (after a system
+        instruction lm-eval put there, or as a new system turn)."""
+        if not self.instruction:
+            return messages
+        if messages and messages[0].get("role") == "system":
+            first = messages[0]
+            return [{**first, "content": first["content"] + INSTRUCTION_DELIMITER + self.instruction}, *messages[1:]]
+        return [{"role": "system", "content": self.instruction}, *messages]
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        rendered = super().apply_chat_template(self.with_instruction(chat_history), add_generation_prompt)
+        if self.instruction:
+            if self.instruction not in rendered:  # a template without a system turn (HFLM drops it): the first user turn carries it
+                turns = [dict(m) for m in chat_history if m.get("role") != "system"]
+                user = next((m for m in turns if m.get("role") == "user"), None)
+                if user is not None:
+                    user["content"] = self.instruction + INSTRUCTION_DELIMITER + user["content"]
+                rendered = super().apply_chat_template(turns, add_generation_prompt)
+            self._templated.add(rendered)
+        return rendered
+
+    def _encode_pair(self, context: str, continuation: str):
+        # The request keeps its text (lm-eval's cache keys on it); only its tokens carry the instruction.
+        return super()._encode_pair(self.instructed(context), continuation)
 
     # ------------------------------------------------------------------ diagnostics
 

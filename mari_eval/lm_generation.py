@@ -9,8 +9,9 @@ of the chat template, as training renders them. Every choice is recorded with it
 (the batch's rows are matched to their requests as HFLM encodes them, ``generation_order``), and
 non-finite scores stop generation naming the prompt (``lm_checks.FiniteLogits``).
 
-The mixin reads what ``MariLM`` sets up: ``plan``, ``intervention``, ``choices``, and the
-generation bookkeeping (``_generation_task``, ``_generation_docs``, ``_batch_docs``).
+The mixin reads what ``MariLM`` sets up: ``plan``, ``intervention``, ``choices``, the method's
+instruction (``instruction``, ``instructed``, ``with_instruction``, ``_templated``), and the generation
+bookkeeping (``_generation_task``, ``_generation_docs``, ``_batch_docs``).
 """
 
 from __future__ import annotations
@@ -44,12 +45,18 @@ class GenerationMixin:
         # turn of the chat template, as training renders it. A context lm-eval already
         # changed (--apply_chat_template, a system instruction, few-shot) no longer equals
         # the turn and is left alone, so the template is never applied twice.
+        # A method's instruction (Prompting) joins the chat turn's system turn, or precedes another
+        # prompt (``MariLM.instructed``; the identity for every other method).
         asked = {}  # the arguments lm-eval's --use_cache looks a request up by, where they are rendered here
         for request in requests:
+            if id(request) in asked:  # the same request again (lm-eval's padding of a rank): rendered once
+                continue
             turn = request.doc.get(CHAT_TURN_FIELD) if isinstance(request.doc, dict) else None
-            if isinstance(turn, str) and request.args[0] == turn:
+            chat_turn = isinstance(turn, str) and request.args[0] == turn
+            prompt = self.chat_turn_prompt(turn) if chat_turn else self.instructed(request.args[0])
+            if chat_turn or prompt != request.args[0]:
                 asked[id(request)] = request.args
-                request.arguments = (self.chat_turn_prompt(turn), *request.args[1:])
+                request.arguments = (prompt, *request.args[1:])
         # lm-eval sends every task's generation requests in one call and HFLM reorders them:
         # each batch's rows are matched to their requests when HFLM encodes the batch
         # (tok_batch_encode), so that every record names its task and doc_id. The call's task,
@@ -108,10 +115,13 @@ class GenerationMixin:
         """``user`` as one user turn of the chat template, ready for the answer;
         ``without_template`` for a tokenizer that has none (e.g. a base model)."""
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+            rendered = self.tokenizer.apply_chat_template(
+                self.with_instruction([{"role": "user", "content": user}]), tokenize=False, add_generation_prompt=True
             )
-        return without_template
+            if self.instruction:
+                self._templated.add(rendered)
+            return rendered
+        return self.instructed(without_template)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         width = context.shape[1]

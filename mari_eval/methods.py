@@ -1,13 +1,21 @@
 """The methods' door: the interface every method implements (``Intervention``,
-mari_eval/intervention.py), the methods by name (mari_eval/registry.py) and reading a bundle
-back (``load_bundle``, mari_eval/bundles.py). ``from mari_eval import methods`` is all a caller
-of the method system needs.
+mari_eval/intervention.py), the methods by name (mari_eval/registry.py, plugins included) and
+reading a bundle back (``load_bundle``, mari_eval/bundles.py). ``from mari_eval import methods``
+is all a caller of the method system needs, and all a method of another package imports
+(docs/plugins.md): the base class, the fields that declare its bundle and settings, and its
+evaluation options.
 """
 
-from mari_eval.bundle_spec import BUNDLE_FILES, BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError, check_bundle_directory
+from mari_eval.bundle_spec import (BUNDLE_FILES, BUNDLE_JSON, BUNDLE_WEIGHTS, Bool, BundleError, Float, Int, List, Str,
+                                   TensorSpec, check_bundle_directory)
 from mari_eval.bundles import load_bundle
 from mari_eval.intervention import Intervention
-from mari_eval.registry import BUILTIN_METHODS, method_class, method_names, option_methods, option_names, register_method
+from mari_eval.options import Option
+from mari_eval.plan import BASE, Plan
+from mari_eval.registry import (BUILTIN_METHODS, ENTRY_POINT_GROUP, MethodRegistryError, method_class, method_names,
+                                method_sources, option_methods, option_names, register_method)
 
-__all__ = ["BUILTIN_METHODS", "BUNDLE_FILES", "BUNDLE_JSON", "BUNDLE_WEIGHTS", "BundleError", "Intervention", "check_bundle_directory", "load_bundle",
-           "method_class", "method_names", "option_methods", "option_names", "register_method"]
+__all__ = ["BASE", "BUILTIN_METHODS", "BUNDLE_FILES", "BUNDLE_JSON", "BUNDLE_WEIGHTS", "Bool", "BundleError",
+           "ENTRY_POINT_GROUP", "Float", "Int", "Intervention", "List", "MethodRegistryError", "Option", "Plan", "Str",
+           "TensorSpec", "check_bundle_directory", "load_bundle", "method_class", "method_names", "method_sources",
+           "option_methods", "option_names", "register_method"]

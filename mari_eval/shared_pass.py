@@ -17,7 +17,8 @@ only); on the first request of a question group (context and options) it compute
   states below its edit (``lower``), and a variant another joined run of the same edit
   (``Intervention.edit_fingerprint``: MARI's rows over one bundle that differ in their gate,
   rho or labels) has computed copied from it (``known``). A method that edits the prompt before p*
-  (``plan.prompt_sites``: ReFT) cannot share the prefix: its run is computed on its own.
+  (``plan.prompt_sites``: ReFT) cannot share the prefix: its run is computed on its own. A method
+  that rewrites the prompts (``Intervention.instruction``: Prompting) does not join at all.
 
 It hands back the asking method's run and keeps the others, each dropped once its method
 has taken it: the later methods' lm-eval runs find theirs computed. Everything after the
@@ -254,6 +255,11 @@ def join_shared(shared: SharedPass | None, model: torch.nn.Module, plan: Plan,
     if not isinstance(shared, SharedPass):
         raise TypeError(f"shared_pass= takes a mari_eval.shared_pass.SharedPass built in Python, not {type(shared).__name__} "
                         "(it cannot be given in --model_args); leave it out to score each method on its own")
+    if intervention is not None and intervention.instruction is not None:
+        # Its prompts are not the others' (Prompting's instruction is in them): sharing would
+        # compute every joined method's runs over both kinds of prompt, half of them never asked.
+        log.info("%s rewrites the prompts: scored on its own, outside the shared pass", intervention.method)
+        return None
     return shared.join(model, plan, intervention)
 
 

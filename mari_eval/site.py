@@ -222,6 +222,25 @@ def edit_from_site(
 
 
 @contextmanager
+def edit_every_position(model: nn.Module, layer: int, edit: Edit) -> Iterator[dict]:
+    """Replace the hidden state after ``layer`` at every position of every forward pass: the
+    prompt's tokens, the options' and, under ``generate``, the decode steps' (a control vector,
+    as llama.cpp applies one). ``edit`` maps [N, d] -> [N, d]."""
+    check_layer(model, layer)
+    state = {"calls": 0}
+
+    def hook(module, args, output):
+        hidden = _hidden_of(output)
+        edited = edit(hidden.reshape(-1, hidden.shape[-1])).reshape(hidden.shape).to(hidden.dtype)
+        check_edit_magnitude(edited, layer)
+        state["calls"] += 1
+        return _with_hidden(output, edited)
+
+    with forward_hook(decoder_layers(model)[layer], hook):
+        yield state
+
+
+@contextmanager
 def shift_attention_from_site(
     model: nn.Module,
     shifts: dict[int, torch.Tensor],

@@ -43,9 +43,10 @@ def test_the_wheel_installs_the_baselines_under_mari_eval_and_finds_every_method
             "print(sorted((n, methods.method_class(n).__module__) for n in methods.method_names()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("iti", "mari_eval.baselines.iti"),
+    assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("control_vector", "mari_eval.control_vector"),
+                                      ("iti", "mari_eval.baselines.iti"), ("lora", "mari_eval.baselines.lora"),
                                       ("mari", "mari_eval.mari.method"), ("nl_iti", "mari_eval.baselines.iti"),
-                                      ("reft", "mari_eval.baselines.reft")])
+                                      ("prompting", "mari_eval.baselines.prompting"), ("reft", "mari_eval.baselines.reft")])
 
 
 def test_the_wheel_ships_every_task_file_under_mari_eval(wheel):

@@ -1,0 +1,105 @@
+"""Reading a control vector file: the GGUF layout llama.cpp and repeng write (``read_gguf``).
+
+The layout (written by repeng's ``ControlVector.export_gguf`` and by llama.cpp's
+``llama-cvector-generator``, ``export_gguf`` in tools/cvector-generator/cvector-generator.cpp):
+``general.architecture = "controlvector"``, ``controlvector.model_hint`` (the architecture the
+vector was made for: repeng writes the Hugging Face ``model_type``, llama.cpp the model's GGUF
+architecture), ``controlvector.layer_count``, and one 1-D F32 tensor ``direction.N`` per layer.
+What ``N`` means is stated, with its sources, in ``mari_eval.control_vector``'s docstring; this
+module reads the file and refuses, naming the problem and the fix, what llama.cpp would not load
+(``common_control_vector_load_one`` in common/common.cpp): a file that is not a control vector, a
+tensor name that is not ``direction.N`` with N >= 1, a tensor that is not 1-D F32, directions of
+different widths. Non-finite values are refused too (llama.cpp would add them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mari_eval.bundle_spec import BundleError
+
+ARCHITECTURE = "controlvector"
+GGUF_FORMAT = "gguf control vector"
+
+
+@dataclass(frozen=True)
+class VectorFile:
+    """What a control vector file holds: {layer N of its ``direction.N``: the direction [d], float32},
+    the model hint it names (None when absent), and its name and sha256 for the bundle's provenance."""
+
+    directions: dict[int, torch.Tensor]
+    model_hint: str | None
+    file: str
+    sha256: str
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _string_field(reader, key: str) -> str | None:
+    """The string value of ``key``, or None when it is absent or not a string."""
+    import gguf  # deferred: only importing a vector needs it
+
+    field = reader.get_field(key)
+    if field is None or not field.data or field.types[:1] != [gguf.GGUFValueType.STRING]:
+        return None
+    try:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    except (IndexError, TypeError, ValueError):
+        return None
+
+
+def read_gguf(path: str | Path) -> VectorFile:
+    """The directions of the GGUF control vector at ``path``, checked (module docstring)."""
+    import gguf  # deferred: only importing a vector needs it
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; give the .gguf control vector to import")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on a file that is not GGUF
+        raise BundleError(f"{path} is not a GGUF file ({type(e).__name__}: {e}); give a control vector .gguf as "
+                          "repeng's ControlVector.export_gguf or llama.cpp's llama-cvector-generator write it") from None
+    architecture = _string_field(reader, "general.architecture")
+    if architecture != ARCHITECTURE:
+        what = "no general.architecture" if architecture is None else f"general.architecture {architecture!r}"
+        raise BundleError(f"{path} is a GGUF file with {what}, not a control vector (general.architecture "
+                          f"{ARCHITECTURE!r}): a model or a LoRA adapter cannot be imported as one. Give the .gguf "
+                          "that repeng's export_gguf or llama-cvector-generator wrote")
+    directions: dict[int, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        prefix, _, number = tensor.name.partition(".")
+        if prefix != "direction" or not number.isdigit():
+            raise BundleError(f"{path}: tensor {tensor.name!r} is not named direction.N (N a layer number); llama.cpp "
+                              "would refuse this file too. Rename it, or export the vector again")
+        layer = int(number)
+        if layer == 0:
+            raise BundleError(f"{path}: tensor direction.0 names layer 0, which llama.cpp refuses (its control "
+                              "vectors start at layer 1, the output of the second decoder layer). Export the "
+                              "vector without layer 0, or build the bundle from Python "
+                              "(mari_eval.control_vector.from_steering_vector), where layer 0 is allowed")
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or len(tensor.shape) != 1:
+            raise BundleError(f"{path}: tensor {tensor.name} is {tensor.tensor_type.name} of shape "
+                              f"{tuple(int(s) for s in tensor.shape)}; a direction is a 1-D F32 tensor (llama.cpp "
+                              "reads nothing else). Export the vector again in float32")
+        values = torch.tensor(tensor.data.astype("float32").reshape(-1))
+        # llama.cpp adds up the directions a file gives one layer; GGUF names are unique, but
+        # "direction.5" and "direction.05" name the same layer.
+        directions[layer] = directions[layer] + values if layer in directions else values
+    if not directions:
+        raise BundleError(f"{path} holds no direction.N tensor: it is an empty control vector. Export it again")
+    widths = {int(v.numel()) for v in directions.values()}
+    if len(widths) > 1:
+        raise BundleError(f"{path}: its directions have different widths {sorted(widths)} (llama.cpp refuses such a "
+                          "file); every direction must have the model's hidden size. Export the vector again")
+    return VectorFile(directions, _string_field(reader, f"{ARCHITECTURE}.model_hint"), path.name, sha256_of(path))
