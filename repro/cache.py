@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mari_eval import train as training
+from mari_eval import registry, train as training
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
 from mari_eval.methods import load_bundle
@@ -123,9 +123,11 @@ class Store:
     def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
                hyperparameters: dict[str, Any] | None = None) -> Path:
         """A trained bundle directory, trained now unless this configuration is stored."""
-        hp = {**profile.hyperparameters, **(hyperparameters or {})}
-        if method in ("caa", "iti", "nl_iti"):
-            hp = {k: v for k, v in hp.items() if k not in ("epochs",)}  # no epochs: closed-form fits
+        # The profile's settings for every method (the smoke profile's epochs) reach the methods that
+        # take them (``training_fields``): not the closed-form fits (CAA, ITI, NL-ITI), prompting, or a
+        # plugin without epochs. Settings the caller gives are passed on as given (and checked).
+        takes = registry.method_class(method).training_fields
+        hp = {**{k: v for k, v in profile.hyperparameters.items() if k in takes}, **(hyperparameters or {})}
         if method == "mari":
             hp = {"single": True, **hp}  # the one-adapter ablation (Table 2) trained beside the experts
         # Only MARI reads D_ctrl (its gate's calibration): the baselines' keys leave the control

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from mari_eval import registry
 from mari_eval.cli import add_placement_arguments
 from mari_eval.devices import Placement
 from mari_eval.files import check_writable_dir
@@ -88,6 +89,22 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
     except ValueError:
         raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind is int else 'a number'}, "
                          "e.g. 1,2,4") from None
+
+
+def methods_listed(text: str, option: str = "--methods", extra: tuple[str, ...] = ("vanilla",)) -> list[str]:
+    """``--methods``: the rows to train and score, each a method mari-eval knows (built-in, or
+    declared by an installed package: docs/plugins.md) or one of ``extra`` (the untouched model's
+    row). A plugin's class is imported here, so that a name that does not load is refused before
+    any work, naming the package to fix."""
+    names = listed(text, option)
+    for name in names:
+        if name in extra:
+            continue
+        try:
+            registry.method_class(name)
+        except registry.MethodRegistryError as e:
+            raise SystemExit(f"{option}: {e}") from None
+    return names
 
 
 def at_least(least: int):

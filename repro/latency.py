@@ -1,6 +1,7 @@
-"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI (SORRY-Bench-trained bundles).
+"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI, and of Prompting and LoRA (SORRY-Bench-trained bundles).
 
     python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
+    python repro/latency.py --methods iti,nl_iti,reft,mari,repe   # another package's method too (docs/plugins.md)
 
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
@@ -23,13 +24,23 @@ from tqdm import tqdm
 from repro import bench, cache, command_line, profiles, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
+# The paper's rows and the simple baselines of the main table (issue 39: their cost), ours only.
+DEFAULT_METHODS = ("prompting", "iti", "nl_iti", "reft", "lora", "mari")
 
 
-def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int) -> dict:
+def rows_of(methods: list[str]) -> dict[str, str | None]:
+    """{row label: method}: Base Model first, then ``methods`` under the paper's labels where it
+    has one, else the method's own (a plugin's)."""
+    paper = {method: label for label, method in ROWS.items() if method is not None}
+    return {"Base Model": None, **{paper.get(m) or profiles.method_label(m): m for m in methods}}
+
+
+def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int,
+        rows: dict[str, str | None] = ROWS) -> dict:
     cells: dict = {}
-    steps = [(m, s, label) for m in profile.models for s in profile.seeds for label in ROWS]
+    steps = [(m, s, label) for m in profile.models for s in profile.seeds for label in rows]
     for model, seed, label in tqdm(steps, desc="latency", unit="method"):
-        method = ROWS[label]
+        method = rows[label]
         bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
         args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens,
                                **profiles.asdict(store.placement))  # bench's worker loads the model in this placement
@@ -62,13 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     def sizes(parser):
         parser.add_argument("--prompts", type=command_line.at_least(1), help="SORRY-Bench prompts timed (default 10; smoke 2)")
         parser.add_argument("--tokens", type=command_line.at_least(1), help="greedy tokens per prompt (default 128; smoke 4)")
+        parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                            help="rows beside the base model (default: %(default)s: the paper's and the simple "
+                                 "baselines): any method mari-eval knows, an installed package's included (docs/plugins.md)")
 
     args, profile, store, command = command_line.start(__doc__, "latency.py", argv, sizes)
     smoke = profile.name == "smoke"  # the smoke profile's sizes are defaults only: given ones are used
     prompts = args.prompts if args.prompts is not None else 2 if smoke else 10
     tokens = args.tokens if args.tokens is not None else 4 if smoke else 128
     started = time.time()
-    cells = run(profile, store, prompts, tokens)
+    cells = run(profile, store, prompts, tokens, rows_of(command_line.methods_listed(args.methods, extra=())))
     intro = (f"{prompts} SORRY-Bench prompts, {tokens} greedy tokens each, one at a time; medians. "
              "FTL in ms, TPS in tokens/s after the first token, TTLT in s; x_base: ratio to our Base Model; "
              "gate_rate: fraction of the prompts on which MARI's gate opened (ours only). "

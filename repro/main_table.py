@@ -7,8 +7,9 @@
     python repro/main_table.py --model Qwen/Qwen2-7B-Instruct --profile paper
     python repro/main_table.py --smoke         # tiny subsets, a few minutes (tests)
     python repro/main_table.py --recipe adapted # every baseline in its adapted recipe (default: published)
+    python repro/main_table.py --methods vanilla,mari,repe  # a method of an installed package beside ours (docs/plugins.md)
 
-For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI are trained on the
+For each model and seed: Vanilla, Prompting, CAA, ITI, NL-ITI, ReFT, LoRA and MARI are trained on the
 TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train``) and
 evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
@@ -33,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from repro import cache, command_line, profiles, recipes, scoring, tables
-from repro.profiles import BENCHMARKS, METHOD_LABELS, METHODS
+from repro.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
@@ -70,21 +71,20 @@ def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     def options(parser):
-        parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+        parser.add_argument("--methods", default=",".join(METHODS),
+                            help="comma-separated rows (default: %(default)s): vanilla and any method mari-eval knows, "
+                                 "an installed package's included (docs/plugins.md)")
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
                                  "repro/recipes.py)")
 
     args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)
-    methods = command_line.listed(args.methods, "--methods")
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
+    methods = command_line.methods_listed(args.methods)
     started = time.time()
     columns = command_line.select(BENCHMARKS + EXTRA, args.columns)
     cells, notes = run(profile, store, methods, columns, args.recipe)
-    labelled = {model: {METHOD_LABELS[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
-    notes = {model: {METHOD_LABELS[m]: lines for m, lines in by_method.items()} for model, by_method in notes.items()}
+    labelled = {model: {method_label(m): cols for m, cols in by_method.items()} for model, by_method in cells.items()}
+    notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
              "mmlu, arc_e and arc_c run under the TruthfulQA-trained intervention, the columns tagged @bbq and "

@@ -7,13 +7,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mari_eval import registry
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "results" / "paper"
 log = logging.getLogger("repro")
 
-METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]
-METHOD_LABELS = {"vanilla": "Vanilla", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI", "reft": "ReFT", "mari": "MARI"}
+# The main table's rows: the untouched model, the two simple baselines AxBench (Wu et al., 2025) found
+# hard to beat (an instruction in the prompt, LoRA fine-tuning on D_train; issue 39), the four
+# representation baselines of the paper, and MARI.
+METHODS = ["vanilla", "prompting", "caa", "iti", "nl_iti", "reft", "lora", "mari"]
+METHOD_LABELS = {"vanilla": "Vanilla", "prompting": "Prompting", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI",
+                 "reft": "ReFT", "lora": "LoRA", "mari": "MARI"}
+
+
+def method_label(name: str) -> str:
+    """How a table names a method's row: the labels above, else the method's own (``label``: a
+    plugin's, docs/plugins.md)."""
+    return METHOD_LABELS.get(name) or registry.method_class(name).label
 
 # Benchmarks of Table 1: (column of table1_main.csv, lm-eval task, metric, the attribute whose bundle answers it).
 # MMLU and ARC run under the TruthfulQA-trained intervention: general capability under the edit.
