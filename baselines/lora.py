@@ -35,7 +35,8 @@ The loss is the other trained baselines' (ReFT's, MARI's single expert): the opt
 peft is the reference, not the runtime: the bundle holds A and B per target ([layers, r, in] and
 [layers, out, r], float32) in weights.safetensors, read back with safetensors and JSON only, and
 tests/test_lora.py checks the hooks' log-likelihoods against peft's ``PeftModel`` with the same A
-and B.
+and B. ``baselines.lora_peft`` converts both ways: ``mari-eval export-lora`` writes a bundle as a peft
+adapter directory and ``mari-eval import-lora`` makes a bundle of a peft LoRA adapter.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.registry import register_method
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, validation_loss, validation_split
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, shuffled_batches, validation_loss,
+                     validation_split)
 from .lora_hooks import Weights, lora_applied, target_modules
 from .loreft import python_rng_state
 
@@ -157,9 +159,7 @@ class LoRA(Baseline):
         order = random.Random(f"lora:{seed}")
 
         def batches(epoch: int) -> list[list[Example]]:
-            shuffled = list(fit_examples)
-            order.shuffle(shuffled)
-            return [shuffled[i : i + hp["batch"]] for i in range(0, len(shuffled), hp["batch"])]
+            return shuffled_batches(fit_examples, hp["batch"], order)
 
         def weights(x: torch.Tensor) -> dict[str, torch.Tensor]:
             return params

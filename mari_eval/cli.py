@@ -121,12 +121,41 @@ def _import_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_peft():
+    import importlib  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+    from mari_eval.registry import _baselines_package  # deferred: mari_eval never imports baselines/ at the top
+
+    return importlib.import_module(f"{_baselines_package()}.lora_peft")
+
+
+def _import_lora(args: argparse.Namespace) -> int:
+    path = _lora_peft().import_peft(args.adapter, args.model, args.out, allow_other_model=args.allow_other_model)
+    print(f"bundle: {path}")
+    print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path}")
+    return 0
+
+
+def _export_lora(args: argparse.Namespace) -> int:
+    path = _lora_peft().export_peft(args.bundle, args.out)
+    print(f"peft adapter: {path}")
+    print(f"load it with PeftModel.from_pretrained(model, {str(path)!r})")
+    return 0
+
+
 def _methods(args: argparse.Namespace) -> int:
     from mari_eval import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     for name, source in registry.method_sources().items():
         print(f"{name:16} {source}")
     return 0
+
+
+def _import_arguments(parser: argparse.ArgumentParser, what: str, other: str) -> None:
+    """--model, --out and --allow-other-model of the import commands."""
+    parser.add_argument("--model", required=True, help=f"the model {what}: embedded alias, Hub id or local directory")
+    parser.add_argument("--out", required=True, help="bundle directory to write")
+    parser.add_argument("--allow-other-model", action="store_true", help=f"import {other} (a warning, not an error)")
 
 
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,13 +257,28 @@ def build_parser() -> argparse.ArgumentParser:
                                    "as llama.cpp applies it. Evaluate it with --model_args bundle=OUT (scale=S "
                                    "multiplies it); docs/methods.md.")
     p.add_argument("file", help="the control vector .gguf")
-    p.add_argument("--model", required=True, help="the model it steers: embedded alias, Hub id or local directory")
-    p.add_argument("--out", required=True, help="bundle directory to write")
+    _import_arguments(p, "it steers", "a vector whose model hint names another architecture")
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
-    p.add_argument("--allow-other-model", action="store_true",
-                   help="import a vector whose model hint names another architecture (a warning, not an error)")
     p.set_defaults(run=_import_vector)
+
+    p = sub.add_parser("import-lora", help="import a peft LoRA adapter directory as a lora bundle",
+                       description="Write the peft LoRA adapter in ADAPTER_DIR (adapter_config.json and "
+                                   "adapter_model.safetensors, as PeftModel.save_pretrained writes them; never a pickle) "
+                                   "as a lora bundle for --model. What a lora bundle cannot hold exactly (DoRA, biases, "
+                                   "modules_to_save, per-module ranks, non-Linear targets) is refused. Evaluate it with "
+                                   "--model_args bundle=OUT; docs/baselines.md.")
+    p.add_argument("adapter", help="the peft adapter directory")
+    _import_arguments(p, "it adapts", "an adapter whose base_model_name_or_path names another model")
+    p.set_defaults(run=_import_lora)
+
+    p = sub.add_parser("export-lora", help="write a lora bundle as a peft LoRA adapter directory",
+                       description="Write the lora bundle BUNDLE as a peft adapter directory (adapter_config.json, "
+                                   "adapter_model.safetensors under peft's own tensor names): "
+                                   "PeftModel.from_pretrained(model, DIR) then computes what the bundle computes.")
+    p.add_argument("bundle", help="the lora bundle directory")
+    p.add_argument("--out", required=True, help="adapter directory to write (new, or holding only an adapter)")
+    p.set_defaults(run=_export_lora)
 
     p = sub.add_parser("methods", help="list every method by name: built-in, or declared by an installed package")
     p.set_defaults(run=_methods)
