@@ -69,6 +69,14 @@ def validation_split(examples: list[Example], seed: int) -> tuple[list[Example],
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]]
 
 
+def shuffled_batches(examples: list[Example], size: int, order: random.Random) -> list[list[Example]]:
+    """One epoch's batches of ``size``: ``examples`` in the order ``order`` shuffles them to (the
+    trained baselines' epochs; ``order`` is seeded per method and seed, and checkpointed)."""
+    shuffled = list(examples)
+    order.shuffle(shuffled)
+    return [shuffled[i : i + size] for i in range(0, len(shuffled), size)]
+
+
 @torch.no_grad()
 def validation_loss(session: Session, examples: list[Example], plan: Plan = VANILLA) -> float:
     """Mean task loss (option cross-entropy, or target NLL for generation) of ``examples``

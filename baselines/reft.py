@@ -67,8 +67,8 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.registry import register_method
 
-from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, recipe_of, validation_loss,
-                     validation_split)
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, recipe_of, shuffled_batches,
+                     validation_loss, validation_split)
 from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
 from .reft_published import fit_published
 
@@ -176,9 +176,7 @@ class ReFT(Baseline):
         order = random.Random(f"reft:{seed}")
 
         def batches(epoch: int) -> list[list[Example]]:
-            batch_order = list(fit_examples)
-            order.shuffle(batch_order)
-            return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
+            return shuffled_batches(fit_examples, hp["batch"], order)
 
         def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
             value = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()

@@ -50,14 +50,14 @@ from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
 
-from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from .common import SELECTION_KEY, VALIDATION_FRACTION, shuffled_batches, validation_loss, validation_split
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
 from .reft_step import batch_gradient, shared_length
 
 if TYPE_CHECKING:
-    from mari_eval.intervention import Intervention
     from mari_eval.examples import AttributeData, Example
+    from mari_eval.intervention import Intervention
     from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
@@ -151,9 +151,7 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
 
     def batches(epoch: int) -> list[list[Example]]:
         step[0] = epoch * steps_per_epoch  # also right after a resume
-        batch_order = list(fit_examples)
-        order.shuffle(batch_order)
-        return [batch_order[i : i + hp["batch"]] for i in range(0, len(batch_order), hp["batch"])]
+        return shuffled_batches(fit_examples, hp["batch"], order)
 
     shared = shared_length(fit_examples, hp["first"], hp["last"]) if hp["dropout"] == 0 else 0
     # Several prompts per pass where every layer sees the whole prompt; with dropout, one at a time, so
@@ -218,8 +216,7 @@ def evaluation_loss(session: Session, bundle: Intervention, examples: list[Examp
     applies it (``MariLM``: the prompt computed under its edits, then the options scored). The
     prompts' common head (``shared_length``) is computed once under the edit and extended for each
     prompt (``encode_prefix``'s ``base``, as lm-eval's prefix cache does): the same numbers."""
-    from transformers.cache_utils import \
-        DynamicLayer  # deferred: transformers is heavy; only this path needs it
+    from transformers.cache_utils import DynamicLayer  # deferred: transformers is heavy; only this path needs it
 
     plan, hp = bundle.plan(session.model), bundle.config["hyperparameters"]
     shared, head = shared_length(examples, int(hp["first"]), int(hp["last"])), None

@@ -14,13 +14,13 @@ different widths. Non-finite values are refused too (llama.cpp would add them).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mari_eval.bundle_spec import BundleError
+from mari_eval.files import file_sha256
 
 ARCHITECTURE = "controlvector"
 GGUF_FORMAT = "gguf control vector"
@@ -35,14 +35,6 @@ class VectorFile:
     model_hint: str | None
     file: str
     sha256: str
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _string_field(reader, key: str) -> str | None:
@@ -102,4 +94,4 @@ def read_gguf(path: str | Path) -> VectorFile:
     if len(widths) > 1:
         raise BundleError(f"{path}: its directions have different widths {sorted(widths)} (llama.cpp refuses such a "
                           "file); every direction must have the model's hidden size. Export the vector again")
-    return VectorFile(directions, _string_field(reader, f"{ARCHITECTURE}.model_hint"), path.name, sha256_of(path))
+    return VectorFile(directions, _string_field(reader, f"{ARCHITECTURE}.model_hint"), path.name, file_sha256(path))

@@ -104,14 +104,6 @@ def _local_or_hub(rel: str, family: str, hub: tuple[str, str | None, str]) -> li
     return _hub(*hub, family=family)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ----------------------------------------------------------------------------- loaders
 
 

@@ -28,8 +28,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from mari_eval.data import (BBQ_CATEGORIES, DATA_ENV, DataError, bbq_context_key, data_dir, file_sha256, load_arc, load_bbq,
+from mari_eval.data import (BBQ_CATEGORIES, DATA_ENV, DataError, bbq_context_key, data_dir, load_arc, load_bbq,
                             load_mmlu, load_sorry_bench, load_truthfulqa_mc)
+from mari_eval.files import file_sha256
 
 
 # The attribute datasets that are split, and how to load each one.
