@@ -120,9 +120,10 @@ class Store:
     def compute_seconds(self) -> float:
         return round(sum(self.step_seconds.values()), 1)
 
-    def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
-               hyperparameters: dict[str, Any] | None = None) -> Path:
-        """A trained bundle directory, trained now unless this configuration is stored."""
+    def bundle_target(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
+                      hyperparameters: dict[str, Any] | None = None) -> tuple[Path, dict]:
+        """(the directory a bundle of this configuration is stored in, the configuration), without
+        training anything: what ``bundle`` trains or reads back, and what a plan names."""
         # The profile's settings for every method (the smoke profile's epochs) reach the methods that
         # take them (``training_fields``): not the closed-form fits (CAA, ITI, NL-ITI), prompting, or a
         # plugin without epochs. Settings the caller gives are passed on as given (and checked).
@@ -139,6 +140,17 @@ class Store:
         config = _with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
+        return final, config
+
+    def is_stored(self, bundle: Path, config: dict) -> bool:
+        """Whether ``bundle_target``'s bundle is stored (and this run, under --force, will not retrain it)."""
+        return _cached_bundle_config(bundle, config, warn=False) is not None and (not self.force or bundle.name in self.computed)
+
+    def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
+               hyperparameters: dict[str, Any] | None = None) -> Path:
+        """A trained bundle directory, trained now unless this configuration is stored."""
+        final, config = self.bundle_target(method, attribute, model, seed, profile, hyperparameters)
+        hp = config["hyperparameters"]
         cached = _cached_bundle_config(final, config)
         if cached is not None and (not self.force or final.name in self.computed):
             return self._used_bundle(final, cached)
@@ -190,7 +202,10 @@ class Store:
 
     def missing(self, model: str, tasks: list[str], limit: int | None, bundle: Path | None = None,
                 model_args: str = "", gen_tokens: int | None = None, split_seed: int = 0) -> list[str]:
-        """The tasks of this evaluation not stored yet (or to recompute under --force)."""
+        """The tasks of this evaluation not stored yet (or to recompute under --force): all of them
+        while its bundle is not trained."""
+        if bundle is not None and not (bundle / "bundle.json").is_file():
+            return list(tasks)
         paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
         return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t], configs[t]))]
 

@@ -6,6 +6,7 @@
     python repro/main_table.py --dtype bfloat16 # the embedded model in bf16 (cached apart from float32)
     python repro/main_table.py --model Qwen/Qwen2-7B-Instruct --profile paper
     python repro/main_table.py --smoke         # tiny subsets, a few minutes (tests)
+    python repro/main_table.py --plan --profile paper  # the steps, their cost and wall time on 1, 8, 32 GPUs; runs nothing
     python repro/main_table.py --recipe adapted # every baseline in its adapted recipe (default: published)
     python repro/main_table.py --methods vanilla,mari,repe  # a method of an installed package beside ours (docs/plugins.md)
 
@@ -33,7 +34,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from repro import cache, command_line, profiles, recipes, scoring, tables
+from mari_eval import registry
+from repro import cache, command_line, costs, profiles, recipes, scoring, steps, tables
 from repro.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
@@ -64,6 +66,41 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     return cells, notes
 
 
+def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
+         recipe: str = recipes.MAIN_TABLE_RECIPE) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/steps.py), nothing run: a training step per bundle,
+    an evaluation step per group of rows and tasks that share a pass (``scoring.evaluation_runs``),
+    each with its cost (repro/costs.py)."""
+    graph = steps.Graph()
+    by_seed = profile.seeded_columns(columns)
+    for model in profile.models:
+        for seed, seed_columns in by_seed.items():
+            rows: dict[str, scoring.Row] = {}
+            method_of: dict = {None: None}
+            for method in methods:
+                bundles = {}
+                for attribute in (sorted({c[3] for c in seed_columns}) if method != "vanilla" else []):
+                    settings = recipes.recipe_settings(method, profile, recipe) if method in recipes.BASELINES else None
+                    final, config = store.bundle_target(method, attribute, model, seed, profile, settings)
+                    epochs = config["hyperparameters"].get("epochs") or registry.method_class(method).training_defaults.get("epochs")
+                    flops = costs.training_flops(model, method, attribute, profile, epochs)
+                    graph.add(steps.Step(final.name, steps.TRAIN, f"train {method} on {attribute}, {model}, seed {seed}",
+                                         cached=store.is_stored(final, config), flops=flops, seconds=costs.seconds(flops),
+                                         gpus=costs.gpus_needed(model, training=True)))
+                    bundles[attribute], method_of[final] = final, method
+                rows[method] = (bundles, "")
+            for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, seed_columns, rows).items():
+                todo = [row for row, (_, missing) in members.items() if missing] or list(members)
+                row_methods = [method_of[bundle] for bundle, _ in todo]
+                flops = sum(costs.evaluation_flops(model, costs.TaskSize.of(task, limit), row_methods, gen) for task in tasks)
+                graph.add(steps.Step(f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}", steps.EVALUATE,
+                                     f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
+                                     needs=tuple(sorted({b.name for b, _ in members if b is not None})),
+                                     cached=not any(missing for _, missing in members.values()), flops=flops,
+                                     seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False)))
+    return graph
+
+
 def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
     paper_model = profiles.CLOSEST_PAPER_MODEL.get(model, "Llama-2-7B")
     return paper_model, {r["method"]: r for r in tables.paper_rows("table1_main") if r["model"] == paper_model}
@@ -74,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--methods", default=",".join(METHODS),
                             help="comma-separated rows (default: %(default)s): vanilla and any method mari-eval knows, "
                                  "an installed package's included (docs/plugins.md)")
+        parser.add_argument("--plan", action="store_true",
+                            help="print the steps this run would take (which are cached, their estimated GPU-hours, "
+                                 "the critical path, the ideal wall time on 1, 8 and 32 GPUs) and exit")
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
                                  "repro/recipes.py)")
@@ -82,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = command_line.methods_listed(args.methods)
     started = time.time()
     columns = command_line.select(BENCHMARKS + EXTRA, args.columns)
+    if args.plan:
+        print(steps.render(plan(profile, store, methods, columns, args.recipe),
+                           f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"))
+        return 0
     cells, notes = run(profile, store, methods, columns, args.recipe)
     labelled = {model: {method_label(m): cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}

@@ -32,9 +32,14 @@ def recipe_bundle(store: Store, method: str, attribute: str, model: str, seed: i
     """The bundle of ``method`` trained with ``recipe``; the adapted one is the bundle every table
     trained before recipes existed (the same cache key: no recipe in its hyperparameters); the
     published one with the profile's changes to it (``Profile.published``)."""
+    return store.bundle(method, attribute, model, seed, profile, recipe_settings(method, profile, recipe))
+
+
+def recipe_settings(method: str, profile: Profile, recipe: str) -> dict | None:
+    """The hyperparameters ``recipe`` trains ``method`` with (None: the adapted recipe's defaults)."""
     if recipe == "adapted":
-        return store.bundle(method, attribute, model, seed, profile)
-    return store.bundle(method, attribute, model, seed, profile, {"recipe": recipe, **profile.published.get(method, {})})
+        return None
+    return {"recipe": recipe, **profile.published.get(method, {})}
 
 
 def validation_loss_selected(bundle: Path) -> float:

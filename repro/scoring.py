@@ -54,6 +54,25 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
 Row = tuple[dict[str, Path | None], str]
 
 
+def evaluation_runs(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
+                    rows: dict[str, Row]) -> dict[tuple, dict[tuple, tuple[tuple, bool]]]:
+    """{(tasks, document limit, generation length): {(bundle, model_args): (the arguments of its
+    ``Store.evaluations``, whether some of it is not stored)}}: the lm-eval runs a table's rows
+    need, grouped as ``score_rows`` shares them (one group, one shared pass; a step of the plan,
+    repro/steps.py). The same tasks under several attributes' bundles form one group, and rows
+    that evaluate the same thing (same bundle and model_args) join it once. A bundle not trained
+    yet has nothing stored."""
+    runs: dict[tuple, dict[tuple, tuple[tuple, bool]]] = {}
+    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
+        members = runs.setdefault((tuple(tasks), limit, gen_tokens), {})
+        for bundles, model_args in rows.values():
+            bundle = bundles.get(attribute)
+            args = (model, tasks, limit, bundle, model_args, gen_tokens, seed)
+            if (bundle, model_args) not in members:
+                members[bundle, model_args] = (args, bool(store.missing(*args)))
+    return runs
+
+
 def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
                rows: dict[str, Row]) -> dict[str, dict[str, dict]]:
     """``score`` for every row of a table on the same documents: {row label: {column: result}}.
@@ -64,14 +83,8 @@ def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: l
     scoring its own metrics. The same tasks under several attributes' bundles (MMLU and ARC
     under the TruthfulQA, BBQ and SORRY-Bench ones) share one pass too. Rows that evaluate the
     same thing (same bundle and model_args: Vanilla under every attribute) join once."""
-    runs: dict[tuple, dict[tuple, tuple]] = {}  # (tasks, limit, generation length) -> {(bundle, model_args): arguments}
-    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
-        todo = runs.setdefault((tuple(tasks), limit, gen_tokens), {})
-        for bundles, model_args in rows.values():
-            bundle = bundles.get(attribute)
-            args = (model, tasks, limit, bundle, model_args, gen_tokens, seed)
-            if (bundle, model_args) not in todo and store.missing(*args):
-                todo[bundle, model_args] = args
+    runs = {group: {row: args for row, (args, missing) in members.items() if missing}
+            for group, members in evaluation_runs(store, profile, model, seed, columns, rows).items()}
     for (tasks, _, _), todo in runs.items():
         if len(todo) > 1:
             shared = shared_pass_over(model, store.placement)

@@ -1,0 +1,108 @@
+"""The step graph of a repro script (repro/steps.py) and its costs (repro/costs.py): scheduling on N
+GPUs, the critical path, the main table's plan (every step, its inputs, what is cached) and
+``--plan``, which runs nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from repro import cache, costs, main_table, profiles, steps
+
+from .tiny import tiny_caa
+
+
+def hand_graph() -> steps.Graph:
+    graph = steps.Graph()
+    graph.add(steps.Step("A", steps.TRAIN, "A", seconds=10))
+    graph.add(steps.Step("B", steps.TRAIN, "B", seconds=4))
+    graph.add(steps.Step("C", steps.EVALUATE, "C", needs=("A", "B"), seconds=5))
+    graph.add(steps.Step("D", steps.EVALUATE, "D", seconds=8))
+    return graph
+
+
+def test_the_schedule_waits_for_inputs_and_fills_free_gpus():
+    graph = hand_graph()
+    assert graph.critical_path() == 15  # A then C
+    assert graph.makespan(1) == 27  # one after the other
+    # two GPUs: A and B at 0, D when B ends (4..12), C when A ends (10..15)
+    assert graph.makespan(2) == 15
+    assert graph.makespan(32) == 15  # never below the critical path
+    assert [s.key for s in graph.order()].index("C") > max([s.key for s in graph.order()].index(k) for k in "AB")
+
+
+def test_cached_steps_cost_nothing_and_a_wide_step_takes_its_gpus():
+    graph = steps.Graph()
+    graph.add(steps.Step("A", steps.TRAIN, "A", seconds=10, cached=True))
+    graph.add(steps.Step("C", steps.EVALUATE, "C", needs=("A",), seconds=5))
+    graph.add(steps.Step("W", steps.EVALUATE, "W", seconds=6, gpus=2))
+    assert graph.critical_path() == 6
+    assert graph.makespan(2) == 11  # W holds both GPUs, C waits (or the reverse)
+    assert graph.makespan(1) == 17  # W on one GPU: its 12 GPU-seconds, then C
+    summary = graph.summary((1, 2))
+    assert summary["cached"] == 1 and summary["gpu_hours"] == pytest.approx((5 + 12) / 3600)
+
+
+def test_a_broken_graph_is_refused():
+    graph = hand_graph()
+    graph.add(steps.Step("A", steps.TRAIN, "A", seconds=10))  # the same step twice is one step
+    with pytest.raises(ValueError, match="two different steps under one key 'A'"):
+        graph.add(steps.Step("A", steps.TRAIN, "A", seconds=11))
+    graph.add(steps.Step("E", steps.EVALUATE, "E", needs=("Z",)))
+    with pytest.raises(ValueError, match="need steps the graph does not hold"):
+        graph.order()
+    cyclic = steps.Graph()
+    cyclic.add(steps.Step("X", steps.TRAIN, "X", needs=("Y",)))
+    cyclic.add(steps.Step("Y", steps.TRAIN, "Y", needs=("X",)))
+    with pytest.raises(ValueError, match="cycle"):
+        cyclic.order()
+
+
+def test_evaluation_flops_count_the_prompt_once_plus_each_row_that_edits_it(monkeypatch):
+    monkeypatch.setitem(costs.EMBEDDED_PARAMETERS, "m", 10**9)
+    size = costs.TaskSize(documents=10, prompt=100, requests=4, option=5, generation=False)
+    # prompt read twice (frozen prefix, ReFT's edited one); options: 1 + (K + 2) + 1 rows per option
+    assert costs.evaluation_flops("m", size, [None, "mari", "reft"], None) == 2e9 * 10 * (100 * 2 + 4 * 5 * 8)
+    generation = costs.TaskSize(documents=3, prompt=50, requests=0, option=0, generation=True)
+    assert costs.evaluation_flops("m", generation, [None], 16) == 2e9 * 3 * (50 + 16)
+    with pytest.raises(ValueError, match="no parameter count for 'org/unknown'"):
+        costs.parameters("org/unknown")
+
+
+def test_a_model_larger_than_one_gpu_asks_for_several():
+    assert costs.gpus_needed("smollm2-135m-instruct", training=True) == 1
+    assert costs.gpus_needed("meta-llama/Llama-2-7b-chat-hf", training=False) == 1
+    assert costs.gpus_needed("Qwen/Qwen2.5-32B-Instruct", training=True) == 2  # 61 GiB of weights + 20 GiB of state
+
+
+def test_the_main_tables_plan_names_every_step_and_its_inputs(tmp_path):
+    profile = profiles.PROFILES["smoke"]
+    store = cache.Store(tmp_path / "runs")
+    methods = ["vanilla", "caa", "mari"]
+    graph = main_table.plan(profile, store, methods)
+    train = [s for s in graph.steps.values() if s.kind == steps.TRAIN]
+    evaluate = [s for s in graph.steps.values() if s.kind == steps.EVALUATE]
+    assert len(train) == 2 * 3  # CAA and MARI on three attributes
+    assert {s.key.split("-")[0] for s in train} == {"caa", "mari"}
+    assert evaluate and all(set(s.needs) <= {t.key for t in train} for s in evaluate)
+    assert all(s.needs for s in evaluate)  # every group holds a trained row
+    assert not any(s.cached for s in graph.steps.values()) and all(s.seconds > 0 for s in evaluate)
+    assert not (tmp_path / "runs").exists()  # planning wrote nothing
+
+    # a bundle stored under its step's name is cached; its step costs nothing
+    final, config = store.bundle_target("caa", "truthfulqa", "smollm2-135m-instruct", 0, profile,
+                                        {"recipe": "published"})
+    tiny_caa().save(final)  # any complete bundle: the cache checks its name's configuration, not its weights
+    (final / "repro_config.json").write_text(json.dumps(config))
+    again = main_table.plan(profile, store, methods)
+    assert again.steps[final.name].cached and again.steps[final.name].cost == 0
+    assert sum(s.cached for s in again.steps.values()) == 1
+
+
+def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
+    assert main_table.main(["--smoke", "--plan", "--methods", "vanilla,caa", "--runs", str(tmp_path / "runs"),
+                            "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "main table, profile smoke" in printed and "0 cached" in printed and "ideal wall time: 1 GPU" in printed
+    assert not (tmp_path / "runs" / "bundles").exists() and not (tmp_path / "out" / "main_table.json").exists()
