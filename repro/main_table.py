@@ -28,6 +28,7 @@ its closest model in a separate column.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 from mari_eval import registry
 from repro import cache, command_line, costs, profiles, recipes, scoring, steps, tables
-from repro.profiles import BENCHMARKS, METHODS, method_label
+from repro.profiles import BENCHMARKS, METHODS, log, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
@@ -86,7 +87,8 @@ def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = MET
                     flops = costs.training_flops(model, method, attribute, profile, epochs)
                     graph.add(steps.Step(final.name, steps.TRAIN, f"train {method} on {attribute}, {model}, seed {seed}",
                                          cached=store.is_stored(final, config), flops=flops, seconds=costs.seconds(flops),
-                                         gpus=costs.gpus_needed(model, training=True)))
+                                         gpus=costs.gpus_needed(model, training=True),
+                                         action=(steps.TRAIN, method, attribute, model, seed, json.dumps(settings))))
                     bundles[attribute], method_of[final] = final, method
                 rows[method] = (bundles, "")
             for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, seed_columns, rows).items():
@@ -97,7 +99,9 @@ def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = MET
                                      f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
                                      needs=tuple(sorted({b.name for b, _ in members if b is not None})),
                                      cached=not any(missing for _, missing in members.values()), flops=flops,
-                                     seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False)))
+                                     seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False),
+                                     action=(steps.EVALUATE, model, seed, tasks, limit, gen,
+                                             tuple((b.name if b else None, a) for b, a in todo))))
     return graph
 
 
@@ -114,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--plan", action="store_true",
                             help="print the steps this run would take (which are cached, their estimated GPU-hours, "
                                  "the critical path, the ideal wall time on 1, 8 and 32 GPUs) and exit")
+        parser.add_argument("--executor", default="local", choices=["local", "ray"],
+                            help="local (default): every step in this process, rows sharing passes; ray: each step a "
+                                 "Ray task (pip install 'mari-eval[ray]'), on a local cluster or --ray-address")
+        parser.add_argument("--ray-address", help="with --executor ray: auto (the cluster this machine belongs to) or "
+                                                 "HOST:PORT; default: start a local cluster")
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
                                  "repro/recipes.py)")
@@ -126,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         print(steps.render(plan(profile, store, methods, columns, args.recipe),
                            f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"))
         return 0
+    if args.ray_address and args.executor != "ray":
+        raise SystemExit("--ray-address is read by --executor ray only: add --executor ray, or drop --ray-address")
+    if args.executor == "ray":  # every step computed on Ray and stored under --runs; the table is then read back
+        from repro import ray_executor  # deferred: Ray is optional
+
+        log.info("ray executor: %s", ray_executor.run(plan(profile, store, methods, columns, args.recipe), store, profile,
+                                                      args.ray_address))
     cells, notes = run(profile, store, methods, columns, args.recipe)
     labelled = {model: {method_label(m): cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}

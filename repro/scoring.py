@@ -73,6 +73,20 @@ def evaluation_runs(store: Store, profile: Profile, model: str, seed: int, colum
     return runs
 
 
+def evaluate_group(store: Store, model: str, tasks: tuple[str, ...], todo: dict[tuple, tuple]) -> None:
+    """Compute and store the evaluations of one group (``evaluation_runs``: {(bundle, model_args):
+    arguments}, the rows not stored): several rows over one shared pass, all joined before the
+    first evaluates; one row alone as ``Store.evaluations`` runs it."""
+    if len(todo) == 1:
+        store.evaluations(*next(iter(todo.values())))
+    elif todo:
+        shared = shared_pass_over(model, store.placement)
+        lms = {key: mari_lm(model, key[0], key[1], store.placement, shared) for key in todo}  # all joined first
+        for key, args in todo.items():
+            store.evaluations(*args, lm=lms.pop(key))
+        log.info("shared pass over %d runs of %s: %s", len(todo), ", ".join(tasks), dict(shared.stats))
+
+
 def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
                rows: dict[str, Row]) -> dict[str, dict[str, dict]]:
     """``score`` for every row of a table on the same documents: {row label: {column: result}}.
@@ -83,14 +97,7 @@ def score_rows(store: Store, profile: Profile, model: str, seed: int, columns: l
     scoring its own metrics. The same tasks under several attributes' bundles (MMLU and ARC
     under the TruthfulQA, BBQ and SORRY-Bench ones) share one pass too. Rows that evaluate the
     same thing (same bundle and model_args: Vanilla under every attribute) join once."""
-    runs = {group: {row: args for row, (args, missing) in members.items() if missing}
-            for group, members in evaluation_runs(store, profile, model, seed, columns, rows).items()}
-    for (tasks, _, _), todo in runs.items():
-        if len(todo) > 1:
-            shared = shared_pass_over(model, store.placement)
-            lms = {key: mari_lm(model, key[0], key[1], store.placement, shared) for key in todo}  # all joined first
-            for key, args in todo.items():
-                store.evaluations(*args, lm=lms.pop(key))
-            log.info("shared pass over %d runs of %s: %s", len(todo), ", ".join(tasks), dict(shared.stats))
+    for (tasks, _, _), members in evaluation_runs(store, profile, model, seed, columns, rows).items():
+        evaluate_group(store, model, tasks, {row: args for row, (args, missing) in members.items() if missing})
     return {label: score(store, profile, model, seed, columns, bundles, model_args)
             for label, (bundles, model_args) in rows.items()}

@@ -29,6 +29,10 @@ class Step:
     flops: float = 0.0
     seconds: float = 0.0  # on one GPU's effective rate (repro/costs.py)
     gpus: int = 1  # GPUs it needs at once (a model too large for one)
+    # What an executor runs (repro/ray_executor.py): ("train", method, attribute, model, seed,
+    # settings as JSON) or ("evaluate", model, seed, tasks, limit, generation length, the rows not
+    # stored as (bundle directory name or None, model_args) pairs).
+    action: tuple = ()
 
     @property
     def cost(self) -> float:

@@ -1,0 +1,204 @@
+"""``--executor ray``: a repro script's steps (repro/steps.py) as Ray tasks, on a local cluster or
+one at ``--ray-address`` (issue 40).
+
+Each step not stored under ``--runs`` becomes one Ray task with the resources it needs (its GPUs
+on a machine with GPUs, else one CPU), started once its inputs exist: an evaluation after the
+bundles of its rows. A worker needs no shared filesystem: it receives its inputs' files (the
+bundles an evaluation reads) from the driver through Ray, computes the step with the same code
+as the local executor (``Store.bundle``; ``scoring.evaluate_group``, the rows of a group still
+sharing one pass) under a temporary folder of its own, and returns the files it wrote. The
+driver writes them into its ``--runs`` as they arrive, each whole (a bundle through a partial
+directory renamed into place, an evaluation by an atomic rename), so ``--runs`` stays the one
+record: once every step is stored, the script reads the table back from it exactly as after a
+local run, and the numbers are the same.
+
+Faults. Ray runs a task again when its worker dies (``max_retries``), from the start: the
+step's partial files lived in the dead worker's folder. A driver killed and started again finds
+every finished step in ``--runs`` and submits only the others. Two drivers on one ``--runs`` do
+not compute a step twice: before submitting a step a driver claims it (``claim``: an exclusive
+``flock`` on ``runs/claims/KEY.lock``, released by the kernel when its holder exits however it
+exits); a step claimed by another driver is waited for, and taken over if its claim is freed
+without its files appearing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from mari_eval.files import atomic_write
+from repro import scoring, steps
+from repro.cache import Store
+from repro.profiles import Profile
+
+log = logging.getLogger("repro")
+MAX_RETRIES = 3  # runs of a step whose worker died, after the first
+POLL_S = 2.0  # how often the driver looks for steps claimed by another driver
+
+
+def _ray():
+    try:
+        import ray  # optional: pip install mari-eval[ray]
+    except ImportError:
+        raise SystemExit("--executor ray needs Ray: pip install 'mari-eval[ray]' (or pip install ray)") from None
+    return ray
+
+
+# ----------------------------------------------------------------------------- on the workers
+
+
+def _files_under(root: Path, relative: Path) -> dict[str, bytes]:
+    base = root / relative
+    paths = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+    return {str(p.relative_to(root)): p.read_bytes() for p in paths}
+
+
+def _place(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def run_step(action: tuple, profile: Profile, placement, *inputs: dict[str, bytes]) -> dict[str, bytes]:
+    """Compute one step in a folder of its own and return the files it wrote ({path under --runs:
+    bytes}). ``inputs``: the files of the steps it reads (bundles), as the driver sent them."""
+    with tempfile.TemporaryDirectory(prefix="mari-eval-step-") as tmp:
+        root = Path(tmp)
+        for files in inputs:
+            _place(root, files)
+        store = Store(root, placement=placement)
+        if action[0] == steps.TRAIN:
+            _, method, attribute, model, seed, settings = action
+            bundle = store.bundle(method, attribute, model, seed, profile, json.loads(settings))
+            return _files_under(root, bundle.relative_to(root))
+        _, model, seed, tasks, limit, gen, rows = action
+        todo = {(root / "bundles" / name if name else None, args): (model, list(tasks), limit,
+                                                                    root / "bundles" / name if name else None, args, gen, seed)
+                for name, args in rows}
+        scoring.evaluate_group(store, model, tuple(tasks), todo)
+        return _files_under(root, Path("evaluations")) if (root / "evaluations").is_dir() else {}
+
+
+# ----------------------------------------------------------------------------- on the driver
+
+
+def claim(runs: Path, key: str) -> int | None:
+    """An open descriptor holding ``runs/claims/<key>.lock`` exclusively, or None when another live
+    process holds it. Closing the descriptor (or the holder's exit) releases the claim."""
+    lock = runs / "claims" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{socket.gethostname()} {os.getpid()} {key}\n".encode(), 0)
+    return fd
+
+
+def _store_files(runs: Path, step: steps.Step, files: dict[str, bytes]) -> None:
+    """Write a finished step's files into ``runs``, each whole: a bundle's directory under a
+    partial name renamed into place, an evaluation file by an atomic rename."""
+    if step.kind == steps.TRAIN:
+        final = runs / "bundles" / step.key
+        partial = final.with_name(f"{final.name}.partial-driver-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        _place(runs, {name.replace(f"bundles/{step.key}/", f"bundles/{partial.name}/", 1): data
+                      for name, data in files.items()})
+        shutil.rmtree(final, ignore_errors=True)  # a damaged one (the plan found it not stored)
+        os.replace(partial, final)
+    else:
+        for name, data in files.items():
+            atomic_write(runs / name, data)
+
+
+def _inputs(runs: Path, step: steps.Step, refs: dict) -> list:
+    """The files of the steps ``step`` reads: the Ray reference of one computed now, else the
+    files stored under ``runs``."""
+    return [refs[need] if need in refs else _files_under(runs, Path("bundles") / need) for need in step.needs]
+
+
+def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None = None) -> dict:
+    """Run every step of ``graph`` not stored under ``store.root`` on Ray (``address``: a running
+    cluster, ``auto`` for the one this machine belongs to; None: a local cluster started here);
+    returns counts of the steps computed here and by another driver."""
+    if any(not s.cached and not s.action for s in graph.steps.values()):
+        raise ValueError("a step without an action cannot run on Ray: build the graph with the script's plan()")
+    ray = _ray()
+    started = time.time()
+    context = ray.init(address=address, ignore_reinit_error=True, logging_level=logging.WARNING,
+                       runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                                 if k.startswith(("MARI_", "HF_")) or k == "TOKENIZERS_PARALLELISM"}})
+    url = getattr(context, "dashboard_url", None)
+    if url:
+        log.info("Ray dashboard: http://%s", url)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    remote = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)(run_step)
+    runs, tail = store.root, graph.tail()
+    pending = sorted((s for s in graph.order() if not s.cached), key=lambda s: -tail[s.key])
+    done = {s.key for s in graph.steps.values() if s.cached}
+    refs: dict[str, object] = {}  # step key -> Ray reference of its files (steps submitted by this driver)
+    in_flight: dict[object, tuple[steps.Step, int]] = {}  # Ray reference -> (step, claim)
+    counts = {"computed": 0, "by_another_driver": 0}
+    while pending or in_flight:
+        for step in list(pending):
+            if not all(n in done or n in refs for n in step.needs):
+                continue
+            if _stored(store, profile, step):  # another driver finished it meanwhile
+                pending.remove(step)
+                done.add(step.key)
+                counts["by_another_driver"] += 1
+                continue
+            fd = claim(runs, step.key)
+            if fd is None:
+                continue  # another driver computes it: looked at again at the next poll
+            resources = {"num_gpus": min(step.gpus, gpus)} if gpus else {"num_cpus": 1}
+            ref = remote.options(**resources, name=f"step {step.label}").remote(
+                step.action, profile, store.placement, *_inputs(runs, step, refs))
+            refs[step.key], in_flight[ref] = ref, (step, fd)
+            pending.remove(step)
+        if not in_flight:
+            time.sleep(POLL_S)
+            continue
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
+        for ref in ready:
+            step, fd = in_flight.pop(ref)
+            try:
+                _store_files(runs, step, ray.get(ref))
+            finally:
+                os.close(fd)  # the claim
+            done.add(step.key)
+            counts["computed"] += 1
+            _progress(graph, done, in_flight, pending, started)
+    return {**counts, "seconds": round(time.time() - started, 1)}
+
+
+def _stored(store: Store, profile: Profile, step: steps.Step) -> bool:
+    """Whether a step's outputs are in ``store`` now (written by another driver after the plan)."""
+    if step.kind == steps.TRAIN:  # a bundle directory appears whole (renamed into place)
+        return (store.root / "bundles" / step.key / "bundle.json").is_file()
+    _, model, seed, tasks, limit, gen, rows = step.action
+    return not any(store.missing(model, list(tasks), limit, store.root / "bundles" / name if name else None, args, gen, seed)
+                   for name, args in rows)
+
+
+def _progress(graph: steps.Graph, done: set, in_flight: dict, pending: list, started: float) -> None:
+    """Steps done / running / waiting, and the time left by the cost estimates (scaled by the
+    pace so far)."""
+    left = sum(graph.steps[k].seconds for k in graph.steps if k not in done)
+    spent = sum(graph.steps[k].seconds for k in done if not graph.steps[k].cached)
+    pace = (time.time() - started) / spent if spent else 1.0
+    log.info("[ray] steps done %d/%d, running %d, waiting %d; about %.0f s left", len(done), len(graph.steps),
+             len(in_flight), len(pending), left * pace)
+

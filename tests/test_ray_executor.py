@@ -1,0 +1,129 @@
+"""``--executor ray`` (repro/ray_executor.py) on a local Ray cluster: the same table as the local
+executor with a worker killed in the middle of a step, and two drivers on one ``--runs``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from repro import ray_executor
+
+ray = pytest.importorskip("ray")  # installed by the test extra (pyproject.toml)
+
+REPO = Path(__file__).resolve().parents[1]
+SELECTION = ["--smoke", "--methods", "vanilla,caa", "--columns", "tqa_mc1"]
+
+
+def main_table(runs: Path, out: Path, *extra: str, wait: bool = True):
+    command = [sys.executable, str(REPO / "repro" / "main_table.py"), *SELECTION, "--runs", str(runs), "--out", str(out),
+               *extra]
+    if not wait:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def numbers(out: Path) -> dict:
+    return json.loads((out / "main_table.json").read_text())["models"]
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    main_table(root / "runs", root / "out")
+    return root
+
+
+def test_a_claim_is_exclusive_and_freed_when_its_holder_exits(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from repro.ray_executor import claim; fd = claim(Path(sys.argv[1]), 'step'); "
+                               "print(fd is not None, flush=True); time.sleep(60)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert ray_executor.claim(tmp_path, "step") is None  # held by the other process
+        other = ray_executor.claim(tmp_path, "another step")
+        assert other is not None
+        os.close(other)
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = ray_executor.claim(tmp_path, "step")  # its holder died: the kernel freed it
+    assert fd is not None
+    os.close(fd)
+
+
+def _step_worker(label: str) -> int | None:
+    """The pid of the Ray worker running the task named ``label`` (its process title), if any."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if label in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.e2e
+@pytest.mark.needs_data
+def test_a_worker_killed_mid_step_is_run_again_and_the_table_equals_the_local_executors(local, tmp_path):
+    # One Ray run covers both: every number equal to the local executor's, and a killed worker's step run again.
+    driver = main_table(tmp_path / "runs", tmp_path / "out", "--executor", "ray", wait=False)
+    killed, deadline = None, time.time() + 300
+    while killed is None and time.time() < deadline and driver.poll() is None:
+        pid = _step_worker("ray::step train caa")
+        if pid is not None:
+            time.sleep(3)  # in the middle of the step
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.5)
+    output, _ = driver.communicate(timeout=900)
+    assert killed is not None, "the training step's worker was never seen running: " + output[-2000:]
+    assert driver.returncode == 0, output[-4000:]
+    assert numbers(tmp_path / "out") == numbers(local / "out")
+    assert "steps done 2/2" in output  # the progress view
+    assert sorted(p.name for p in (tmp_path / "runs" / "bundles").iterdir() if p.is_dir()) == \
+        sorted(p.name for p in (local / "runs" / "bundles").iterdir() if p.is_dir())
+
+
+@pytest.mark.e2e
+@pytest.mark.needs_data
+def test_a_step_another_driver_claimed_is_waited_for_not_computed(local, tmp_path, monkeypatch):
+    from repro import cache, main_table as table, profiles
+
+    runs = tmp_path / "runs"
+    profile = profiles.PROFILES["smoke"]
+    store = cache.Store(runs)
+    columns = [c for c in table.BENCHMARKS if c[0] == "tqa_mc1"]
+    graph = table.plan(profile, store, ["vanilla", "caa"], columns)
+    (train,) = [s for s in graph.steps.values() if s.kind == "train"]
+    fd = ray_executor.claim(runs, train.key)  # "another driver" holds the training step
+
+    def the_other_driver_finishes():
+        time.sleep(8)
+        shutil.copytree(local / "runs" / "bundles" / train.key, runs / "bundles" / train.key)
+        os.close(fd)
+
+    monkeypatch.setattr(ray_executor, "POLL_S", 0.5)
+    other = threading.Thread(target=the_other_driver_finishes)
+    other.start()
+    try:
+        counts = ray_executor.run(graph, store, profile)
+    finally:
+        other.join()
+        ray.shutdown()
+    assert counts["by_another_driver"] == 1 and counts["computed"] == 1  # the evaluation only
+    assert not list((runs / "bundles").glob(f"{train.key}.partial-*"))
+    assert table.run(profile, store, ["vanilla", "caa"], columns)[0] == \
+        table.run(profile, cache.Store(local / "runs"), ["vanilla", "caa"], columns)[0]
