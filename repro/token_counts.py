@@ -15,6 +15,7 @@ within about 20% of SmolLM2's); the estimates built on these counts carry that e
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -108,11 +109,13 @@ def load(path: Path = OUT) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = Path(argv[0]) if argv else OUT
-    out.write_text(json.dumps(measure(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out}")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT, help="where to write the counts (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.out.write_text(json.dumps(measure(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
