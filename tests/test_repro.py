@@ -265,7 +265,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     ("sensitivity.py", ["--ks", "4", "--rhos", "0.8", "--labellings", "loss,source", "--alphas", "1,0.5"],
      ["sensitivity.json", "sensitivity_k.png", "sensitivity_rho.png", "sensitivity_alpha.png"]),
     ("diagnostics.py", ["--columns", "tqa_mc1,bbq_acc"], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
-    ("latency.py", ["--prompts", "3"], ["latency.json", "latency.md", "latency.tex"]),
+    ("latency.py", ["--prompts", "3", "--methods", "prompting,lora,mari"], ["latency.json", "latency.md", "latency.tex"]),
     ("baseline_recipes.py", ["--methods", "caa"], ["baseline_recipes.json", "baseline_recipes.md", "baseline_recipes.tex"]),
 ])
 def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs):
@@ -317,7 +317,7 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
 
 GATE_COLUMNS = {"transfer_gsm8k.py": ["gate_tqa", "gate_gsm8k"], "sensitivity.py": ["gate_tqa", "gate_mmlu"],
                 "latency.py": ["gate_rate"]}
-UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT"}  # no gate: no rate
+UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT", "Prompting", "LoRA"}  # no gate: no rate
 
 
 def test_bench_from_runs_times_the_repro_scripts_own_bundles(tmp_path, monkeypatch):
