@@ -1,7 +1,7 @@
-"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI, and of Prompting and LoRA (SORRY-Bench-trained bundles).
+"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI (SORRY-Bench-trained bundles; --methods adds others).
 
     python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
-    python repro/latency.py --methods iti,nl_iti,reft,mari,repe   # another package's method too (docs/plugins.md)
+    python repro/latency.py --methods prompting,iti,nl_iti,reft,lora,mari   # the simple baselines' cost too (issue 39)
 
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
@@ -24,8 +24,8 @@ from tqdm import tqdm
 from repro import bench, cache, command_line, profiles, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
-# The paper's rows and the simple baselines of the main table (issue 39: their cost), ours only.
-DEFAULT_METHODS = ("prompting", "iti", "nl_iti", "reft", "lora", "mari")
+# The paper's rows; --methods adds others (the simple baselines, prompting and lora: their cost, issue 39).
+DEFAULT_METHODS = ("iti", "nl_iti", "reft", "mari")
 
 
 def rows_of(methods: list[str]) -> dict[str, str | None]:
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--prompts", type=command_line.at_least(1), help="SORRY-Bench prompts timed (default 10; smoke 2)")
         parser.add_argument("--tokens", type=command_line.at_least(1), help="greedy tokens per prompt (default 128; smoke 4)")
         parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                            help="rows beside the base model (default: %(default)s: the paper's and the simple "
-                                 "baselines): any method mari-eval knows, an installed package's included (docs/plugins.md)")
+                            help="rows beside the base model (default: %(default)s, the paper's): any method mari-eval "
+                                 "knows, the simple baselines prompting and lora, an installed package's (docs/plugins.md)")
 
     args, profile, store, command = command_line.start(__doc__, "latency.py", argv, sizes)
     smoke = profile.name == "smoke"  # the smoke profile's sizes are defaults only: given ones are used
