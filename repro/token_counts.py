@@ -25,6 +25,7 @@ from repro.profiles import BENCHMARKS, REPO
 OUT = REPO / "repro" / "token_counts.json"
 SAMPLE = 40
 MMLU_SAMPLE = 2
+FEWSHOT_SEED = 1234  # simple_evaluate's fewshot_random_seed default: the same shots as an evaluation
 TASKS = sorted({task for _, task, _, _ in BENCHMARKS} | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1_heldout", "bbq": "bbq_disambig_heldout",
                    "sorry_bench": "sorry_bench_heldout"}
@@ -48,6 +49,7 @@ def measure_task(name: str, tokenizer, task_manager) -> dict:
     for task in leaves.values():
         documents += len(task.eval_docs)
         limit = MMLU_SAMPLE if len(leaves) > 1 else SAMPLE
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)  # the shots lm-eval's simple_evaluate draws
         task.build_all_requests(limit=limit, rank=0, world_size=1)
         by_doc: dict[int, list] = {}
         for instance in task.instances:
