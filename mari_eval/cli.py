@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
 
-    p = sub.add_parser("import-vector", help="import a GGUF control vector (repeng, llama.cpp) as a bundle",
+    p = sub.add_parser("import-vector", help="a GGUF control vector (repeng, llama.cpp) as a bundle",
                        description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
                                    "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
                                    "added to the output of decoder layer N (model.model.layers[N]) at every position, "
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="adapter directory to write (new, or holding only an adapter)")
     p.set_defaults(run=_export_lora)
 
-    p = sub.add_parser("methods", help="list every method by name: built-in, or declared by an installed package")
+    p = sub.add_parser("methods", help="list the methods: built-in and installed packages'")
     p.set_defaults(run=_methods)
     return parser
 
