@@ -93,16 +93,17 @@ def fastest(rows: list[dict], entry: str, task: str) -> dict | None:
 
 
 def generation(raw: dict, paper: dict[str, float]) -> list[dict]:
-    steps = {s["mode"]: s for s in _done(raw, "gen/")}
-    base = steps.get("base", {})
+    """One row per generation step done, with its ratios to the base model of its own run."""
+    done = _done(raw, "gen/")
+    base = {s.get("run"): s for s in done if s["mode"] == "base"}
     rows = []
-    for mode, s in steps.items():
-        row = {"mode": mode, "first_token_s": s["first_token_s"], "tokens_per_s": s["tokens_per_s"],
-               "total_s": s["total_s"], "gate_rate": s.get("gate_rate"), "tokens_produced": s.get("tokens_produced"),
-               "prompts": s["prompts"], "tokens": s["tokens"]}
+    for s in done:
+        row = {"run": s.get("run"), "mode": s["mode"], "first_token_s": s["first_token_s"],
+               "tokens_per_s": s["tokens_per_s"], "total_s": s["total_s"], "gate_rate": s.get("gate_rate"),
+               "tokens_produced": s.get("tokens_produced"), "prompts": s["prompts"], "tokens": s["tokens"]}
         for key in ("first_token_s", "tokens_per_s", "total_s"):
-            row[f"{key}_x_base"] = _ratio(s[key], base.get(key))
-            row[f"{key}_paper_x_base"] = paper.get(key) if mode != "base" else 1.0
+            row[f"{key}_x_base"] = _ratio(s[key], base.get(s.get("run"), {}).get(key))
+            row[f"{key}_paper_x_base"] = paper.get(key) if s["mode"] != "base" else 1.0
         rows.append(row)
     return rows
 
@@ -122,7 +123,7 @@ def _goal(goal: str, target: str, figures: list[tuple[str, float | None]], ok) -
             "figure": "; ".join(f"{label} {value:.2f}" for label, value in measured) or "-"}
 
 
-def goals(rows: list[dict], gen: list[dict], memory: dict | None) -> list[dict]:
+def goals(rows: list[dict], gen: list[dict], memories: list[dict]) -> list[dict]:
     """Issue 41's goals, each from the measured figures (ratios of wall time to hf, per task measured)."""
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in rows)]
 
@@ -135,8 +136,9 @@ def goals(rows: list[dict], gen: list[dict], memory: dict | None) -> list[dict]:
             out.append((label, None if worst is None else worst["x_hf"]))
         return out
 
-    first_open = next((g["first_token_s_x_base"] for g in gen if g["mode"] == "mari_gate_open"), None)
-    ratio = None if not memory else memory.get("peak_over_estimate")
+    def first_token(mode: str) -> list[tuple[str, float | None]]:
+        return [(f"x base (run {g['run']})", g["first_token_s_x_base"]) for g in gen if g["mode"] == mode]
+
     return [
         _goal("vanilla (MariLM, no bundle) wall time vs hf", f"<= {VANILLA_GOAL}x", per_task(("vanilla",)),
               lambda v: v <= VANILLA_GOAL),
@@ -146,11 +148,29 @@ def goals(rows: list[dict], gen: list[dict], memory: dict | None) -> list[dict]:
               per_task(("mari_open",)), lambda v: v <= MARI_GOAL),
         _goal("every baseline (worst of CAA, ITI, NL-ITI, ReFT) vs hf", f"<= {BASELINE_GOAL}x", per_task(BASELINES),
               lambda v: v <= BASELINE_GOAL),
-        _goal("MARI first-token latency, gate open, vs base", f"<= {FIRST_TOKEN_GOAL}x", [("x base", first_open)],
+        _goal("MARI first-token latency, gate open, vs base", f"<= {FIRST_TOKEN_GOAL}x", first_token("mari_gate_open"),
               lambda v: v <= FIRST_TOKEN_GOAL),
-        _goal("MARI training: peak GPU memory / estimate", f"within {MEMORY_TOLERANCE:.0%}", [("ratio", ratio)],
+        _goal("the same, routing over T_ent = 1 greedy step (T_ent=1) instead of the bundle's 8",
+              f"<= {FIRST_TOKEN_GOAL}x", first_token("mari_gate_open_t1"), lambda v: v <= FIRST_TOKEN_GOAL),
+        _goal("MARI training: peak GPU memory / estimate", f"within {MEMORY_TOLERANCE:.0%}",
+              [(f"ratio (run {m['run']}, batch {m.get('batch_size')})", m.get("peak_over_estimate")) for m in memories],
               lambda v: abs(v - 1) <= MEMORY_TOLERANCE),
     ]
+
+
+def memory_stages(memory: dict) -> dict:
+    """What the marks taken during MARI's training say (CUDA only): the state held when the experts'
+    training starts (allocated then, less what was allocated before training) against the memory
+    model's M, the peak reached while preparing, and what a training step adds above the held state."""
+    marks = {m["at"]: m for m in memory.get("marks") or []}
+    start, end = marks.get("experts start"), marks.get("experts end")
+    if start is None or end is None:
+        return {}
+    held = start["allocated_bytes"] - memory["allocated_before_bytes"]
+    step_peak = end["peak_so_far_bytes"] if end["peak_so_far_bytes"] > start["peak_so_far_bytes"] else None
+    return {"held_measured_bytes": held, "held_measured_over_estimate": _ratio(held, memory["held_estimate_bytes"]),
+            "prepare_peak_bytes": start["peak_so_far_bytes"],
+            "training_step_above_held_bytes": None if step_peak is None else step_peak - start["allocated_bytes"]}
 
 
 def derive(raw: dict) -> dict:
@@ -158,13 +178,14 @@ def derive(raw: dict) -> dict:
     training = [{"run": s.get("run"), "method": s["method"], "wall_s": s["wall_s"], "train_examples": s["train_examples"],
                  "ctrl_examples": s["ctrl_examples"], "hyperparameters_given": s["hyperparameters_given"],
                  "peak_allocated_bytes": s["memory"]["peak_allocated_bytes"]} for s in _done(raw, "train/")]
-    memories = [{"run": s.get("run"), **s["memory"]} for s in _done(raw, "train/mari")]
+    memories = [{"run": s.get("run"), "batch_size": (s.get("hyperparameters") or {}).get("batch_size"), **s["memory"],
+                 **memory_stages(s["memory"])} for s in _done(raw, "train/mari")]
     memory = memories[0] if memories else None
     gen = generation(raw, paper_ratios())
     not_done = [{"run": s.get("run"), "step": s["step"], "status": s["status"], "why": s.get("reason") or s.get("error")}
                 for s in raw["steps"] if s["status"] != "done"]
     return {"evaluations": rows, "training": training, "memory": memory, "memories": memories, "generation": gen,
-            "goals": goals(rows, gen, memory), "not_done": not_done}
+            "goals": goals(rows, gen, memories), "not_done": not_done}
 
 
 def _f(value, digits: int = 2, suffix: str = "") -> str:
@@ -225,17 +246,27 @@ def markdown(raw: dict, derived: dict) -> str:
                               for t in derived["training"]]), ""]
     if derived["memories"]:
         lines += ["## MARI training memory against mari_eval.memory's estimate", "",
-                  markdown_table(["run", "weights", "held state (estimate, M)", "estimate (weights + M)",
-                                  "allocated before", "peak allocated", "peak / estimate", "(peak - before) / M"],
-                                 [[str(m["run"]), _gib(m["weights_bytes"]), _gib(m["held_estimate_bytes"]), _gib(m["estimate_bytes"]),
-                                   _gib(m["allocated_before_bytes"]), _gib(m["peak_allocated_bytes"]),
-                                   _f(m["peak_over_estimate"], 3), _f(m["above_before_over_held"], 2)]
+                  "The held state is measured when the experts' training starts (allocated then, less what was "
+                  "allocated before training); 'peak while preparing' is the peak up to then; 'a step adds' is how "
+                  "far a training step's peak rose above the held state ('-': it stayed below the peak while preparing).",
+                  "",
+                  markdown_table(["run", "batch", "weights", "held state (estimate, M)", "held (measured)", "measured / M",
+                                  "estimate (weights + M)", "peak while preparing", "a step adds", "peak allocated",
+                                  "peak / estimate"],
+                                 [[str(m["run"]), str(m.get("batch_size")), _gib(m["weights_bytes"]),
+                                   _gib(m["held_estimate_bytes"]), _gib(m.get("held_measured_bytes")),
+                                   _f(m.get("held_measured_over_estimate"), 3), _gib(m["estimate_bytes"]),
+                                   _gib(m.get("prepare_peak_bytes")), _gib(m.get("training_step_above_held_bytes")),
+                                   _gib(m["peak_allocated_bytes"]), _f(m["peak_over_estimate"], 3)]
                                   for m in derived["memories"]]), ""]
-    lines += [f"## Generation ({s['gen_prompts']} SORRY-Bench prompts, {s['gen_tokens']} tokens each, one at a time; "
-              "medians; paper: Table 4's MARI / Base Model)", ""]
-    headers = ["mode", "first token (ms)", "x base", "paper", "tokens/s", "x base", "paper", "total (s)", "x base",
+    lines += ["## Generation (SORRY-Bench prompts, one at a time; medians; ratios to the base model of the same run; "
+              "paper: Table 4's MARI / Base Model)", "",
+              "`mari_gate_open_t1`: the gate open, generation routed over T_ent = 1 greedy step (`T_ent=1`) instead "
+              "of the bundle's 8: the first token of a routed answer is known only when the routing window ends.", ""]
+    headers = ["run", "mode", "prompts x tokens", "first token (ms)", "x base", "paper", "tokens/s", "x base", "paper", "total (s)", "x base",
                "paper", "gate rate", "tokens produced"]
-    lines += [markdown_table(headers, [[g["mode"], _f(1000 * g["first_token_s"], 1), _f(g["first_token_s_x_base"]),
+    lines += [markdown_table(headers, [[str(g["run"]), g["mode"], f"{g['prompts']} x {g['tokens']}",
+                                        _f(1000 * g["first_token_s"], 1), _f(g["first_token_s_x_base"]),
                                         _f(g["first_token_s_paper_x_base"]), _f(g["tokens_per_s"], 1),
                                         _f(g["tokens_per_s_x_base"]), _f(g["tokens_per_s_paper_x_base"]),
                                         _f(g["total_s"]), _f(g["total_s_x_base"]), _f(g["total_s_paper_x_base"]),

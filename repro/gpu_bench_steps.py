@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mari_eval import memory
+from mari_eval.epochs import EpochLoop
 from mari_eval.lm import MariLM
 from mari_eval.methods import load_bundle
 from mari_eval.train import train as train_bundle
@@ -140,20 +141,35 @@ class PlannedMemory:
 
     def __init__(self):
         self.plans: list = []
+        self.marks: list[dict] = []  # on CUDA: memory allocated and the peak so far, at each stage's start and end
+
+    def mark(self, what: str) -> None:
+        if torch.cuda.is_available():
+            self.marks.append({"at": what, "allocated_bytes": torch.cuda.memory_allocated(),
+                               "peak_so_far_bytes": torch.cuda.max_memory_allocated()})
 
     def __enter__(self):
-        self._original = memory.plan
+        self._original, self._run = memory.plan, EpochLoop.run
 
         def recorded(estimate, budget):
             made = self._original(estimate, budget)
             self.plans.append(made)
+            self.mark(f"prepare {estimate.examples} examples")
             return made
 
-        memory.plan = recorded
+        def run(loop, *args, **kwargs):  # a training stage's epochs (experts, probe...)
+            self.mark(f"{loop.stage} start")
+            try:
+                return self._run(loop, *args, **kwargs)
+            finally:
+                self.mark(f"{loop.stage} end")
+
+        memory.plan, EpochLoop.run = recorded, run
         return self
 
     def __exit__(self, *exc):
-        memory.plan = self._original
+        self.mark("end")
+        memory.plan, EpochLoop.run = self._original, self._run
 
     @property
     def held_bytes(self) -> int:
@@ -196,7 +212,7 @@ def train(bench: Bench, method: str, hyperparameters: dict, seed: int, max_train
                         "allocated_before_bytes": before, "peak_allocated_bytes": peak,
                         "peak_over_estimate": None if peak is None else peak / estimate,
                         "above_before_over_held": None if peak is None or not planned.held_bytes
-                        else (peak - before) / planned.held_bytes, "sets": planned.sets()}
+                        else (peak - before) / planned.held_bytes, "sets": planned.sets(), "marks": planned.marks}
     return result
 
 
@@ -292,7 +308,9 @@ def task_index(bench: Bench) -> dict:
 
 
 GATE_MODES = {"base": ENTRIES["vanilla"], "mari_gate_closed": Entry("mari_closed", "mari", tau=math.inf),
-              "mari_gate_open": ENTRIES["mari_open"]}  # tau_E forced: the cost of each path, whatever the energies
+              "mari_gate_open": ENTRIES["mari_open"],  # tau_E forced: the cost of each path, whatever the energies
+              # open, routed over one greedy step (eq:entropy_gen's T_ent = 1) instead of the bundle's 8
+              "mari_gate_open_t1": Entry("mari_open_t1", "mari", {"T_ent": 1}, tau=-math.inf)}
 
 
 def generate(bench: Bench, mode: str, prompts: int, tokens: int) -> dict:
@@ -303,5 +321,6 @@ def generate(bench: Bench, mode: str, prompts: int, tokens: int) -> dict:
     _reset_peak(bench)
     started = time.perf_counter()
     result = timing.time_generation(lm, timing.sorry_prompt_ids(lm, prompts), tokens)
-    return {"mode": mode, "tau_E": None if tau is None else str(tau), **result,
+    window = getattr(lm.intervention, "routing_window", None) if lm.intervention is not None else None
+    return {"mode": mode, "tau_E": None if tau is None else str(tau), "T_ent": window, **result,
             "wall_s": time.perf_counter() - started, "peak_allocated_bytes": _peak(bench)}

@@ -60,7 +60,7 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     assert {"train/mari", "train/caa", "warm/task_index", "warm/truthfulqa_mc2", "warm/mmlu",
             "eval/truthfulqa_mc2/hf/bsauto", "eval/truthfulqa_mc2/mari/bsauto", "eval/truthfulqa_mc2/vanilla/bs1",
             "eval/truthfulqa_mc2/caa/bs1", "eval/mmlu/hf/bsauto", "eval/mmlu/mari/bsauto", "gen/base",
-            "gen/mari_gate_closed", "gen/mari_gate_open"} == set(steps)
+            "gen/mari_gate_closed", "gen/mari_gate_open", "gen/mari_gate_open_t1"} == set(steps)
     for name, step in steps.items():
         assert _positive(step["step_s"]), name
         if name.startswith(("train/", "eval/", "gen/")):
@@ -74,8 +74,10 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     memory = steps["train/mari"]["memory"]
     assert _positive(memory["held_estimate_bytes"]) and memory["estimate_bytes"] > memory["weights_bytes"] > 0
     assert memory["peak_allocated_bytes"] is None  # GPU memory only
-    gates = {mode: steps[f"gen/{mode}"] for mode in ("base", "mari_gate_closed", "mari_gate_open")}
+    gates = {mode: steps[f"gen/{mode}"] for mode in ("base", "mari_gate_closed", "mari_gate_open", "mari_gate_open_t1")}
     assert gates["mari_gate_closed"]["gate_rate"] == 0.0 and gates["mari_gate_open"]["gate_rate"] == 1.0
+    assert gates["mari_gate_open_t1"]["gate_rate"] == 1.0 and gates["base"]["T_ent"] is None
+    assert (gates["mari_gate_open"]["T_ent"], gates["mari_gate_open_t1"]["T_ent"]) == (8, 1)  # the bundle's; T_ent=1
     for gen in gates.values():
         assert gen["tokens_produced"] == [3] and _positive(gen["first_token_s"]) and _positive(gen["tokens_per_s"])
 
@@ -83,10 +85,14 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     assert gpu_bench.main(["--render", str(raw_path), "--out", str(out)]) == 0
     rendered = json.loads((out / "gpu_bench.json").read_text(), parse_constant=pytest.fail)  # strict JSON
     goals = {g["goal"]: g for g in rendered["derived"]["goals"]}
-    assert len(goals) == 6 and goals["vanilla (MariLM, no bundle) wall time vs hf"]["reached"] in ("yes", "no")
+    assert len(goals) == 7 and goals["vanilla (MariLM, no bundle) wall time vs hf"]["reached"] in ("yes", "no")
     assert goals["MARI training: peak GPU memory / estimate"]["reached"] == "not measured"
     first = next(g for g in rendered["derived"]["generation"] if g["mode"] == "mari_gate_open")
     assert first["first_token_s_paper_x_base"] == pytest.approx(43.53 / 22.12)  # Table 4's MARI / Base Model
+    assert first["first_token_s_x_base"] == pytest.approx(gates["mari_gate_open"]["first_token_s"]
+                                                          / gates["base"]["first_token_s"])  # its own run's base
+    assert goals["the same, routing over T_ent = 1 greedy step (T_ent=1) instead of the bundle's 8"]["reached"] != \
+        "not measured"
     md = (out / "gpu_bench.md").read_text()
     for heading in ("## Goals", "## Evaluation wall time", "## Training", "## MARI training memory", "## Generation"):
         assert heading in md
@@ -118,3 +124,16 @@ def test_runs_merge_into_one_record_with_each_step_counted_once():
     assert [r["run"] for r in merged["runs"]] == [1, 2]
     with pytest.raises(ValueError, match="different devices"):
         gpu_bench_report.merge([first, {**second, "device": "NVIDIA H100"}])
+
+
+def test_memory_marks_split_the_peak_into_held_state_preparation_and_a_training_step():
+    gib = 2**30
+    mark = lambda at, allocated, peak: {"at": at, "allocated_bytes": allocated * gib, "peak_so_far_bytes": peak * gib}
+    memory = {"allocated_before_bytes": 10 * gib, "held_estimate_bytes": 2 * gib,
+              "marks": [mark("prepare 4 examples", 10, 10), mark("experts start", 12.5, 13), mark("experts end", 12.5, 15)]}
+    stages = gpu_bench_report.memory_stages(memory)
+    assert stages == {"held_measured_bytes": 2.5 * gib, "held_measured_over_estimate": 1.25, "prepare_peak_bytes": 13 * gib,
+                      "training_step_above_held_bytes": 2.5 * gib}
+    memory["marks"][-1] = mark("experts end", 12.5, 13)  # the steps stayed below the peak while preparing
+    assert gpu_bench_report.memory_stages(memory)["training_step_above_held_bytes"] is None
+    assert gpu_bench_report.memory_stages({**memory, "marks": []}) == {}  # no marks off CUDA

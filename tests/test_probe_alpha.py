@@ -3,7 +3,9 @@ energies E(x; alpha) of the trained probe at a grid of strengths (eq:probe_updat
 eq:prop_energy_def), and ``probe_alpha=A`` injects that probe at A and recomputes tau_E from the
 energies at A, beside the retrained alpha_probe sweep."""
 
+import dataclasses
 import json
+import math
 import statistics
 
 import pytest
@@ -140,7 +142,7 @@ def test_unstored_or_malformed_probe_alphas_are_refused_naming_the_stored_ones(t
     with pytest.raises(ValueError, match=r"probe_alpha='inf' in --model_args is not a finite number"):
         bundle.configure_from({"probe_alpha": "inf"})
     with pytest.raises(ValueError, match=r"alpha_probe in --model_args: not an option of mari bundles \(its options "
-                                         r"are experts, gate, labels, probe_alpha, rho\)"):
+                                         r"are T_ent, experts, gate, labels, probe_alpha, rho\)"):
         bundle.configure_from({"alpha_probe": "0.1"})  # the training hyperparameter: retrains, never an evaluation option
 
 
@@ -249,3 +251,39 @@ def test_generation_reads_the_gate_energy_at_probe_alpha(trained):
                                               max_length=prompts.shape[1] + 4, pad_token_id=0, do_sample=False)
     stored = bundle.tensors["ctrl_energy_by_alpha"][GRID.index(0.3)]
     assert [r["energy"] for r in records] == pytest.approx([float(stored[2]), float(stored[9])], rel=1e-4)
+
+
+def test_T_ent_sets_the_greedy_steps_generation_routes_over_and_the_entropies_it_routes_on(trained, monkeypatch):
+    """``T_ent=`` (--model_args) replaces the bundle's routing window (eq:entropy_gen) at evaluation:
+    the routing window runs that many greedy steps, and u_k is the mean entropy over them."""
+    from mari_eval import generation
+
+    path, ctrl, tiny = trained
+    default, short = methods.load_bundle(path), methods.load_bundle(path)
+    short.configure_from({"T_ent": "2"})
+    assert default.T_ent == default.config["hyperparameters"]["T_ent"] == 8 and short.T_ent == 2
+    assert short.summarize([])["T_ent"] == 2 and default.summarize([])["T_ent"] == 8
+    windows, real = [], generation._routing_window
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        windows.append((args[6], out[1]))  # (greedy steps, each row's mean entropy)
+        return out
+
+    monkeypatch.setattr(generation, "_routing_window", spy)
+    prompt = torch.tensor([ctrl[0].context])
+    for bundle in (default, short):
+        bundle.tau = -math.inf  # the gate opens: the experts are routed
+        _, records = generation.generate_variants(tiny, prompt, torch.ones_like(prompt), bundle.plan(tiny),
+                                                  max_length=prompt.shape[1] + 12, pad_token_id=0, do_sample=False)
+        assert records[0]["gate_open"]
+    (steps_default, u_default), (steps_short, u_short) = windows
+    assert (steps_default, steps_short) == (8, 2)
+    expected = generation.routing_entropy(tiny, ctrl[0].context, dataclasses.replace(short.plan(tiny),
+                                          variants=tuple(short.answering_variants())), window=2)
+    torch.testing.assert_close(u_short, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(u_default, u_short)
+    with pytest.raises(ValueError, match=r"T_ent=0: generation routes over at least one greedy step"):
+        short.configure_from({"T_ent": "0"})
+    with pytest.raises(ValueError, match=r"T_ent='x' in --model_args is not an integer: e.g. T_ent=1"):
+        short.configure_from({"T_ent": "x"})

@@ -149,16 +149,17 @@ class MARI(Intervention):
     option_fields = {"gate": Option(bool, "gate=false"), "rho": Option(float, "rho=0.9"),
                      "labels": Option(str, "labels=loss, labels=flip or labels=source"),
                      "experts": Option(str, "experts=routed, experts=single or experts=0"),
-                     "probe_alpha": Option(float, "probe_alpha=0.1", finite=True)}
+                     "probe_alpha": Option(float, "probe_alpha=0.1", finite=True), "T_ent": Option(int, "T_ent=1")}
 
     def configure(self, gate: bool = True, rho: float | None = None, experts: str = "routed",
-                  labels: str | None = None, probe_alpha: float | None = None) -> None:
+                  labels: str | None = None, probe_alpha: float | None = None, T_ent: int | None = None) -> None:
         """Ablation switches (lm_eval model_args): gate on/off, rho, the applicability labels tau_E
         is calibrated on (default: the bundle's), which experts answer, and the strength the
         gate's trained probe is injected at (default: alpha_probe, the one it was trained at).
 
         experts: "routed" (entropy routing over the K experts), "single" (the one-adapter
-        ablation), or an expert index to force.
+        ablation), or an expert index to force. T_ent: the greedy steps generation routes over
+        (eq:entropy_gen; default the bundle's): the first token of a routed answer waits for them.
         """
         if experts not in ("routed", "single"):
             try:
@@ -170,6 +171,9 @@ class MARI(Intervention):
         if experts == "single" and "single_U" not in self.tensors:
             raise ValueError("experts=single: this bundle has no single adapter (train it with `mari-eval train --single`)")
         strength = self._probe_strength(probe_alpha)  # refused before any switch is changed
+        if T_ent is not None and T_ent < 1:
+            raise ValueError(f"T_ent={T_ent}: generation routes over at least one greedy step (T_ent >= 1)")
+        self.T_ent = int(self.config["hyperparameters"]["T_ent"] if T_ent is None else T_ent)
         self.gate = bool(gate)
         self.experts = experts
         self.rho = float(self.config["hyperparameters"]["rho"] if rho is None else rho)
@@ -305,8 +309,8 @@ class MARI(Intervention):
         return super().variant_name(variant) if variant == runner.BASE else f"expert {variant}"
 
     @property
-    def routing_window(self) -> int:  # eq:entropy_gen's T_ent
-        return int(self.config["hyperparameters"]["T_ent"])
+    def routing_window(self) -> int:  # eq:entropy_gen's T_ent (the bundle's, or the T_ent= option)
+        return self.T_ent
 
     def record_outcome(self, record: dict[str, Any], run: runner.VariantRun, gold: set[int]) -> None:
         """Appendix C.2: does the entropy choice pick an expert whose answer is correct? (Asked
@@ -331,6 +335,7 @@ class MARI(Intervention):
             "prompts": n,
             "experts": self.experts,
             "gate": self.gate,
+            "T_ent": self.T_ent,
             "expert_usage": {k: v / max(1, sum(usage.values())) for k, v in usage.items()},
             "expert_counts": usage,
         }
