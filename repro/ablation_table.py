@@ -1,6 +1,7 @@
 """Table 2: MARI's ablations, ours beside the paper's.
 
     python repro/ablation_table.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2]
+    python repro/ablation_table.py --plan --profile paper  # its steps and their cost; runs nothing
 
 Rows: Vanilla; w/o Energy Gating (the routed experts on every input, ``gate=false``);
 w/o Multi-Adapter (the single adapter trained beside the experts, gated with its own
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from repro import cache, command_line, profiles, scoring, tables
+from repro import cache, command_line, planning, profiles, scoring, steps, tables
 from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
 # The keyword rate needs no judge: the SORRY-Bench column a reader can use. MMLU and ARC also run
@@ -51,6 +52,19 @@ VARIANTS = {  # row label (the paper's, then ours) -> MariLM model_args; None: t
 COMPARISONS = [("EG-MARI", "w/o Multi-Adapter")]
 
 
+def plan(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/planning.py): MARI's bundles, then the rows' evaluations."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            trained = {a: planning.train_step(graph, store, profile, "mari", a, model, seed)
+                       for a in sorted({c[3] for c in columns})}
+            rows = {label: ({} if args is None else trained, args or "") for label, args in VARIANTS.items()}
+            planning.evaluation_steps(graph, store, profile, model, seed, columns, rows,
+                                      {bundle: "mari" for bundle in trained.values()})
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> dict:
     cells: dict = {}
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="ablation", unit="seed"):
@@ -71,9 +85,12 @@ def paper_figures(model: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = command_line.start(__doc__, "ablation_table.py", argv)
+    args, profile, store, command = command_line.start(__doc__, "ablation_table.py", argv, planning.add_arguments)
     started = time.time()
     columns = command_line.select(COLUMNS, args.columns)
+    title = f"ablation table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, columns), title, store, profile):
+        return 0
     cells = run(profile, store, columns)
     intro = ("Ours: mean ± std over seeds; n = test documents per cell. The paper ablates Llama-3-8B and "
              "Qwen2.5-14B/32B; its column is Llama-3-8B here: a different, far larger model.")

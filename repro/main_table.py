@@ -29,15 +29,13 @@ its closest model in a separate column.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from mari_eval import registry
-from repro import cache, command_line, costs, profiles, recipes, scoring, steps, tables
+from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
 from repro.profiles import BENCHMARKS, MAIN_TABLE_METHODS, log, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
@@ -70,39 +68,21 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = MAIN
 
 def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = MAIN_TABLE_METHODS, columns=BENCHMARKS + EXTRA,
          recipe: str = recipes.MAIN_TABLE_RECIPE) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/steps.py), nothing run: a training step per bundle,
-    an evaluation step per group of rows and tasks that share a pass (``scoring.evaluation_runs``),
-    each with its cost (repro/costs.py)."""
+    """``run``'s work as a graph of steps (repro/planning.py), nothing run: a training step per
+    bundle, an evaluation step per group of rows and tasks that share a pass."""
     graph = steps.Graph()
-    by_seed = profile.seeded_columns(columns)
     for model in profile.models:
-        for seed, seed_columns in by_seed.items():
+        for seed, seed_columns in profile.seeded_columns(columns).items():
             rows: dict[str, scoring.Row] = {}
-            method_of: dict = {None: None}
+            method_of: dict = {}
             for method in methods:
                 bundles = {}
                 for attribute in (sorted({c[3] for c in seed_columns}) if method != "vanilla" else []):
                     settings = recipes.recipe_settings(method, profile, recipe) if method in recipes.BASELINES else None
-                    final, config = store.bundle_target(method, attribute, model, seed, profile, settings)
-                    epochs = config["hyperparameters"].get("epochs") or registry.method_class(method).training_defaults.get("epochs")
-                    flops = costs.training_flops(model, method, attribute, profile, epochs)
-                    graph.add(steps.Step(final.name, steps.TRAIN, f"train {method} on {attribute}, {model}, seed {seed}",
-                                         cached=store.is_stored(final, config), flops=flops, seconds=costs.seconds(flops),
-                                         gpus=costs.gpus_needed(model, training=True),
-                                         action=(steps.TRAIN, method, attribute, model, seed, json.dumps(settings))))
+                    final = planning.train_step(graph, store, profile, method, attribute, model, seed, settings)
                     bundles[attribute], method_of[final] = final, method
                 rows[method] = (bundles, "")
-            for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, seed_columns, rows).items():
-                todo = [row for row, (_, missing) in members.items() if missing] or list(members)
-                row_methods = [method_of[bundle] for bundle, _ in todo]
-                flops = sum(costs.evaluation_flops(model, costs.TaskSize.of(task, limit), row_methods, gen) for task in tasks)
-                graph.add(steps.Step(f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}", steps.EVALUATE,
-                                     f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
-                                     needs=tuple(sorted({b.name for b, _ in members if b is not None})),
-                                     cached=not any(missing for _, missing in members.values()), flops=flops,
-                                     seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False),
-                                     action=(steps.EVALUATE, model, seed, tasks, limit, gen,
-                                             tuple((b.name if b else None, a) for b, a in todo))))
+            planning.evaluation_steps(graph, store, profile, model, seed, seed_columns, rows, method_of)
     return graph
 
 
@@ -116,14 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--methods", default=",".join(MAIN_TABLE_METHODS),
                             help="comma-separated rows (default: %(default)s): vanilla and any method mari-eval knows, "
                                  "an installed package's included (docs/plugins.md)")
-        parser.add_argument("--plan", action="store_true",
-                            help="print the steps this run would take (which are cached, their estimated GPU-hours, "
-                                 "the critical path, the ideal wall time on 1, 8 and 32 GPUs) and exit")
-        parser.add_argument("--executor", default="local", choices=["local", "ray"],
-                            help="local (default): every step in this process, rows sharing passes; ray: each step a "
-                                 "Ray task (pip install 'mari-eval[ray]'), on a local cluster or --ray-address")
-        parser.add_argument("--ray-address", help="with --executor ray: auto (the cluster this machine belongs to) or "
-                                                 "HOST:PORT; default: start a local cluster")
+        planning.add_arguments(parser)
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
                                  "repro/recipes.py)")
@@ -132,17 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = command_line.methods_listed(args.methods)
     started = time.time()
     columns = command_line.select(BENCHMARKS + EXTRA, args.columns)
-    if args.plan:
-        print(steps.render(plan(profile, store, methods, columns, args.recipe),
-                           f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"))
+    title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe), title, store, profile):
         return 0
-    if args.ray_address and args.executor != "ray":
-        raise SystemExit("--ray-address is read by --executor ray only: add --executor ray, or drop --ray-address")
-    if args.executor == "ray":  # every step computed on Ray and stored under --runs; the table is then read back
-        from repro import ray_executor  # deferred: Ray is optional
-
-        log.info("ray executor: %s", ray_executor.run(plan(profile, store, methods, columns, args.recipe), store, profile,
-                                                      args.ray_address))
     cells, notes = run(profile, store, methods, columns, args.recipe)
     labelled = {model: {method_label(m): cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}

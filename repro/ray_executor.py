@@ -81,9 +81,8 @@ def run_step(action: tuple, profile: Profile, placement, *inputs: dict[str, byte
             bundle = store.bundle(method, attribute, model, seed, profile, json.loads(settings))
             return _files_under(root, bundle.relative_to(root))
         _, model, seed, tasks, limit, gen, rows = action
-        todo = {(root / "bundles" / name if name else None, args): (model, list(tasks), limit,
-                                                                    root / "bundles" / name if name else None, args, gen, seed)
-                for name, args in rows}
+        bundles = {name: root / "bundles" / name if name else None for name, _ in rows}
+        todo = {(bundles[name], args): (model, list(tasks), limit, bundles[name], args, gen, seed) for name, args in rows}
         scoring.evaluate_group(store, model, tuple(tasks), todo)
         return _files_under(root, Path("evaluations")) if (root / "evaluations").is_dir() else {}
 

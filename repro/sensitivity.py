@@ -4,6 +4,7 @@ and alpha_probe (the probe's strength), retrained and at inference: tables and l
     python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6]
         [--rhos 0.7,0.8,0.9] [--labellings loss,flip,source] [--alphas 0.1,0.3,1]
         [--probe-alphas 0.1,0.3,1]
+    python repro/sensitivity.py --plan  # its steps, which are cached, their cost; runs nothing
 
 Rows that train a bundle each: K (MARI trained on TruthfulQA with K = 1..6 experts, everything
 else as the main table, evaluated with its gate) and ``alpha_probe=X`` (--alphas: the probe
@@ -38,7 +39,7 @@ from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
 from mari_eval.mari.fit import probe_alpha_grid
 from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, profiles, scoring, tables
+from repro import cache, command_line, planning, profiles, scoring, steps, tables
 from repro.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
@@ -75,22 +76,41 @@ def _row_bundle(bundle, model_args: str):
     return loaded
 
 
-def run(profile: profiles.Profile, store: cache.Store, ks: list[int], rhos: list[float], labellings: list[str],
-        alphas: list[float], probe_alphas: list[float] = ()) -> dict:
-    cells: dict = {}
-    # Each point: (row label, hyperparameters it trains with, lm-eval model_args it evaluates with).
-    points = [(f"K={k}", {"K": k}, "") for k in ks]
-    points += [(rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
-               for labels in labellings for r in rhos]
-    points += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
+def points(profile: profiles.Profile, ks: list[int], rhos: list[float], labellings: list[str], alphas: list[float],
+           probe_alphas: list[float] = ()) -> list[tuple[str, dict, str]]:
+    """Each point of the sweep: (row label, the hyperparameters it trains with where they differ from
+    the default bundle's, the lm-eval model_args it evaluates with)."""
+    out = [(f"K={k}", {"K": k}, "") for k in ks]
+    out += [(rho_label(r, labels), {}, f"rho={r}" + ("" if labels == "loss" else f",labels={labels}"))
+            for labels in labellings for r in rhos]
+    out += [(f"alpha_probe={a}", {"alpha_probe": a}, "") for a in alphas]
     defaults = {**MARI_DEFAULTS, **profile.hyperparameters}
     # The default bundle's probe at other strengths: at its trained one, the default evaluation itself.
-    points += [(probe_label(a), {}, "" if a == defaults["alpha_probe"] else f"probe_alpha={a}") for a in probe_alphas]
-    steps = [(m, s, *point) for m in profile.models for s in profile.seeds for point in points]
+    out += [(probe_label(a), {}, "" if a == defaults["alpha_probe"] else f"probe_alpha={a}") for a in probe_alphas]
+    # A value equal to the default is the main table's bundle: left out of the cache key.
+    return [(label, {k: v for k, v in trained.items() if v != defaults[k]}, args) for label, trained, args in out]
+
+
+def plan(profile: profiles.Profile, store: cache.Store, sweep: list[tuple[str, dict, str]]) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/planning.py): a bundle per trained point, then one
+    evaluation of every point's row per model and seed."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
+            method_of = {}
+            for label, trained, model_args in sweep:
+                bundle = planning.train_step(graph, store, profile, "mari", "truthfulqa", model, seed, trained or None)
+                rows[label], method_of[bundle] = ({"truthfulqa": bundle}, model_args), "mari"
+            planning.evaluation_steps(graph, store, profile, model, seed, COLUMNS, rows, method_of)
+    return graph
+
+
+def run(profile: profiles.Profile, store: cache.Store, sweep: list[tuple[str, dict, str]]) -> dict:
+    cells: dict = {}
+    steps_ = [(m, s, *point) for m in profile.models for s in profile.seeds for point in sweep]
     rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed): every point's bundle, scored together
-    for model, seed, label, trained, model_args in tqdm(steps, desc="sensitivity: training", unit="point"):
-        # A value equal to the default is the main table's bundle: leave it out of the cache key.
-        trained = {k: v for k, v in trained.items() if v != defaults[k]}
+    for model, seed, label, trained, model_args in tqdm(steps_, desc="sensitivity: training", unit="point"):
         bundle = store.bundle("mari", "truthfulqa", model, seed, profile, trained or None)
         if model_args:  # an option the cached bundle cannot serve stops the run here, before any evaluation
             _row_bundle(bundle, model_args)
@@ -135,7 +155,8 @@ def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], p
 def main(argv: list[str] | None = None) -> int:
     stored = ",".join(f"{a:g}" for a in probe_alpha_grid(MARI_DEFAULTS["alpha_probe"]))
 
-    def points(parser):
+    def options(parser):
+        planning.add_arguments(parser)
         parser.add_argument("--ks", default="1,2,3,4,5,6")
         parser.add_argument("--rhos", default="0.7,0.8,0.9")
         parser.add_argument("--labellings", default=",".join(LABELINGS), help="applicability labellings of the rho sweep")
@@ -144,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                             help="probe_alpha values at which the default bundle's one probe is injected at inference "
                                  f"(no retraining; among the strengths training stores: {stored}; '' for none)")
 
-    args, profile, store, command = command_line.start(__doc__, "sensitivity.py", argv, points)
+    args, profile, store, command = command_line.start(__doc__, "sensitivity.py", argv, options)
     ks, rhos = command_line.listed(args.ks, "--ks", int), command_line.listed(args.rhos, "--rhos", float)
     alphas, labellings = command_line.listed(args.alphas, "--alphas", float), command_line.listed(args.labellings, "--labellings")
     probe_alphas = command_line.listed(args.probe_alphas, "--probe-alphas", float, allow_empty=True)
@@ -156,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--probe-alphas: {', '.join(unstored)} not among the strengths training stores the control "
                          f"energies at ({stored}); use some of them (--alphas retrains the probe at any strength)")
     started = time.time()
-    cells = run(profile, store, ks, rhos, labellings, alphas, probe_alphas)
+    sweep = points(profile, ks, rhos, labellings, alphas, probe_alphas)
+    title = f"sensitivity, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, sweep), title, store, profile):
+        return 0
+    cells = run(profile, store, sweep)
     out = Path(args.out)
     tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe (retrained; "
                         "and at inference over one fixed probe)",

@@ -1,6 +1,6 @@
 """The step graph of a repro script (repro/steps.py) and its costs (repro/costs.py): scheduling on N
-GPUs, the critical path, the main table's plan (every step, its inputs, what is cached) and
-``--plan``, which runs nothing."""
+GPUs, the critical path, the plans of the main table, the ablation table and the sensitivity
+sweep (every step, its inputs, what is cached) and ``--plan``, which runs nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from repro import cache, costs, main_table, profiles, steps
+from repro import ablation_table, cache, costs, main_table, profiles, sensitivity, steps
 
 from .tiny import tiny_caa
 
@@ -106,3 +106,39 @@ def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "main table, profile smoke" in printed and "0 cached" in printed and "ideal wall time: 1 GPU" in printed
     assert not (tmp_path / "runs" / "bundles").exists() and not (tmp_path / "out" / "main_table.json").exists()
+
+
+def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(tmp_path):
+    profile = profiles.PROFILES["smoke"]
+    store = cache.Store(tmp_path / "runs")
+    main = {s.key for s in main_table.plan(profile, store, ["mari"]).steps.values() if s.kind == steps.TRAIN}
+    ablation = ablation_table.plan(profile, store)
+    trained = {s.key for s in ablation.steps.values() if s.kind == steps.TRAIN}
+    assert len(trained) == 3 and trained == main  # the same three bundles: running both trains each once
+    evaluations = [s for s in ablation.steps.values() if s.kind == steps.EVALUATE]
+    assert evaluations and all(set(s.needs) <= trained for s in evaluations)
+    rows = {args for s in evaluations for _, args in s.action[-1]}
+    assert rows == {"", "gate=false", "experts=single", "labels=flip", "labels=source"}  # Vanilla and EG-MARI: ""
+
+    sweep = sensitivity.points(profile, ks=[1, 4], rhos=[0.8], labellings=["source"], alphas=[0.3], probe_alphas=[0.1])
+    assert [(label, trained) for label, trained, _ in sweep] == [
+        ("K=1", {"K": 1}), ("K=4", {}), ("rho=0.8, labels=source", {}), ("alpha_probe=0.3", {"alpha_probe": 0.3}),
+        ("probe_alpha=0.1 (fixed probe)", {})]  # K = 4 is the default bundle: no retraining
+    graph = sensitivity.plan(profile, store, sweep)
+    train = {s.key: s for s in graph.steps.values() if s.kind == steps.TRAIN}
+    assert len(train) == 3 and len(trained & set(train)) == 1  # K=1, alpha_probe=0.3 and the main table's bundle
+    assert sorted(s.label.split(" (")[-1] for s in train.values() if "(" in s.label) == ['{"K": 1})',
+                                                                                        '{"alpha_probe": 0.3})']
+    (tqa,) = [s for s in graph.steps.values() if s.kind == steps.EVALUATE and "truthfulqa" in s.key]
+    assert set(tqa.needs) == set(train)
+    assert {args for _, args in tqa.action[-1]} == {"", "rho=0.8,labels=source", "probe_alpha=0.1"}
+    assert not (tmp_path / "runs").exists()  # planning wrote nothing
+
+
+@pytest.mark.parametrize("script, title", [(ablation_table, "ablation table, profile smoke"),
+                                           (sensitivity, "sensitivity, profile smoke")])
+def test_every_table_script_plans_and_runs_nothing(script, title, tmp_path, capsys):
+    assert script.main(["--smoke", "--plan", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert title in printed and "0 cached" in printed and "ideal wall time: 1 GPU" in printed
+    assert not (tmp_path / "runs" / "bundles").exists() and not list((tmp_path / "out").glob("*.json"))
