@@ -36,12 +36,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
-from repro.profiles import BENCHMARKS, MAIN_TABLE_METHODS, log, method_label
+from repro.profiles import BENCHMARKS, METHODS, log, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
 
-def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = MAIN_TABLE_METHODS, columns=BENCHMARKS + EXTRA,
+def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
         recipe: str = recipes.MAIN_TABLE_RECIPE) -> tuple[dict, dict]:
     """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
 
@@ -66,7 +66,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = MAIN
     return cells, notes
 
 
-def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = MAIN_TABLE_METHODS, columns=BENCHMARKS + EXTRA,
+def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
          recipe: str = recipes.MAIN_TABLE_RECIPE) -> steps.Graph:
     """``run``'s work as a graph of steps (repro/planning.py), nothing run: a training step per
     bundle, an evaluation step per group of rows and tasks that share a pass."""
@@ -93,7 +93,7 @@ def paper_figures(model: str) -> tuple[str, dict[str, dict[str, str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     def options(parser):
-        parser.add_argument("--methods", default=",".join(MAIN_TABLE_METHODS),
+        parser.add_argument("--methods", default=",".join(METHODS),
                             help="comma-separated rows (default: %(default)s): vanilla and any method mari-eval knows, "
                                  "an installed package's included (docs/plugins.md)")
         planning.add_arguments(parser)

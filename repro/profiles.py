@@ -17,9 +17,7 @@ log = logging.getLogger("repro")
 # simple baselines AxBench (Wu et al., 2025) found hard to beat (an instruction in the prompt, LoRA
 # fine-tuning on D_train; issue 39) are rows too with --methods (prompting, lora); they join the
 # default once the committed tables are regenerated with them.
-METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]  # the paper's rows
-# The main table's rows: the paper's and the two simple comparisons a reader asks for (issue 39).
-MAIN_TABLE_METHODS = ["vanilla", "prompting", "caa", "iti", "nl_iti", "reft", "lora", "mari"]
+METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]
 METHOD_LABELS = {"vanilla": "Vanilla", "prompting": "Prompting", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI",
                  "reft": "ReFT", "lora": "LoRA", "mari": "MARI"}
 
