@@ -113,6 +113,10 @@ class AttributeData:
     def prepare(self, session: "Session") -> None:
         """Frozen-model caches of D_train and D_ctrl (each control source shares its own preamble)."""
         session.prepare(self.train, "D_train")
+        self.prepare_ctrl(session)
+
+    def prepare_ctrl(self, session: "Session") -> None:
+        """Frozen-model caches of D_ctrl, a set per control source (each shares its own preamble)."""
         for source in dict.fromkeys(self.ctrl_source):
             session.prepare([ex for ex, s in zip(self.ctrl, self.ctrl_source) if s == source], f"D_ctrl ({source})")
 

@@ -267,6 +267,7 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     ("diagnostics.py", ["--columns", "tqa_mc1,bbq_acc"], ["diagnostics.json", "diagnostics.md", "diagnostics_energy.png"]),
     ("latency.py", ["--prompts", "3", "--methods", "prompting,lora,mari"], ["latency.json", "latency.md", "latency.tex"]),
     ("baseline_recipes.py", ["--methods", "caa"], ["baseline_recipes.json", "baseline_recipes.md", "baseline_recipes.tex"]),
+    ("figures.py", [], ["figures.json", "figures.md", "figure1.png", "figure5a.png", "figure5b.png", "figure6.png"]),
 ])
 def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs):
     run_repro(script, smoke_dirs, *args)
@@ -275,6 +276,17 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
     if outputs[0].endswith(".json"):
         record = _strict((smoke_dirs[1] / outputs[0]).read_text())
         assert record["profile"] == "smoke" and record["command"].startswith("python repro/")
+    if script == "figures.py":  # issue 42: the numbers behind Figures 1, 5a, 5b and 6, from the main table's bundle
+        figures = record["models"]["smollm2-135m-instruct"]["0"]
+        assert figures["bundle"] in {p.name for p in (smoke_dirs[0] / "bundles").iterdir()} and figures["energy_drift"] < 1e-2
+        assert 0 < figures["figure1"]["questions"] and 0 <= figures["figure1"]["wrong"] <= figures["figure1"]["questions"]
+        assert len(figures["figure5a"]["experts"]) == figures["K"] and figures["figure5a"]["test"]["p"] is not None
+        assert set(figures["figure5b"]) == set(figures["figure6"]) == {"loss", "flip", "source"}
+        source = figures["figure5b"]["source"]
+        assert source["applicable"] == [s == "attribute" for s in figures["ctrl_sources"]]
+        assert 0 <= source["auroc_energy"]["value"] <= 1 and 0.5 <= source["auroc_pc1"]["value"] <= 1
+        assert figures["figure6"]["source"]["applicable"]["paper"] == 119.76 and figures["figure6"]["source"][
+            "non_applicable"]["shift"] >= 0
     for row in (record["models"]["smollm2-135m-instruct"]["rows"] if script in GATE_COLUMNS else []):
         for column in GATE_COLUMNS[script]:  # MARI's gate rate on every benchmark, generation and groups included
             rate = row["ours"][column]["mean"]
