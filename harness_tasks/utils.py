@@ -214,6 +214,27 @@ def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"validation": _dataset(records)})
 
 
+def _truthfulqa_generation(source: str) -> tuple[dict, ...]:
+    return tuple(mari_data.load_truthfulqa_gen())
+
+
+def load_truthfulqa_generation(**_) -> datasets.DatasetDict:
+    """All 817 TruthfulQA generation questions as the ``validation`` split (training questions included)."""
+    return datasets.DatasetDict({"validation": _dataset(list(_truthfulqa_generation(_source())))})
+
+
+def load_truthfulqa_generation_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """The generation questions of ``load_truthfulqa_heldout``, in its order (a question has the
+    same id in both files: ``mari_data.load_truthfulqa_gen``)."""
+    order = {i: k for k, i in enumerate(load_truthfulqa_heldout(split_seed)["validation"]["id"])}
+    records = _heldout(_truthfulqa_generation(_source()), "truthfulqa", split_seed, keep_only_test=False,
+                       task="truthfulqa_gen_heldout")
+    if {r["id"] for r in records} != set(order):
+        raise mari_data.DataError("truthfulqa_gen_heldout: the generation file's held-out questions are not the "
+                                  "multiple-choice file's; the two TruthfulQA files under $MARI_DATA_DIR disagree")
+    return datasets.DatasetDict({"validation": _dataset(sorted(records, key=lambda r: order[r["id"]]))})
+
+
 def _bbq_records() -> tuple[dict, ...]:
     return _bbq(_source())[0]
 
@@ -353,6 +374,8 @@ def sorry_doc_to_text(doc: dict) -> str:
 
 # TruthfulQA (lm_eval/tasks/truthfulqa/utils.py)
 process_results_mc2 = truthfulqa_utils.process_results_mc2
+process_docs_gen = truthfulqa_utils.process_docs_gen  # "I have no comment." added to the correct answers
+process_results_gen = truthfulqa_utils.process_results_gen  # BLEU and ROUGE against the correct and incorrect answers
 
 # BBQ (lm_eval/tasks/bbq/utils.py)
 bbq_process_docs = bbq_utils.process_docs

@@ -54,6 +54,7 @@ BUILTIN = Path(lm_eval.tasks.__file__).parent
 OVERRIDES = {
     "truthfulqa_mc1": "truthfulqa/truthfulqa_mc1.yaml",
     "truthfulqa_mc2": "truthfulqa/truthfulqa_mc2.yaml",
+    "truthfulqa_gen": "truthfulqa/truthfulqa_gen.yaml",
     "bbq": "bbq/bbq_multiple_choice.yaml",
     "bbq_disambig": "bbq/bbq_multiple_choice_disambig.yaml",
     "arc_easy": "arc/arc_easy.yaml",
@@ -62,13 +63,15 @@ OVERRIDES = {
     **{f"mmlu_{s}": f"mmlu/default/mmlu_{s}.yaml" for s in SUBJECTS},
 }
 HELDOUT = ["truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout", "bbq_heldout", "bbq_disambig_heldout"]
-PLAIN = ["truthfulqa_mc1", "truthfulqa_mc2", "bbq", "bbq_disambig", "arc_easy", "arc_challenge", "gsm8k"]
+PLAIN = ["truthfulqa_mc1", "truthfulqa_mc2", "truthfulqa_gen", "bbq", "bbq_disambig", "arc_easy", "arc_challenge", "gsm8k"]
 # Keys that may differ from the built-in: where the data come from, tags (see README), the
 # few-shot count we were asked for, and metadata (the split seed).
 DATA_KEYS = {"dataset_path", "dataset_name", "custom_dataset", "dataset_kwargs", "tag", "metadata"}
 OUR_CHANGES = {"arc_easy": {"num_fewshot", "fewshot_split"}, "arc_challenge": {"num_fewshot", "fewshot_split"},
                # lm-eval's, less its NaN placeholders for other categories (tests/test_bbq_categories.py)
-               "bbq": {"process_results"}, "bbq_disambig": {"process_results"}}
+               "bbq": {"process_results"}, "bbq_disambig": {"process_results"},
+               # the paper's prompt ends "\nA:" (the built-in's stops after the question); greedy, 64 tokens
+               "truthfulqa_gen": {"doc_to_text", "generation_kwargs"}}
 MMLU_CHANGES = {"num_fewshot"}
 
 
@@ -97,7 +100,7 @@ def tm(e2e):
 # `bbq` itself is instantiated by the CLI run (test_lm_eval_cli_with_dummy_model), not here:
 # lm-eval lists all 17,628 processed docs as few-shot candidates when it builds the task,
 # which costs seconds, and everything else about it is checked there or via its variants.
-IN_PROCESS = [n for n in PLAIN + HELDOUT if n != "bbq"] + ["mmlu"]
+IN_PROCESS = [n for n in PLAIN + HELDOUT if n != "bbq"] + ["mmlu", "truthfulqa_gen_heldout"]
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +188,10 @@ def test_same_prompt_and_scoring_as_the_builtin(name, tm):
     allowed = DATA_KEYS | OUR_CHANGES.get(name, set()) | (MMLU_CHANGES if name.startswith("mmlu_") else set())
     keys = (set(ours) | set(theirs)) - allowed
     assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
-    # The prompt-defining keys are really compared (not all filtered out).
-    assert {"doc_to_text", "output_type"} <= keys
+    # The prompt-defining keys are really compared (not all filtered out), or their change is checked.
+    assert {"doc_to_text", "output_type"} - OUR_CHANGES.get(name, set()) <= keys
+    if name == "truthfulqa_gen":  # the built-in's prompt with the paper's answer cue after the question
+        assert ours["doc_to_text"] == theirs["doc_to_text"].replace("+ question}}", "+ question + '\nA:'}}")
     # Every function but the data loader is lm-eval's own (imported by utils.py, not copied).
     functions = [v for k, v in raw.items() if callable(v) and k != "custom_dataset" and k not in OUR_CHANGES.get(name, ())]
     functions += [m["aggregation"] for m in raw.get("metric_list", []) if callable(m.get("aggregation"))]
@@ -400,3 +405,18 @@ def test_lm_eval_cli_with_dummy_model(e2e):
     assert 0.0 <= results["results"]["truthfulqa_mc2_heldout"]["acc,none"] <= 1.0
     assert "acc,none" in results["results"]["bbq"] and "disamb_bias_score_Age,none" in results["results"]["bbq"]
     assert "split_seed" in results["configs"]["truthfulqa_mc2_heldout"]["metadata"]
+
+
+def test_truthfulqa_generation_scores_the_heldout_questions_of_the_mc_tasks(tasks):
+    task, mc = tasks["truthfulqa_gen_heldout"], tasks["truthfulqa_mc1_heldout"]
+    assert _ids(task) == _ids(mc) and len(_ids(task)) == 535  # the same questions in the same seeded order
+    assert set(_column(task, "split_fingerprint")) == {data_splits.make_splits("truthfulqa", 0).fingerprint()}
+    doc = task.eval_docs[0]
+    assert task.doc_to_text(doc) == mc.doc_to_text(mc.eval_docs[0])  # the paper's prompt, "Q: ...\nA:"
+    assert task.config.generation_kwargs == {"until": ["\n\n", "\nQ:"], "do_sample": False, "max_gen_toks": 64}
+    assert "I have no comment." in doc["correct_answers"]  # lm-eval's process_docs_gen
+    # lm-eval's scoring: an answer that repeats a correct reference beats the incorrect ones.
+    scores = task.process_results(doc, [" " + doc["correct_answers"][0]])
+    assert scores["bleu_acc"] == scores["rouge1_acc"] == 1 and scores["bleu_diff"] > 0
+    assert set(scores) == {f"{m}_{k}" for m in ("bleu", "rouge1", "rouge2", "rougeL") for k in ("max", "acc", "diff")}
+    assert len(_ids(tasks["truthfulqa_gen"])) == 817
