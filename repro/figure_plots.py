@@ -29,6 +29,10 @@ def _band(ax, windows: list[dict], key: str, label: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _number(value) -> str:
+    return "-" if value is None or value != value else f"{value:.2f}"
+
+
 def _label(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_title(title, fontsize=8)
     ax.set_xlabel(xlabel)
@@ -81,8 +85,8 @@ def figure5b(models: dict, path: Path) -> None:
         energy, pc1 = torch.tensor(r["energy"]), torch.tensor(r["pc1"])
         for members, colour, name in ((applicable, APPLICABLE, "applicable"), (~applicable, NON_APPLICABLE, "non-applicable")):
             ax.scatter(energy[members].tolist(), pc1[members].tolist(), s=10, alpha=0.6, color=colour, label=name)
-        _label(ax, f"{title}, labels={labels}\nAUROC E(x) {cell['auroc_energy']['value'] or float('nan'):.2f}, "
-                   f"PC1 {cell['auroc_pc1']['value'] or float('nan'):.2f}", "energy E(x)", "PC1 of h_base at (l*, p*)")
+        _label(ax, f"{title}, labels={labels}\nAUROC E(x) {_number(cell['auroc_energy']['value'])}, "
+                   f"PC1 {_number(cell['auroc_pc1']['value'])}", "energy E(x)", "PC1 of h_base at (l*, p*)")
     fig.suptitle("Figure 5b (ours): D_ctrl by applicability, energy against PC1")
     tables.save_figure(fig, path)
 
@@ -103,7 +107,7 @@ def figure6(models: dict, states: dict, path: Path) -> None:
                 ax.scatter(xy[:, 0].tolist(), xy[:, 1].tolist(), s=10, alpha=0.5, marker=marker, color=colour,
                            label=when)
             cell = r["figure6"][labels][name]
-            _label(ax, f"{title}, labels={labels}: {name} (n={cell['n']})\n||d mu||/sigma = {cell['shift']:.2f} "
+            _label(ax, f"{title}, labels={labels}: {name} (n={cell['n']})\n||d mu||/sigma = {_number(cell['shift'])} "
                        f"(paper {cell['paper']})", "PC1 (states before)", "PC2")
     fig.suptitle("Figure 6 (ours): the last layer's state at p* before and after MARI")
     tables.save_figure(fig, path)
