@@ -123,15 +123,18 @@ def at_least(least: int):
     return parse
 
 
-def select(columns: list[tuple], wanted: str | None) -> list[tuple]:
-    """The benchmark columns named in ``--columns`` (all without it)."""
+def select(columns: list[tuple], wanted: str | None, optional: list[tuple] = ()) -> list[tuple]:
+    """The benchmark columns named in ``--columns`` (without it, all of ``columns``; the ``optional``
+    ones only when named)."""
     if wanted is None:
         return columns
     names = listed(wanted, "--columns")
-    unknown = sorted(set(names) - {c[0] for c in columns})
+    known = [*columns, *optional]
+    unknown = sorted(set(names) - {c[0] for c in known})
     if unknown:
-        raise SystemExit(f"--columns: unknown {unknown}; this table has {[c[0] for c in columns]}")
-    return [c for c in columns if c[0] in names]
+        extra = f" (and, when named, {[c[0] for c in optional]})" if optional else ""
+        raise SystemExit(f"--columns: unknown {unknown}; this table has {[c[0] for c in columns]}{extra}")
+    return [c for c in known if c[0] in names]
 
 
 def setup_logging() -> None:

@@ -9,6 +9,7 @@
     python repro/main_table.py --plan --profile paper  # the steps, their cost and wall time on 1, 8, 32 GPUs; runs nothing
     python repro/main_table.py --recipe adapted # every baseline in its adapted recipe (default: published)
     python repro/main_table.py --methods vanilla,mari,repe  # a method of an installed package beside ours (docs/plugins.md)
+    python repro/main_table.py --columns tqa_gen_bleu_acc,tqa_gen_rouge1_acc  # TruthfulQA generation (not in the default)
 
 For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI (``--methods`` adds Prompting and LoRA,
 ``prompting,lora``, or any other method) are trained on the
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)
     methods = command_line.methods_listed(args.methods)
     started = time.time()
-    columns = command_line.select(BENCHMARKS + EXTRA, args.columns)
+    columns = command_line.select(BENCHMARKS + EXTRA, args.columns, profiles.TQA_GENERATION)
     title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
     if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe), title, store, profile):
         return 0

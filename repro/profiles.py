@@ -49,6 +49,11 @@ GENERAL_UNDER_OTHERS = [(f"{column}@{ATTRIBUTE_TAGS[attribute]}", task, metric, 
                         for column, task, metric, _ in BENCHMARKS if column in GENERAL_COLUMNS]
 # Beside the judged refusal rate: the keyword rate of the same generations (no judge needed), ours only.
 KEYWORD_REFUSAL = ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate,none", "sorry_bench")
+# TruthfulQA generation (the paper's appendix; issue 42): greedy answers to "Q: ...\nA:" scored by lm-eval's
+# truthfulqa_gen metrics, BLEU and ROUGE-1 against the correct and incorrect answers (_acc: closer to a correct
+# one; _diff: by how much). Not in the default tables (every row generates): --columns tqa_gen_bleu_acc,...
+TQA_GENERATION = [(f"tqa_gen_{metric}", "truthfulqa_gen_heldout", f"{metric},none", "truthfulqa")
+                  for metric in ("bleu_acc", "bleu_diff", "rouge1_acc", "rouge1_diff")]
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
@@ -130,8 +135,9 @@ PROFILES = {
     # Every script end to end in a few minutes (tests).
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
-                      "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1},
-                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8},
+                      "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1,
+                      "truthfulqa_gen_heldout": 2},
+                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra"}),
     # The embedded model on 2 CPU cores: seeded subsets of 24 training examples per attribute; D_ctrl
     # a seeded 40 per source (QUICK_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
@@ -147,7 +153,8 @@ PROFILES = {
     # those; docs/evaluating.md, ARC's shots).
     "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, QUICK_CTRL,
                      {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
-                      "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20},
+                      "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20,
+                      "truthfulqa_gen_heldout": 100},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
                      tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
                      column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]},

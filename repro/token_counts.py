@@ -20,13 +20,13 @@ import json
 import sys
 from pathlib import Path
 
-from repro.profiles import BENCHMARKS, REPO
+from repro.profiles import BENCHMARKS, REPO, TQA_GENERATION
 
 OUT = REPO / "repro" / "token_counts.json"
 SAMPLE = 40
 MMLU_SAMPLE = 2
 FEWSHOT_SEED = 1234  # simple_evaluate's fewshot_random_seed default: the same shots as an evaluation
-TASKS = sorted({task for _, task, _, _ in BENCHMARKS} | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
+TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION} | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1_heldout", "bbq": "bbq_disambig_heldout",
                    "sorry_bench": "sorry_bench_heldout"}
 

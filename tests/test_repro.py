@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from repro import command_line, profiles
+
 from .conftest import REPO
 from .helpers import run_repro
 
@@ -124,6 +126,25 @@ def test_main_table_smoke_writes_ours_beside_the_papers_and_resumes_without_reco
     # ...and still says what its steps cost when they were computed (the first run's figure).
     assert second["compute_time_s"] == first["compute_time_s"] > 0
     assert f"took {first['compute_time_s']:.0f} s of computation" in (out / "main_table.md").read_text()
+
+
+def test_truthfulqa_generation_is_a_column_when_named(tmp_path, smoke_dirs, uninterrupted):
+    # Issue 42: greedy answers scored by lm-eval's truthfulqa_gen metrics, every row, paired against Vanilla;
+    # not in the default table (uninterrupted has none of them).
+    columns = [c for c, *_ in profiles.TQA_GENERATION]
+    assert not set(columns) & set(uninterrupted["models"]["smollm2-135m-instruct"]["rows"][0]["ours"])
+    out = tmp_path / "results"
+    run_repro("main_table.py", (smoke_dirs[0], out), "--methods", "vanilla,mari", "--columns", ",".join(columns))
+    rows = {r["row"]: r for r in _strict((out / "main_table.json").read_text())["models"]["smollm2-135m-instruct"]["rows"]}
+    assert list(rows) == ["Vanilla", "MARI"]
+    for column in columns:
+        assert rows["Vanilla"]["n"][column] == rows["MARI"]["n"][column] == 2  # the smoke profile's 2 questions
+        assert rows["MARI"]["ours"][column]["difference"]["reference"] == "Vanilla"
+    assert 0 <= rows["Vanilla"]["ours"]["tqa_gen_bleu_acc"]["mean"] <= 1
+    assert rows["MARI"]["ours"]["tqa_gen_bleu_acc"]["difference"]["test"] == "mcnemar"  # 0/1 per document
+    assert rows["MARI"]["ours"]["tqa_gen_rouge1_diff"]["difference"]["test"] == "sign-flip"
+    with pytest.raises(SystemExit, match=r"and, when named, \['tqa_gen_bleu_acc'"):
+        command_line.select(profiles.BENCHMARKS, "tqa_gen_typo", profiles.TQA_GENERATION)
 
 
 def test_a_profile_scores_some_columns_under_more_seeds():
