@@ -39,6 +39,8 @@ except ImportError:  # a checkout that is not pip-installed: the package sits be
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mari_eval import data as mari_data
 from mari_eval import data_splits
+# How held-out documents are ordered so that lm-eval's --limit N draws across categories (mari_eval/document_order.py).
+from mari_eval.document_order import spread_bbq, spread_over_categories  # noqa: F401
 from mari_eval.judge import sorry_bench
 from mari_eval.judge.sorry_bench import SORRY_CATEGORIES
 # SORRY-Bench's scoring lives with the judge (mari_eval/judge/sorry_bench.py); the YAMLs call it by these names.
@@ -214,20 +216,16 @@ def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"validation": _dataset(records)})
 
 
-def _truthfulqa_generation(source: str) -> tuple[dict, ...]:
-    return tuple(mari_data.load_truthfulqa_gen())
-
-
 def load_truthfulqa_generation(**_) -> datasets.DatasetDict:
     """All 817 TruthfulQA generation questions as the ``validation`` split (training questions included)."""
-    return datasets.DatasetDict({"validation": _dataset(list(_truthfulqa_generation(_source())))})
+    return datasets.DatasetDict({"validation": _dataset(mari_data.load_truthfulqa_gen())})
 
 
 def load_truthfulqa_generation_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """The generation questions of ``load_truthfulqa_heldout``, in its order (a question has the
     same id in both files: ``mari_data.load_truthfulqa_gen``)."""
     order = {i: k for k, i in enumerate(load_truthfulqa_heldout(split_seed)["validation"]["id"])}
-    records = _heldout(_truthfulqa_generation(_source()), "truthfulqa", split_seed, keep_only_test=False,
+    records = _heldout(mari_data.load_truthfulqa_gen(), "truthfulqa", split_seed, keep_only_test=False,
                        task="truthfulqa_gen_heldout")
     if {r["id"] for r in records} != set(order):
         raise mari_data.DataError("truthfulqa_gen_heldout: the generation file's held-out questions are not the "
@@ -257,38 +255,6 @@ def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     file order (no profile takes its first N)."""
     records = _bbq_heldout(split_seed, keep_only_test=False, task="bbq_heldout")
     return datasets.DatasetDict({"test": _dataset_on_disk("bbq_heldout", records)})
-
-
-def spread_over_categories(records: list[dict]) -> list[dict]:
-    """``records`` dealt round-robin by ``category`` (categories in order of first appearance,
-    each category's records in their own order): the same documents, ordered so that lm-eval's
-    ``--limit N`` (the first N documents) spreads N evenly over the categories instead of
-    taking the first one or two. A run over all documents scores exactly the same."""
-    by_category: dict[str, list[dict]] = {}
-    for record in records:
-        by_category.setdefault(str(record["category"]), []).append(record)
-    queues = list(by_category.values())
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-
-
-def spread_bbq(records: list[dict], seed: int) -> list[dict]:
-    """BBQ ``records`` ordered so that the first N documents spread over categories, templates and
-    whole contexts: within each category, the templates (``bbq_template_key``) in a seeded order
-    take turns, each giving its next context (``bbq_context_key``; a template's contexts in a
-    seeded order) with its questions adjacent, in file order; the categories are then dealt
-    round-robin (``spread_over_categories``). So a first N even per category holds whole
-    contexts only, and covers every template of a category before any gives a second context.
-    The same documents: a run over all of them scores exactly the same."""
-    by_category: dict[str, dict[str, dict[str, list[dict]]]] = {}
-    for r in records:
-        templates = by_category.setdefault(str(r["category"]), {})
-        templates.setdefault(mari_data.bbq_template_key(r), {}).setdefault(mari_data.bbq_context_key(r), []).append(r)
-    dealt: list[dict] = []
-    for templates in by_category.values():
-        queues = [[contexts[c] for c in data_splits.seeded_order(contexts, "bbq-spread-context", seed)]
-                  for contexts in (templates[t] for t in data_splits.seeded_order(templates, "bbq-spread-template", seed))]
-        dealt += [r for i in range(max(map(len, queues))) for q in queues if i < len(q) for r in q[i]]
-    return spread_over_categories(dealt)
 
 
 def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
