@@ -1,6 +1,7 @@
 """Appendix table: every baseline under both training recipes on TruthfulQA (issue 24.4).
 
     python repro/baseline_recipes.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2] [--methods caa,iti,nl_iti,reft]
+    python repro/baseline_recipes.py --plan --profile paper  # its steps and their cost; runs nothing
 
 Rows: Vanilla, then CAA, ITI, NL-ITI and ReFT each trained on TruthfulQA's D_train with the
 adapted recipe (this suite's setting) and with the published one (its authors'; docs/baselines.md,
@@ -21,17 +22,34 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, profiles, recipes, scoring, tables
+from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
 from repro.profiles import BENCHMARKS, METHOD_LABELS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
 
 
+def plan(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/planning.py): each baseline's bundle under each
+    recipe, then the rows' evaluations."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
+            method_of: dict = {}
+            for method in methods:
+                for recipe in recipes.RECIPES:
+                    settings = recipes.recipe_settings(method, profile, recipe)
+                    bundle = planning.train_step(graph, store, profile, method, "truthfulqa", model, seed, settings)
+                    rows[f"{METHOD_LABELS[method]} ({recipe})"], method_of[bundle] = ({"truthfulqa": bundle}, ""), method
+            planning.evaluation_steps(graph, store, profile, model, seed, COLUMNS, rows, method_of)
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES) -> tuple[dict, dict]:
     cells: dict = {}
     notes: dict = {}
-    steps = [(m, s) for m in profile.models for s in profile.seeds]
-    for model, seed in tqdm(steps, desc="baseline recipes", unit="seed"):
+    model_seeds = [(m, s) for m in profile.models for s in profile.seeds]
+    for model, seed in tqdm(model_seeds, desc="baseline recipes", unit="seed"):
         rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
         validation: dict[str, dict] = {}  # per row: {"value": validation loss, "n": questions}
         for method in methods:
@@ -57,6 +75,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
 def main(argv: list[str] | None = None) -> int:
     def options(parser):
         parser.add_argument("--methods", default=",".join(recipes.BASELINES), help="a comma-separated subset of the baselines")
+        planning.add_arguments(parser)
 
     args, profile, store, command = command_line.start(__doc__, "baseline_recipes.py", argv, options)
     methods = command_line.listed(args.methods, "--methods")
@@ -64,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {','.join(recipes.BASELINES)}")
     started = time.time()
+    title = f"baseline recipes, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, methods), title, store, profile):
+        return 0
     cells, notes = run(profile, store, methods)
     intro = ("Held-out TruthfulQA in %; n = test documents (val_loss: validation questions, from D_train). "
              "adapted: this suite's setting; published: the authors' recipe (docs/baselines.md), the main table's "

@@ -5,6 +5,7 @@ separates applicable from non-applicable examples (AUROC, across and within sour
 the gate rate on every test task of the main table.
 
     python repro/diagnostics.py [--profile quick|paper|smoke] [--model ID]
+    python repro/diagnostics.py --plan --profile paper  # its steps and their cost; runs nothing
 
 For each attribute (the main table's MARI bundles, same cache under runs/): the held-out
 task evaluated with the gate (gate rate, expert usage among opened gates) and without it
@@ -29,7 +30,7 @@ from mari_eval.files import atomic_write, write_results_json
 from mari_eval.mari.equations import energy_threshold
 from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, profiles, scoring, tables
+from repro import cache, command_line, planning, profiles, scoring, steps, tables
 from repro.ablation_table import labels_args
 from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
@@ -38,11 +39,29 @@ TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthf
          "sorry_bench": KEYWORD_REFUSAL}
 
 
+def plan(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/planning.py): MARI's bundles; each bundle's task
+    with and without its gate; every column under each labelling (the ablation's EG-MARI rows)."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            trained = {a: planning.train_step(graph, store, profile, "mari", a, model, seed)
+                       for a in sorted(set(TASKS) | {c[3] for c in columns})}
+            method_of = {bundle: "mari" for bundle in trained.values()}
+            own = {"with gate": (trained, ""), "without gate": (trained, "gate=false")}
+            planning.evaluation_steps(graph, store, profile, model, seed, list(TASKS.values()), own, method_of,
+                                      "each bundle's task")
+            by_labels = {name: (trained, labels_args(name)) for name in LABELINGS}
+            planning.evaluation_steps(graph, store, profile, model, seed, columns, by_labels, method_of,
+                                      "gate rates per labelling")
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> dict:
     out: dict = {}
     gate_rates: dict = {}
-    steps = [(m, s, a) for m in profile.models for s in profile.seeds for a in TASKS]
-    for model, seed, attribute in tqdm(steps, desc="diagnostics", unit="bundle"):
+    bundle_steps = [(m, s, a) for m in profile.models for s in profile.seeds for a in TASKS]
+    for model, seed, attribute in tqdm(bundle_steps, desc="diagnostics", unit="bundle"):
         bundle_dir = store.bundle("mari", attribute, model, seed, profile)
         bundle = load_bundle(bundle_dir)
         column = TASKS[attribute]
@@ -159,9 +178,13 @@ def plot(diag: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = command_line.start(__doc__, "diagnostics.py", argv)
+    args, profile, store, command = command_line.start(__doc__, "diagnostics.py", argv, planning.add_arguments)
     started = time.time()
-    diag = run(profile, store, command_line.select(BENCHMARKS + GENERAL_UNDER_OTHERS, args.columns))
+    columns = command_line.select(BENCHMARKS + GENERAL_UNDER_OTHERS, args.columns)
+    title = f"diagnostics, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, columns), title, store, profile):
+        return 0
+    diag = run(profile, store, columns)
     wall = time.time() - started
     out = Path(args.out)
     write_results_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,

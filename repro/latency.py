@@ -2,6 +2,7 @@
 
     python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
     python repro/latency.py --methods prompting,iti,nl_iti,reft,lora,mari   # the simple baselines' cost too (issue 39)
+    python repro/latency.py --plan --profile paper  # the bundles it trains first; runs nothing
 
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
@@ -10,6 +11,9 @@ The bundles are the main table's SORRY-Bench ones (same cache under runs/). Writ
 results/latency.{json,md,tex} with the paper's Table 4 beside ours (its hardware and
 model differ: compare ratios to Base, not absolute numbers). The bundles are trained and
 the timed processes load the model in the placement of --dtype/--device/--device-map.
+The bundles are the steps of its plan (``--plan``; ``--executor ray`` trains them on a Ray
+cluster); the timings themselves always run on this machine, one after another, so that their
+ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from repro import bench, cache, command_line, profiles, tables
+from repro import bench, cache, command_line, planning, profiles, steps, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 # The paper's rows; --methods adds others (the simple baselines, prompting and lora: their cost, issue 39).
@@ -35,11 +39,21 @@ def rows_of(methods: list[str]) -> dict[str, str | None]:
     return {"Base Model": None, **{paper.get(m) or profiles.method_label(m): m for m in methods}}
 
 
+def plan(profile: profiles.Profile, store: cache.Store, rows: dict[str, str | None] = ROWS) -> steps.Graph:
+    """The bundles ``run`` times, as steps (repro/planning.py); the timings are not steps."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            for method in filter(None, rows.values()):
+                planning.train_step(graph, store, profile, method, "sorry_bench", model, seed)
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int,
         rows: dict[str, str | None] = ROWS) -> dict:
     cells: dict = {}
-    steps = [(m, s, label) for m in profile.models for s in profile.seeds for label in rows]
-    for model, seed, label in tqdm(steps, desc="latency", unit="method"):
+    timed = [(m, s, label) for m in profile.models for s in profile.seeds for label in rows]
+    for model, seed, label in tqdm(timed, desc="latency", unit="method"):
         method = rows[label]
         bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
         args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens,
@@ -76,13 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                             help="rows beside the base model (default: %(default)s, the paper's): any method mari-eval "
                                  "knows, the simple baselines prompting and lora, an installed package's (docs/plugins.md)")
+        planning.add_arguments(parser)
 
     args, profile, store, command = command_line.start(__doc__, "latency.py", argv, sizes)
     smoke = profile.name == "smoke"  # the smoke profile's sizes are defaults only: given ones are used
     prompts = args.prompts if args.prompts is not None else 2 if smoke else 10
     tokens = args.tokens if args.tokens is not None else 4 if smoke else 128
     started = time.time()
-    cells = run(profile, store, prompts, tokens, rows_of(command_line.methods_listed(args.methods, extra=())))
+    rows = rows_of(command_line.methods_listed(args.methods, extra=()))
+    title = f"latency, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, rows), title, store, profile):
+        print(f"  then {len(rows) * len(profile.models) * len(profile.seeds)} timed runs of {prompts} prompts x "
+              f"{tokens} tokens on this machine (not steps: timings compare on one machine)")
+        return 0
+    cells = run(profile, store, prompts, tokens, rows)
     intro = (f"{prompts} SORRY-Bench prompts, {tokens} greedy tokens each, one at a time; medians. "
              "FTL in ms, TPS in tokens/s after the first token, TTLT in s; x_base: ratio to our Base Model; "
              "gate_rate: fraction of the prompts on which MARI's gate opened (ours only). "

@@ -40,15 +40,17 @@ def train_step(graph: steps.Graph, store: Store, profile: Profile, method: str, 
 
 
 def evaluation_steps(graph: steps.Graph, store: Store, profile: Profile, model: str, seed: int, columns: list[tuple],
-                     rows: dict[str, scoring.Row], method_of: dict[Path | None, str | None]) -> None:
+                     rows: dict[str, scoring.Row], method_of: dict[Path | None, str | None], part: str = "") -> None:
     """Add the steps that evaluate ``rows`` on ``columns`` (one per shared pass); ``method_of``: the
-    method of each row's bundle (None: the base model), for the cost of reading the prompts."""
+    method of each row's bundle (None: the base model), for the cost of reading the prompts;
+    ``part``: a name for these rows, where one graph evaluates other rows on the same tasks apart."""
     method_of = {None: None, **method_of}
     for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, columns, rows).items():
         todo = [row for row, (_, missing) in members.items() if missing] or list(members)
         row_methods = [method_of[bundle] for bundle, _ in todo]
         flops = sum(costs.evaluation_flops(model, costs.TaskSize.of(task, limit), row_methods, gen) for task in tasks)
-        graph.add(steps.Step(f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}", steps.EVALUATE,
+        key = f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}" + (f" ({part})" if part else "")
+        graph.add(steps.Step(key, steps.EVALUATE,
                              f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
                              needs=tuple(sorted({b.name for b, _ in members if b is not None})),
                              cached=not any(missing for _, missing in members.values()), flops=flops,

@@ -2,6 +2,7 @@
 
     python repro/transfer_gsm8k.py [--profile quick|paper|smoke] [--model ID] [--rhos 0.5,0.7,0.9,1.0]
         [--labellings loss,source]
+    python repro/transfer_gsm8k.py --plan --profile paper  # its steps and their cost; runs nothing
 
 tau_E is recomputed from the TruthfulQA bundle's own control energies for each rho
 (``rho=`` model arg): rho = 1.0 puts tau_E at the largest non-applicable control energy,
@@ -24,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mari_eval.mari.gate_labels import LABELINGS
-from repro import cache, command_line, profiles, scoring, tables
+from repro import cache, command_line, planning, profiles, scoring, steps, tables
 from repro.ablation_table import labels_args
 
 RHOS = [0.5, 0.7, 0.9, 1.0]
@@ -39,13 +40,30 @@ def row_label(rho: float, labels: str) -> str:
     return f"rho={rho:.2f}" + ("" if labels == "loss" else f", labels={labels}")
 
 
+def rows_of(bundle: Path, rhos: list[float], labellings: list[str]) -> dict[str, scoring.Row]:
+    """Vanilla, then the TruthfulQA bundle at each rho under each labelling."""
+    return {"Vanilla": ({}, ""), **{row_label(rho, labels): ({"truthfulqa": bundle},
+                                                              ",".join(filter(None, [f"rho={rho}", labels_args(labels)])))
+                                    for labels in labellings for rho in rhos}}
+
+
+def plan(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS,
+         labellings: list[str] = LABELLINGS) -> steps.Graph:
+    """``run``'s work as a graph of steps (repro/planning.py): the TruthfulQA bundle, then the rows' evaluations."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            bundle = planning.train_step(graph, store, profile, "mari", "truthfulqa", model, seed)
+            planning.evaluation_steps(graph, store, profile, model, seed, COLUMNS, rows_of(bundle, rhos, labellings),
+                                      {bundle: "mari"})
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS,
         labellings: list[str] = LABELLINGS) -> dict:
     cells: dict = {}
     for model, seed in tqdm([(m, s) for m in profile.models for s in profile.seeds], desc="gsm8k transfer", unit="seed"):
-        bundles = {"truthfulqa": store.bundle("mari", "truthfulqa", model, seed, profile)}
-        rows = {"Vanilla": ({}, ""), **{row_label(rho, labels): (bundles, ",".join(filter(None, [f"rho={rho}", labels_args(labels)])))
-                                         for labels in labellings for rho in rhos}}
+        rows = rows_of(store.bundle("mari", "truthfulqa", model, seed, profile), rhos, labellings)
         for label, scores in scoring.score_rows(store, profile, model, seed, COLUMNS, rows).items():
             tables.tally(cells, model, label, tables.add_gate_rates(scores, GATE_COLUMNS), seed=seed)
     for by_label in cells.values():  # the change from Vanilla, per seed
@@ -66,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     def options(parser):
         parser.add_argument("--rhos", default=",".join(map(str, RHOS)))
         parser.add_argument("--labellings", default=",".join(LABELLINGS), help="applicability labellings of the rho sweep")
+        planning.add_arguments(parser)
 
     args, profile, store, command = command_line.start(__doc__, "transfer_gsm8k.py", argv, options)
     labellings = command_line.listed(args.labellings, "--labellings")
@@ -73,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--labellings: {', '.join(unknown)} unknown; use some of {', '.join(LABELINGS)}")
     started = time.time()
-    cells = run(profile, store, command_line.listed(args.rhos, "--rhos", float), labellings)
+    rhos = command_line.listed(args.rhos, "--rhos", float)
+    title = f"gsm8k transfer, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store, rhos, labellings), title, store, profile):
+        return 0
+    cells = run(profile, store, rhos, labellings)
     intro = ("Scores in %; gate columns (ours only): fraction of documents on which the gate opened. The MARI "
              "bundle is trained on TruthfulQA; GSM8K is answered under it (5-shot, greedy, strict exact match). "
              "Rows without a labels tag calibrate tau_E on the bundle's `loss` labels (the paper's text); "

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from repro import ablation_table, cache, costs, main_table, profiles, sensitivity, steps
+from repro import (ablation_table, baseline_recipes, cache, costs, diagnostics, latency, main_table, profiles,
+                   sensitivity, steps, transfer_gsm8k)
 
 from .tiny import tiny_caa
 
@@ -136,9 +137,39 @@ def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(t
 
 
 @pytest.mark.parametrize("script, title", [(ablation_table, "ablation table, profile smoke"),
-                                           (sensitivity, "sensitivity, profile smoke")])
+                                           (sensitivity, "sensitivity, profile smoke"),
+                                           (transfer_gsm8k, "gsm8k transfer, profile smoke"),
+                                           (baseline_recipes, "baseline recipes, profile smoke"),
+                                           (diagnostics, "diagnostics, profile smoke"),
+                                           (latency, "latency, profile smoke")])
 def test_every_table_script_plans_and_runs_nothing(script, title, tmp_path, capsys):
     assert script.main(["--smoke", "--plan", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert title in printed and "0 cached" in printed and "ideal wall time: 1 GPU" in printed
     assert not (tmp_path / "runs" / "bundles").exists() and not list((tmp_path / "out").glob("*.json"))
+
+
+def test_the_other_scripts_plans_read_the_main_tables_bundles(tmp_path):
+    profile = profiles.PROFILES["smoke"]
+    store = cache.Store(tmp_path / "runs")
+    mari = {s.key for s in main_table.plan(profile, store, ["mari"]).steps.values() if s.kind == steps.TRAIN}
+    graph = diagnostics.plan(profile, store)
+    assert {s.key for s in graph.steps.values() if s.kind == steps.TRAIN} == mari
+    evaluations = [s for s in graph.steps.values() if s.kind == steps.EVALUATE]
+    own = [s for s in evaluations if s.key.endswith("(each bundle's task)")]
+    by_labels = [s for s in evaluations if s.key.endswith("(gate rates per labelling)")]
+    assert len(own) + len(by_labels) == len(evaluations)
+    assert {args for s in own for _, args in s.action[-1]} == {"", "gate=false"}
+    assert {args for s in by_labels for _, args in s.action[-1]} == {"", "labels=flip", "labels=source"}
+    bbq = [s for s in evaluations if "bbq_disambig_heldout" in s.action[3]]
+    assert len(bbq) == 2  # BBQ in both parts, kept apart under their names
+
+    (tqa,) = [s for s in transfer_gsm8k.plan(profile, store).steps.values() if s.kind == steps.TRAIN]
+    assert tqa.key in mari and "truthfulqa" in tqa.label
+    recipes = baseline_recipes.plan(profile, store, ["caa"])
+    assert len([s for s in recipes.steps.values() if s.kind == steps.TRAIN]) == 2  # adapted and published
+    published = {s.key for s in main_table.plan(profile, store, ["caa"]).steps.values() if s.kind == steps.TRAIN}
+    assert len(published & set(recipes.steps)) == 1  # the main table's TruthfulQA CAA bundle is the published one
+    timed = latency.plan(profile, store, latency.rows_of(["caa", "mari"]))
+    assert all(s.kind == steps.TRAIN and "sorry_bench" in s.label for s in timed.steps.values())
+    assert len(timed.steps) == 2 and not (tmp_path / "runs").exists()
