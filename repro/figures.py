@@ -43,6 +43,7 @@ from mari_eval.examples import attribute_data
 from mari_eval.files import atomic_write, write_results_json
 from mari_eval.methods import load_bundle
 from mari_eval.plan import BASE
+from mari_eval.prefix_cache import Prefix, PrefixCache, broadcast_cache, with_cache
 from mari_eval.session import Session
 from repro import cache, command_line, figure_plots, figure_stats, profiles
 from repro.tables import markdown_table
@@ -52,28 +53,36 @@ STATES = "_states"  # a seed's states before and after the intervention: drawn i
 
 
 @torch.no_grad()
-def option_states(model: torch.nn.Module, layer: int, context: list[int], options: list[list[int]]) -> tuple[int, torch.Tensor]:
+def option_states(model: torch.nn.Module, layer: int, context: list[int], options: list[list[int]],
+                  prefixes: PrefixCache | None = None) -> tuple[int, torch.Tensor]:
     """(the option with the highest summed log-likelihood, [M, d] each option's mean state after
-    ``layer`` over its own tokens), the options as one right-padded batch after ``context``."""
-    rows = [context + o for o in options]
+    ``layer`` over its own tokens), the options as one right-padded batch after ``context``. With
+    ``prefixes``, the frozen keys and values of the context before its last token come from that
+    cache (the few-shot preamble computed once for every question), the rest runs over them."""
+    prefix = prefixes.encode(context[:-1]) if prefixes is not None else Prefix((), None)
+    past = len(prefix.tokens)
+    rows = [context[past:] + o for o in options]
     width = max(map(len, rows))
     device = next(model.parameters()).device
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
-    where = [(i, len(context) + j) for i, o in enumerate(options) for j in range(len(o))]
+    mask = torch.tensor([[1] * (past + len(r)) + [0] * (width - len(r)) for r in rows], device=device)
+    start = len(context) - past  # the first option token's position among the rows' tokens
+    where = [(i, start + j) for i, o in enumerate(options) for j in range(len(o))]
     positions = (torch.tensor([i for i, _ in where]), torch.tensor([c for _, c in where]))
+    past_cache = broadcast_cache(prefix.cache, len(rows)) if prefix.cache is not None else None
     with site.capture_site(model, [layer], positions) as seen:
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = model(input_ids=ids, attention_mask=mask, **with_cache(model, past_cache)).logits.float()
     logp = torch.log_softmax(logits, -1)
-    scores = [sum(float(logp[i, len(context) + j - 1, t]) for j, t in enumerate(o)) for i, o in enumerate(options)]
+    scores = [sum(float(logp[i, start + j - 1, t]) for j, t in enumerate(o)) for i, o in enumerate(options)]
     states = seen[layer].float().cpu().split([len(o) for o in options])
     return max(range(len(options)), key=scores.__getitem__), torch.stack([s.mean(0) for s in states])
 
 
 def figure1(session: Session, examples) -> dict:
     wrong_delta, wrong_state = [], []
+    prefixes = PrefixCache(session.model)  # the shared few-shot preamble, encoded once
     for ex in tqdm(examples, desc="figure 1: option states", leave=False):
-        chosen, states = option_states(session.model, session.layer, ex.context, ex.options)
+        chosen, states = option_states(session.model, session.layer, ex.context, ex.options, prefixes)
         if chosen != ex.gold:
             wrong_delta.append(states[ex.gold] - states[chosen])
             wrong_state.append(states[chosen])
