@@ -7,8 +7,9 @@ baselines, on the same requests, on the same machine, in one run.
 ``--from-runs PROFILE`` times the repro scripts' own bundles of that profile (the first
 seed): every method's TruthfulQA bundle on ``mc`` and SORRY-Bench bundle on ``gen``, and
 MARI with its gate forced open as ``mari_open``; they are read from ``--runs`` (where
-``main_table.py`` caches them) or trained there now, so the timed bundles have a recorded
-training command and configuration (runs/bundles/*/repro_config.json).
+``main_table.py`` caches them, each baseline in the main table's recipe) or trained there
+now, so the timed bundles have a recorded training command and configuration
+(runs/bundles/*/repro_config.json).
 
 Workloads:
 
@@ -52,7 +53,7 @@ from mari_eval.cli import add_placement_arguments
 from mari_eval.devices import Placement
 from mari_eval.files import check_writable_dir, write_results_json
 from mari_eval.models import resolve_model
-from repro import profiles
+from repro import profiles, recipes
 from repro.cache import Store
 from repro.command_line import at_least, listed
 from repro.tables import markdown_table
@@ -191,7 +192,7 @@ def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[
     seed = profile.seeds[0]
 
     def where(method: str, attribute: str) -> str:
-        return os.path.relpath(store.bundle(method, attribute, model, seed, profile))
+        return os.path.relpath(recipes.table_bundle(store, method, attribute, model, seed, profile))
 
     methods = sorted((m for m in profiles.METHODS if m != "vanilla"), key=lambda m: m != "mari")  # MARI first
     mc = {m: where(m, "truthfulqa") for m in methods}

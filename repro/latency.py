@@ -7,7 +7,8 @@
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
 the first answer token is streamed), tokens/s after it (TPS) and total latency (TTLT).
-The bundles are the main table's SORRY-Bench ones (same cache under runs/). Writes
+The bundles are the main table's SORRY-Bench ones (same cache under runs/; each baseline in
+the main table's recipe, repro/recipes.py). Writes
 results/latency.{json,md,tex} with the paper's Table 4 beside ours (its hardware and
 model differ: compare ratios to Base, not absolute numbers). The bundles are trained and
 the timed processes load the model in the placement of --dtype/--device/--device-map.
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from repro import bench, cache, command_line, planning, profiles, steps, tables
+from repro import bench, cache, command_line, planning, profiles, recipes, steps, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 # The paper's rows; --methods adds others (the simple baselines, prompting and lora: their cost, issue 39).
@@ -45,7 +46,8 @@ def plan(profile: profiles.Profile, store: cache.Store, rows: dict[str, str | No
     for model in profile.models:
         for seed in profile.seeds:
             for method in filter(None, rows.values()):
-                planning.train_step(graph, store, profile, method, "sorry_bench", model, seed)
+                planning.train_step(graph, store, profile, method, "sorry_bench", model, seed,
+                                    recipes.table_settings(method, profile))
     return graph
 
 
@@ -55,7 +57,7 @@ def run(profile: profiles.Profile, store: cache.Store, prompts: int, tokens: int
     timed = [(m, s, label) for m in profile.models for s in profile.seeds for label in rows]
     for model, seed, label in tqdm(timed, desc="latency", unit="method"):
         method = rows[label]
-        bundle = None if method is None else store.bundle(method, "sorry_bench", model, seed, profile)
+        bundle = None if method is None else recipes.table_bundle(store, method, "sorry_bench", model, seed, profile)
         args = SimpleNamespace(model=model, batch_size=1, limit=0, repeats=1, gen_prompts=prompts, gen_tokens=tokens,
                                **profiles.asdict(store.placement))  # bench's worker loads the model in this placement
         result = bench.run_one(args, "vanilla", str(bundle) if bundle else None, "gen")

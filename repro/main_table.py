@@ -53,13 +53,10 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     notes: dict = {}
     rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed), every method's bundles, scored together
     for model, seed, method in tqdm(steps, desc="main table: training", unit="method"):
-        bundles = {}
         attributes = sorted({c[3] for c in by_seed[seed]}) if method != "vanilla" else []
+        bundles = {a: recipes.table_bundle(store, method, a, model, seed, profile, recipe) for a in attributes}
         if method in recipes.BASELINES:
-            bundles = {a: recipes.recipe_bundle(store, method, a, model, seed, profile, recipe) for a in attributes}
             notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe")
-        else:
-            bundles = {a: store.bundle(method, a, model, seed, profile) for a in attributes}
         rows.setdefault((model, seed), {})[method] = (bundles, "")
     for (model, seed), by_method in rows.items():
         for method, scores in scoring.score_rows(store, profile, model, seed, by_seed[seed], by_method).items():
@@ -79,8 +76,8 @@ def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = MET
             for method in methods:
                 bundles = {}
                 for attribute in (sorted({c[3] for c in seed_columns}) if method != "vanilla" else []):
-                    settings = recipes.recipe_settings(method, profile, recipe) if method in recipes.BASELINES else None
-                    final = planning.train_step(graph, store, profile, method, attribute, model, seed, settings)
+                    final = planning.train_step(graph, store, profile, method, attribute, model, seed,
+                                                recipes.table_settings(method, profile, recipe))
                     bundles[attribute], method_of[final] = final, method
                 rows[method] = (bundles, "")
             planning.evaluation_steps(graph, store, profile, model, seed, seed_columns, rows, method_of)

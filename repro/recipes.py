@@ -42,5 +42,17 @@ def recipe_settings(method: str, profile: Profile, recipe: str) -> dict | None:
     return {"recipe": recipe, **profile.published.get(method, {})}
 
 
+def table_settings(method: str, profile: Profile, recipe: str = MAIN_TABLE_RECIPE) -> dict | None:
+    """The hyperparameters the tables train ``method`` with: a baseline's ``recipe``, else the defaults."""
+    return recipe_settings(method, profile, recipe) if method in BASELINES else None
+
+
+def table_bundle(store: Store, method: str, attribute: str, model: str, seed: int, profile: Profile,
+                 recipe: str = MAIN_TABLE_RECIPE) -> Path:
+    """The bundle the main table scores for ``method`` on ``attribute`` (a baseline in ``recipe``):
+    the one every other table that reads "the main table's bundle" must read too."""
+    return store.bundle(method, attribute, model, seed, profile, table_settings(method, profile, recipe))
+
+
 def validation_loss_selected(bundle: Path) -> float:
     return selection_loss(load_bundle(bundle).config)

@@ -125,6 +125,9 @@ def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(t
     assert [(label, trained) for label, trained, _ in sweep] == [
         ("K=1", {"K": 1}), ("K=4", {}), ("rho=0.8, labels=source", {}), ("alpha_probe=0.3", {"alpha_probe": 0.3}),
         ("probe_alpha=0.1 (fixed probe)", {})]  # K = 4 is the default bundle: no retraining
+    assert sensitivity.comparisons([1, 2, 4], [0.9, 0.7], ["loss"]) == [
+        ("K=2", "K=1"), ("K=4", "K=1"), ("K=4", "K=2"), ("rho=0.9, labels=loss", "rho=0.7, labels=loss")]
+    assert sensitivity.comparisons([4], [0.8], ["loss", "source"]) == []  # nothing to pair
     graph = sensitivity.plan(profile, store, sweep)
     train = {s.key: s for s in graph.steps.values() if s.kind == steps.TRAIN}
     assert len(train) == 3 and len(trained & set(train)) == 1  # K=1, alpha_probe=0.3 and the main table's bundle
@@ -172,4 +175,6 @@ def test_the_other_scripts_plans_read_the_main_tables_bundles(tmp_path):
     assert len(published & set(recipes.steps)) == 1  # the main table's TruthfulQA CAA bundle is the published one
     timed = latency.plan(profile, store, latency.rows_of(["caa", "mari"]))
     assert all(s.kind == steps.TRAIN and "sorry_bench" in s.label for s in timed.steps.values())
-    assert len(timed.steps) == 2 and not (tmp_path / "runs").exists()
+    table = {s.key for s in main_table.plan(profile, store, ["caa", "mari"]).steps.values() if s.kind == steps.TRAIN}
+    assert len(timed.steps) == 2 and set(timed.steps) <= table  # the main table's bundles, CAA's published one
+    assert not (tmp_path / "runs").exists()
