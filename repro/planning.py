@@ -24,6 +24,22 @@ from repro.profiles import Profile
 
 log = logging.getLogger("repro")
 
+_collected: list | None = None  # graph_of: the plans built, not printed
+
+
+def graph_of(main: Callable[[list[str]], int], argv: list[str]) -> tuple[steps.Graph, Store, Profile]:
+    """The steps a script's command line (its ``main`` and ``argv``) would take, built as ``--plan``
+    builds them, with the store and profile it reads them from; nothing printed, nothing run."""
+    global _collected
+    _collected = []
+    try:
+        main([*argv, "--plan"])
+        if not _collected:
+            raise ValueError(f"{argv}: this command line builds no plan")
+        return _collected[0]
+    finally:
+        _collected = None
+
 
 def train_step(graph: steps.Graph, store: Store, profile: Profile, method: str, attribute: str, model: str, seed: int,
                settings: dict[str, Any] | None = None) -> Path:
@@ -76,7 +92,10 @@ def before_the_table(args, graph: Callable[[], steps.Graph], title: str, store: 
     the graph and return True (the script stops there); with ``--executor ray``, compute every
     step on Ray and store it under --runs, so that the table is then read back."""
     if args.plan:
-        print(steps.render(graph(), title))
+        if _collected is not None:
+            _collected.append((graph(), store, profile))
+        else:
+            print(steps.render(graph(), title))
         return True
     if args.ray_address and args.executor != "ray":
         raise SystemExit("--ray-address is read by --executor ray only: add --executor ray, or drop --ray-address")

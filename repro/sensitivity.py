@@ -21,7 +21,9 @@ MC1/MC2 and MMLU (5-shot, under the TruthfulQA intervention), the fraction of Tr
 MMLU documents on which the gate opened, and how well the row's energy separates applicable
 from non-applicable D_ctrl examples (AUROC over the whole control set, under the loss and the
 source labels; a fixed-probe row's from the stored energies at its X). The paper shows these
-as figures only (no numbers to put beside ours).
+as figures only (no numbers to put beside ours). Besides each row's difference from Vanilla, the rows are compared
+in pairs (``comparisons``): each K against K = 1 and against the K before it, each rho against the
+one before it under the same labelling.
 Writes results/sensitivity.{json,md,tex} and results/sensitivity_k.png,
 results/sensitivity_rho.png, results/sensitivity_alpha.png (a panel per score, and one
 for the gate rates; retrained and fixed-probe lines side by side).
@@ -53,6 +55,18 @@ def rho_label(rho: float, labels: str) -> str:
 
 def probe_label(alpha: float) -> str:
     return f"probe_alpha={alpha} (fixed probe)"
+
+
+def comparisons(ks: list[int], rhos: list[float], labellings: list[str]) -> list[tuple[str, str]]:
+    """The paired tests of the paper's two readings (Section 6, Hyperparameter Analysis): several
+    experts against one (each K against K = 1) and whether an added expert still helps (each K
+    against the one before it); and whether the gate is insensitive to rho (each rho against the
+    one before it, under each labelling). Holm's correction runs over these alone."""
+    ks, rhos = sorted(ks), sorted(rhos)
+    pairs = [(f"K={k}", "K=1") for k in ks if k != 1 and 1 in ks]
+    pairs += [(f"K={k}", f"K={j}") for j, k in zip(ks, ks[1:]) if j != 1]
+    pairs += [(rho_label(r, labels), rho_label(q, labels)) for labels in labellings for q, r in zip(rhos, rhos[1:])]
+    return pairs
 
 
 def _options(model_args: str) -> dict[str, str]:
@@ -130,25 +144,31 @@ def run(profile: profiles.Profile, store: cache.Store, sweep: list[tuple[str, di
     return cells
 
 
-def plot(cells: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], path: Path) -> None:
-    """One panel per score and one for the gate rates; one line per model and ``series`` entry
-    ({legend: [(x, row label), ...]})."""
+def plot(record: dict, xlabel: str, series: dict[str, list[tuple[float, str]]], path: Path) -> None:
+    """One panel per score (its 95% interval as a band) and one for the gate rates; one line per
+    model and ``series`` entry ({legend: [(x, row label), ...]}). ``record``: the table as
+    ``tables.write_tables`` wrote it."""
     plt = tables.pyplot()
     panels = [([column], f"{column} (%)") for column, *_rest in COLUMNS] + [(list(GATE_COLUMNS), "gate rate")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (columns, ylabel) in zip(axes, panels):
-        for model, rows in cells.items():
+        for model, entry in record["models"].items():
+            rows = {row["row"]: row["ours"] for row in entry["rows"]}
             for name, points in series.items():
                 for column in columns:
-                    means = [tables.mean_std(rows[label][column]["values"])[0] for _x, label in points]
+                    xs, cells = [x for x, _label in points], [rows[label][column] for _x, label in points]
                     legend = ", ".join(part for part in (model, name, column if len(columns) > 1 else "") if part)
-                    ax.plot([x for x, _label in points], means, marker="o", label=legend)
+                    line, = ax.plot(xs, [c["mean"] for c in cells], marker="o", label=legend)
+                    if all(c.get("ci") for c in cells):
+                        ax.fill_between(xs, [c["ci"][0] for c in cells], [c["ci"][1] for c in cells],
+                                        color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if ax in (axes[0], axes[-1]):
             ax.legend(fontsize=6)
-    fig.suptitle(f"MARI sensitivity to {xlabel} (TruthfulQA-trained; ours)")
+    fig.suptitle(f"MARI sensitivity to {xlabel} (TruthfulQA-trained, seed {', '.join(map(str, record['seeds']))}; "
+                 "ours, bands: 95% intervals)")
     tables.save_figure(fig, path)
 
 
@@ -183,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cells = run(profile, store, sweep)
     out = Path(args.out)
-    tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe (retrained; "
+    record = tables.write_tables(out, "sensitivity", "Sensitivity to K, rho (per labelling) and alpha_probe (retrained; "
                         "and at inference over one fixed probe)",
                         "Scores in %; alpha_probe=X rows train a probe at X, probe_alpha=X (fixed probe) rows inject "
                         f"the default bundle's probe (trained at {MARI_DEFAULTS['alpha_probe']:g}) at X; gate columns: "
@@ -192,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                         cells,
                         [c[0] for c in COLUMNS] + list(GATE_COLUMNS) + list(AUROC_COLUMNS), lambda model: ("(figures only)", {}),
                         profile, command, time.time() - started, store,
-                        comparisons=[("K=4", "K=1")])  # several experts against one, paired (issue 36.7)
-    plot(cells, "K", {"": [(k, f"K={k}") for k in ks]}, out / "sensitivity_k.png")
-    plot(cells, "rho", {f"labels={name}": [(r, rho_label(r, name)) for r in rhos] for name in labellings},
+                        comparisons=comparisons(ks, rhos, labellings))  # issue 36.7, issue 42
+    plot(record, "K", {"": [(k, f"K={k}") for k in ks]}, out / "sensitivity_k.png")
+    plot(record, "rho", {f"labels={name}": [(r, rho_label(r, name)) for r in rhos] for name in labellings},
          out / "sensitivity_rho.png")
-    plot(cells, "alpha_probe", {"retrained": [(a, f"alpha_probe={a}") for a in alphas],
+    plot(record, "alpha_probe", {"retrained": [(a, f"alpha_probe={a}") for a in alphas],
                                 "fixed probe": [(a, probe_label(a)) for a in probe_alphas]},
          out / "sensitivity_alpha.png")
     return 0

@@ -348,6 +348,26 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
         assert "AUROC (all)" in (smoke_dirs[1] / "diagnostics.md").read_text()
 
 
+def test_profile_time_counts_each_stored_step_once_across_the_tables(smoke_dirs, uninterrupted, tmp_path):
+    # Runs after the smoke scripts above (same module's folders): each table's steps rebuilt from its
+    # recorded command; the seconds it reads are the computation its own JSON records, each step counted once.
+    from repro import profile_time
+
+    results = smoke_dirs[1]
+    assert profile_time.main(["--results", str(results), "--out", str(tmp_path)]) == 0
+    record = _strict((tmp_path / "profile_time.json").read_text())
+    by_table = {row["table"]: row for row in record["tables"]}
+    assert "main_table" in by_table and by_table["main_table"]["steps_added"] == by_table["main_table"]["steps_read"]
+    for table, row in by_table.items():
+        own = _strict((results / f"{table}.json").read_text())
+        if table != "figures":
+            assert row["seconds_read"] == pytest.approx(own["compute_time_s"], abs=0.2), table
+        assert row["steps_added"] <= row["steps_read"] and row["seconds_added"] >= 0
+    assert record["total_seconds"] == pytest.approx(sum(r["seconds_added"] for r in record["tables"]), abs=0.5)
+    assert record["steps"] == sum(r["steps_added"] for r in record["tables"])
+    assert "Total:" in (tmp_path / "profile_time.md").read_text()
+
+
 GATE_COLUMNS = {"transfer_gsm8k.py": ["gate_tqa", "gate_gsm8k"], "sensitivity.py": ["gate_tqa", "gate_mmlu"],
                 "latency.py": ["gate_rate"]}
 UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT", "Prompting", "LoRA"}  # no gate: no rate
