@@ -37,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
-from repro.profiles import BENCHMARKS, METHODS, log, method_label
+from repro.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
