@@ -39,6 +39,7 @@ except ImportError:  # a checkout that is not pip-installed: the package sits be
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mari_eval import data as mari_data
 from mari_eval import data_splits
+from mari_eval.bleurt import truthfulqa_scores as bleurt_scores
 # How held-out documents are ordered so that lm-eval's --limit N draws across categories (mari_eval/document_order.py).
 from mari_eval.document_order import spread_bbq, spread_over_categories  # noqa: F401
 from mari_eval.judge import sorry_bench
@@ -216,12 +217,18 @@ def load_truthfulqa_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"validation": _dataset(records)})
 
 
-def load_truthfulqa_generation(**_) -> datasets.DatasetDict:
+def _with_bleurt(records: list[dict], bleurt: str | None) -> list[dict]:
+    """Each record with the BLEURT checkpoint ``--metadata '{"bleurt": ...}'`` names ("" for none),
+    which ``process_results_gen`` reads."""
+    return [{**r, "bleurt": bleurt or ""} for r in records]
+
+
+def load_truthfulqa_generation(bleurt=None, **_) -> datasets.DatasetDict:
     """All 817 TruthfulQA generation questions as the ``validation`` split (training questions included)."""
-    return datasets.DatasetDict({"validation": _dataset(mari_data.load_truthfulqa_gen())})
+    return datasets.DatasetDict({"validation": _dataset(_with_bleurt(mari_data.load_truthfulqa_gen(), bleurt))})
 
 
-def load_truthfulqa_generation_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+def load_truthfulqa_generation_heldout(split_seed=0, bleurt=None, **_) -> datasets.DatasetDict:
     """The generation questions of ``load_truthfulqa_heldout``, in its order (a question has the
     same id in both files: ``mari_data.load_truthfulqa_gen``)."""
     order = {i: k for k, i in enumerate(load_truthfulqa_heldout(split_seed)["validation"]["id"])}
@@ -230,7 +237,8 @@ def load_truthfulqa_generation_heldout(split_seed=0, **_) -> datasets.DatasetDic
     if {r["id"] for r in records} != set(order):
         raise mari_data.DataError("truthfulqa_gen_heldout: the generation file's held-out questions are not the "
                                   "multiple-choice file's; the two TruthfulQA files under $MARI_DATA_DIR disagree")
-    return datasets.DatasetDict({"validation": _dataset(sorted(records, key=lambda r: order[r["id"]]))})
+    return datasets.DatasetDict({"validation": _dataset(_with_bleurt(sorted(records, key=lambda r: order[r["id"]]),
+                                                                      bleurt))})
 
 
 def _bbq_records() -> tuple[dict, ...]:
@@ -341,7 +349,23 @@ def sorry_doc_to_text(doc: dict) -> str:
 # TruthfulQA (lm_eval/tasks/truthfulqa/utils.py)
 process_results_mc2 = truthfulqa_utils.process_results_mc2
 process_docs_gen = truthfulqa_utils.process_docs_gen  # "I have no comment." added to the correct answers
-process_results_gen = truthfulqa_utils.process_results_gen  # BLEU and ROUGE against the correct and incorrect answers
+
+
+def process_results_gen(doc: dict, results) -> dict:
+    """lm-eval's BLEU and ROUGE against the correct and incorrect answers; BLEURT beside them when
+    the task's metadata names a checkpoint (mari_eval/bleurt.py), else said once and skipped."""
+    metrics = truthfulqa_utils.process_results_gen(doc, results)
+    if doc.get("bleurt"):
+        metrics.update(bleurt_scores(doc["bleurt"], results[0], doc["correct_answers"], doc["incorrect_answers"]))
+    else:
+        _bleurt_skipped()
+    return metrics
+
+
+@functools.lru_cache(maxsize=1)
+def _bleurt_skipped() -> None:
+    log.warning("truthfulqa_gen: BLEURT not computed, no checkpoint named; add --metadata "
+                "'{\"bleurt\": \"Elron/bleurt-base-512\"}' (or any BLEURT checkpoint, mari_eval/bleurt.py)")
 
 # BBQ (lm_eval/tasks/bbq/utils.py)
 bbq_process_docs = bbq_utils.process_docs

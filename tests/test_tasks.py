@@ -70,8 +70,9 @@ DATA_KEYS = {"dataset_path", "dataset_name", "custom_dataset", "dataset_kwargs",
 OUR_CHANGES = {"arc_easy": {"num_fewshot", "fewshot_split"}, "arc_challenge": {"num_fewshot", "fewshot_split"},
                # lm-eval's, less its NaN placeholders for other categories (tests/test_bbq_categories.py)
                "bbq": {"process_results"}, "bbq_disambig": {"process_results"},
-               # the paper's prompt ends "\nA:" (the built-in's stops after the question); greedy, 64 tokens
-               "truthfulqa_gen": {"doc_to_text", "generation_kwargs"}}
+               # the paper's prompt ends "\nA:" (the built-in's stops after the question); greedy, 64 tokens;
+               # lm-eval's scoring and BLEURT's three metrics when a checkpoint is named (tests/test_bleurt.py)
+               "truthfulqa_gen": {"doc_to_text", "generation_kwargs", "process_results", "metric_list"}}
 MMLU_CHANGES = {"num_fewshot"}
 
 
@@ -192,6 +193,7 @@ def test_same_prompt_and_scoring_as_the_builtin(name, tm):
     assert {"doc_to_text", "output_type"} - OUR_CHANGES.get(name, set()) <= keys
     if name == "truthfulqa_gen":  # the built-in's prompt with the paper's answer cue after the question
         assert ours["doc_to_text"] == theirs["doc_to_text"].replace("+ question}}", "+ question + '\nA:'}}")
+        assert [m for m in ours["metric_list"] if not m["metric"].startswith("bleurt_")] == theirs["metric_list"]
     # Every function but the data loader is lm-eval's own (imported by utils.py, not copied).
     functions = [v for k, v in raw.items() if callable(v) and k != "custom_dataset" and k not in OUR_CHANGES.get(name, ())]
     functions += [m["aggregation"] for m in raw.get("metric_list", []) if callable(m.get("aggregation"))]
