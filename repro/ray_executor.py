@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from mari_eval.files import atomic_write
 from repro import scoring, steps
 from repro.cache import Store
@@ -68,9 +70,13 @@ def _place(root: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def run_step(action: tuple, profile: Profile, placement, *inputs: dict[str, bytes]) -> dict[str, bytes]:
+def run_step(action: tuple, profile: Profile, placement, threads: int, *inputs: dict[str, bytes]) -> dict[str, bytes]:
     """Compute one step in a folder of its own and return the files it wrote ({path under --runs:
-    bytes}). ``inputs``: the files of the steps it reads (bundles), as the driver sent them."""
+    bytes}). ``inputs``: the files of the steps it reads (bundles), as the driver sent them.
+    ``threads``: the driver's CPU threads, which the step computes with (Ray gives a one-CPU task
+    one thread): a float sum split over another number of threads rounds differently, and the
+    table would then differ from the local executor's in the last digits."""
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="mari-eval-step-") as tmp:
         root = Path(tmp)
         for files in inputs:
@@ -143,6 +149,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
     if url:
         log.info("Ray dashboard: http://%s", url)
     gpus = int(ray.cluster_resources().get("GPU", 0))
+    threads = torch.get_num_threads()  # every step computes as this process would (run_step)
     remote = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)(run_step)
     runs, tail = store.root, graph.tail()
     pending = sorted((s for s in graph.order() if not s.cached), key=lambda s: -tail[s.key])
@@ -164,7 +171,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
                 continue  # another driver computes it: looked at again at the next poll
             resources = {"num_gpus": min(step.gpus, gpus)} if gpus else {"num_cpus": 1}
             ref = remote.options(**resources, name=f"step {step.label}").remote(
-                step.action, profile, store.placement, *_inputs(runs, step, refs))
+                step.action, profile, store.placement, threads, *_inputs(runs, step, refs))
             refs[step.key], in_flight[ref] = ref, (step, fd)
             pending.remove(step)
         if not in_flight:

@@ -20,7 +20,7 @@ from repro import ray_executor, steps
 ray = pytest.importorskip("ray")  # installed by the test extra (pyproject.toml)
 
 REPO = Path(__file__).resolve().parents[1]
-SELECTION = ["--smoke", "--methods", "vanilla,caa", "--columns", "tqa_mc1"]
+SELECTION = ["--smoke", "--methods", "vanilla,caa", "--columns", "tqa_mc1,tqa_mc2"]  # MC2: a float, not 0/1
 
 
 def main_table(runs: Path, out: Path, *extra: str, wait: bool = True):
