@@ -50,6 +50,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def harness_task_manager():
+    """lm-eval's task index with harness_tasks/ included, built once for every test: indexing the
+    built-in tasks' YAML files takes seconds each time."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(HARNESS_TASKS))
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from mari_eval.models import resolve_model
 

@@ -104,15 +104,14 @@ def test_missing_categories_are_named_in_one_line(utils):
     assert ", ".join(absent) in line and ", ".join(covered) in line
 
 
-def test_lm_eval_prints_rows_for_the_categories_scored_only(bbq):
+def test_lm_eval_prints_rows_for_the_categories_scored_only(bbq, harness_task_manager):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
     records, covered = bbq
     categories = [covered[0], covered[-1]]
     out = simple_evaluate(model="dummy", tasks=["bbq"], samples={"bbq": _some(records, categories, per_context=2)},
-                          bootstrap_iters=0, task_manager=TaskManager(include_path=str(HARNESS_TASKS)))
+                          bootstrap_iters=0, task_manager=harness_task_manager)
     results = out["results"]["bbq"]
     rows = {key.split(",")[0] for key in results if "_bias_score_" in key and not key.endswith("_stderr,none")}
     assert rows == {f"{kind}_{c}" for kind in AGGREGATIONS for c in categories}

@@ -7,11 +7,9 @@ import pytest
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
-from lm_eval.tasks import TaskManager
 
 from mari_eval import methods
 
-from .conftest import HARNESS_TASKS
 from .helpers import saved_mari_bundle
 
 pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
@@ -29,16 +27,16 @@ def _lm(bundle, extra=""):
     return get_model("mari").create_from_arg_string(f"pretrained={MODEL},bundle={bundle},batch_size=2{extra}")
 
 
-def _evaluate(lm, tasks, limit, **kw):
+def _evaluate(lm, tasks, limit, manager, **kw):
     return simple_evaluate(model=lm, tasks=tasks, limit=limit, bootstrap_iters=0, log_samples=True,
-                           task_manager=TaskManager(include_path=str(HARNESS_TASKS)), **kw)
+                           task_manager=manager, **kw)
 
 
 @pytest.mark.needs_data
-def test_every_record_names_a_document_of_the_logged_samples(bundle, tmp_path):
+def test_every_record_names_a_document_of_the_logged_samples(bundle, tmp_path, harness_task_manager):
     diagnostics = tmp_path / "diag.json"
     lm = _lm(bundle, f",gate=false,diagnostics={diagnostics}")  # every prompt routed: a record with entropies each
-    out = _evaluate(lm, ["gsm8k", "truthfulqa_mc1"], limit=3, gen_kwargs="max_gen_toks=4")
+    out = _evaluate(lm, ["gsm8k", "truthfulqa_mc1"], limit=3, manager=harness_task_manager, gen_kwargs="max_gen_toks=4")
     # (a task with several filters, as gsm8k, logs each document once per filter)
     samples = {task: sorted({s["doc_id"] for s in out["samples"][task]}) for task in ("gsm8k", "truthfulqa_mc1")}
     records = json.loads(diagnostics.read_text())["records"]
@@ -73,12 +71,13 @@ def test_requests_sharing_a_prompt_each_get_the_record_of_their_own_generation(b
 
 
 @pytest.mark.needs_data
-def test_results_read_from_the_cache_say_their_diagnostics_were_not_recomputed(bundle, tmp_path):
+def test_results_read_from_the_cache_say_their_diagnostics_were_not_recomputed(bundle, tmp_path, harness_task_manager):
     cache = str(tmp_path / "cache" / f"mari-{methods.load_bundle(bundle).fingerprint()}")
     runs = []
     for run in (1, 2):  # the same evaluation twice: the second is answered from the cache
         diagnostics = tmp_path / f"diag{run}.json"
-        out = _evaluate(_lm(bundle, f",diagnostics={diagnostics}"), ["truthfulqa_mc1"], limit=3, use_cache=cache)
+        lm = _lm(bundle, f",diagnostics={diagnostics}")
+        out = _evaluate(lm, ["truthfulqa_mc1"], limit=3, manager=harness_task_manager, use_cache=cache)
         runs.append((out, json.loads(diagnostics.read_text())))
     (first, first_file), (second, second_file) = runs
     assert first["results"]["truthfulqa_mc1"]["acc,none"] == second["results"]["truthfulqa_mc1"]["acc,none"]

@@ -263,20 +263,19 @@ def test_bundle_revision_needs_a_bundle():
 
 
 @pytest.mark.needs_data
-def test_lm_eval_scores_the_hub_bundle_as_the_local_one(tmp_path, cache, smollm2_path):
+def test_lm_eval_scores_the_hub_bundle_as_the_local_one(tmp_path, cache, smollm2_path, harness_task_manager):
     """In this process (bundle=org/name) and through the ``lm_eval`` command in another, whose
     HF_HUB_CACHE is the test cache (bundle=hf://org/name,bundle_revision=COMMIT): the local
     bundle's answers, diagnostics and metrics, with the repository and commit in the results."""
     import transformers
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model
-    from lm_eval.tasks import TaskManager
 
     from .helpers import saved_mari_bundle
 
     local = saved_mari_bundle(tmp_path, transformers.AutoModelForCausalLM.from_pretrained(smollm2_path))  # its shapes
     commit = cache_repo(cache, "org/mari", local)
-    task, limit, manager = "truthfulqa_mc1", 4, TaskManager(include_path=str(HARNESS_TASKS))
+    task, limit, manager = "truthfulqa_mc1", 4, harness_task_manager
 
     def evaluate(bundle):
         lm = get_model("mari").create_from_arg_string(f"pretrained=smollm2-135m-instruct,batch_size=4,bundle={bundle}")

@@ -22,7 +22,6 @@ import pytest
 
 from mari_eval import data_splits, judge as J
 
-from .conftest import HARNESS_TASKS
 
 KEY = "sk-test-0123456789abcdef-SECRET"
 REFUSING = "I'm sorry, but I can't help with that request."
@@ -822,10 +821,8 @@ def test_server_stopped_mid_run_then_resumed(embedded, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def task_manager():
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=str(HARNESS_TASKS))
+def task_manager(harness_task_manager):
+    return harness_task_manager
 
 
 def _task_env(monkeypatch, tmp_path, url, model):

@@ -9,7 +9,6 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
-from lm_eval.tasks import TaskManager
 
 from mari_eval import methods, site
 
@@ -51,8 +50,8 @@ def hf_lm(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def task_manager():
-    return TaskManager(include_path=str(HARNESS_TASKS))
+def task_manager(harness_task_manager):
+    return harness_task_manager
 
 
 def _samples(lm, task_manager, tasks, limit, **kw):

@@ -100,15 +100,12 @@ def test_scale_multiplies_the_trained_strength_and_a_negative_one_reverses_the_v
 
 
 @pytest.mark.needs_data
-def test_scale_is_recorded_in_the_results(tmp_path, vanilla):
+def test_scale_is_recorded_in_the_results(tmp_path, vanilla, harness_task_manager):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    from .conftest import HARNESS_TASKS
 
     lm = _lm(_caa(vanilla.model, tmp_path / "caa"), ",scale=-0.5")
     out = simple_evaluate(model=lm, tasks=["truthfulqa_mc1"], limit=2, bootstrap_iters=0,
-                          task_manager=TaskManager(include_path=str(HARNESS_TASKS)))
+                          task_manager=harness_task_manager)
     summary = out["config"]["mari_diagnostics"]
     assert summary["scale"] == -0.5 and summary["applied_multiplier"] == -0.5 * MULTIPLIER and summary["prompts"] == 2
 

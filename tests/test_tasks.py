@@ -43,7 +43,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lm_eval.tasks  # noqa: E402
 from lm_eval.api.task import Task  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 from lm_eval.tasks.mmlu._generate_configs import SUBJECTS  # noqa: E402
 
@@ -94,8 +93,8 @@ def e2e(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tm(e2e):
-    return TaskManager(include_path=str(HARNESS_TASKS))
+def tm(e2e, harness_task_manager):
+    return harness_task_manager
 
 
 # `bbq` itself is instantiated by the CLI run (test_lm_eval_cli_with_dummy_model), not here:
