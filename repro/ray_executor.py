@@ -149,7 +149,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
     if url:
         log.info("Ray dashboard: http://%s", url)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    threads = torch.get_num_threads()  # every step computes as this process would (run_step)
+    threads = step_threads(ray)  # every step computes as this process would (run_step)
     remote = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)(run_step)
     runs, tail = store.root, graph.tail()
     pending = sorted((s for s in graph.order() if not s.cached), key=lambda s: -tail[s.key])
@@ -169,7 +169,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
             fd = claim(runs, step.key)
             if fd is None:
                 continue  # another driver computes it: looked at again at the next poll
-            resources = {"num_gpus": min(step.gpus, gpus)} if gpus else {"num_cpus": 1}
+            resources = {"num_gpus": min(step.gpus, gpus)} if gpus else {"num_cpus": threads}
             ref = remote.options(**resources, name=f"step {step.label}").remote(
                 step.action, profile, store.placement, threads, *_inputs(runs, step, refs))
             refs[step.key], in_flight[ref] = ref, (step, fd)
@@ -188,6 +188,19 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
             counts["computed"] += 1
             _progress(graph, done, in_flight, pending, started)
     return {**counts, "seconds": round(time.time() - started, 1)}
+
+
+def step_threads(ray) -> int:
+    """The CPU threads (and, on a cluster without GPUs, the CPUs) each step takes: this process's
+    torch threads, so that a step's float sums round as in a local run and the table is the local
+    executor's number for number; at most the CPUs of the largest node, where a warning says the
+    last digits may then differ."""
+    threads = torch.get_num_threads()
+    largest = max((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")), default=threads)
+    if largest < threads:
+        log.warning("the largest Ray node has %d CPUs against this process's %d threads: steps compute with %d, "
+                    "and their float results may differ from a local run's in the last digits", largest, threads, largest)
+    return max(1, min(threads, largest))
 
 
 def _stored(store: Store, profile: Profile, step: steps.Step) -> bool:
