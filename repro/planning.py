@@ -51,7 +51,7 @@ def train_step(graph: steps.Graph, store: Store, profile: Profile, method: str, 
     label = f"train {method} on {attribute}, {model}, seed {seed}" + (f" ({json.dumps(settings)})" if settings else "")
     graph.add(steps.Step(final.name, steps.TRAIN, label, cached=store.is_stored(final, config), flops=flops,
                          seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=True),
-                         action=(steps.TRAIN, method, attribute, model, seed, json.dumps(settings))))
+                         action=steps.Train(method, attribute, model, seed, json.dumps(settings))))
     return final
 
 
@@ -71,8 +71,8 @@ def evaluation_steps(graph: steps.Graph, store: Store, profile: Profile, model: 
                              needs=tuple(sorted({b.name for b, _ in members if b is not None})),
                              cached=not any(missing for _, missing in members.values()), flops=flops,
                              seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False),
-                             action=(steps.EVALUATE, model, seed, tasks, limit, gen,
-                                     tuple((b.name if b else None, a) for b, a in todo))))
+                             action=steps.Evaluate(model, seed, tuple(tasks), limit, gen,
+                                                           tuple((b.name if b else None, a) for b, a in todo))))
 
 
 def add_arguments(parser) -> None:

@@ -46,14 +46,10 @@ def step_seconds(table: str, command: str) -> dict[str, float]:
         raise SystemExit(f"{table}: {len(missing)} step(s) of `{command}` not stored under {store.root} "
                          f"(first: {missing[0]}); run the command first")
     for step in graph.order():  # every step is stored: reading it back records its seconds
-        if step.kind == steps.TRAIN:
-            _, method, attribute, model, seed, settings = step.action
-            store.bundle(method, attribute, model, seed, profile, json.loads(settings))
+        if isinstance(step.action, steps.Train):
+            step.action.compute(store, profile)  # a stored bundle is read back, not trained
         else:
-            _, model, seed, tasks, limit, gen, rows = step.action
-            for name, model_args in rows:
-                bundle = store.root / "bundles" / name if name else None
-                store.evaluations(model, list(tasks), limit, bundle, model_args, gen, seed)
+            step.action.read(store)
     return dict(store.step_seconds)
 
 

@@ -5,8 +5,9 @@ Each step not stored under ``--runs`` becomes one Ray task with the resources it
 on a machine with GPUs, else one CPU), started once its inputs exist: an evaluation after the
 bundles of its rows. A worker needs no shared filesystem: it receives its inputs' files (the
 bundles an evaluation reads) from the driver through Ray, computes the step with the same code
-as the local executor (``Store.bundle``; ``scoring.evaluate_group``, the rows of a group still
-sharing one pass) under a temporary folder of its own, and returns the files it wrote. The
+as the local executor (the step's action, repro/steps.py: ``Store.bundle``, or
+``scoring.evaluate_group`` with the rows of a group still sharing one pass) under a temporary
+folder of its own, and returns the files it wrote. The
 driver writes them into its ``--runs`` as they arrive, each whole (a bundle through a partial
 directory renamed into place, an evaluation by an atomic rename), so ``--runs`` stays the one
 record: once every step is stored, the script reads the table back from it exactly as after a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mari_eval.files import atomic_write
-from repro import scoring, steps
+from repro import steps
 from repro.cache import Store
 from repro.profiles import Profile
 
@@ -70,7 +70,8 @@ def _place(root: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def run_step(action: tuple, profile: Profile, placement, threads: int, *inputs: dict[str, bytes]) -> dict[str, bytes]:
+def run_step(action: steps.Train | steps.Evaluate, profile: Profile, placement, threads: int,
+             *inputs: dict[str, bytes]) -> dict[str, bytes]:
     """Compute one step in a folder of its own and return the files it wrote ({path under --runs:
     bytes}). ``inputs``: the files of the steps it reads (bundles), as the driver sent them.
     ``threads``: the driver's CPU threads, which the step computes with (Ray gives a one-CPU task
@@ -81,16 +82,9 @@ def run_step(action: tuple, profile: Profile, placement, threads: int, *inputs: 
         root = Path(tmp)
         for files in inputs:
             _place(root, files)
-        store = Store(root, placement=placement)
-        if action[0] == steps.TRAIN:
-            _, method, attribute, model, seed, settings = action
-            bundle = store.bundle(method, attribute, model, seed, profile, json.loads(settings))
-            return _files_under(root, bundle.relative_to(root))
-        _, model, seed, tasks, limit, gen, rows = action
-        bundles = {name: root / "bundles" / name if name else None for name, _ in rows}
-        todo = {(bundles[name], args): (model, list(tasks), limit, bundles[name], args, gen, seed) for name, args in rows}
-        scoring.evaluate_group(store, model, tuple(tasks), todo)
-        return _files_under(root, Path("evaluations")) if (root / "evaluations").is_dir() else {}
+        written = action.compute(Store(root, placement=placement), profile)
+        wrote = written.relative_to(root) if written is not None else Path("evaluations")  # a bundle, or evaluations
+        return _files_under(root, wrote) if (root / wrote).exists() else {}
 
 
 # ----------------------------------------------------------------------------- on the driver
@@ -161,7 +155,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
         for step in list(pending):
             if not all(n in done or n in refs for n in step.needs):
                 continue
-            if _stored(store, profile, step):  # another driver finished it meanwhile
+            if _stored(store, step):  # another driver finished it meanwhile
                 pending.remove(step)
                 done.add(step.key)
                 counts["by_another_driver"] += 1
@@ -203,13 +197,11 @@ def step_threads(ray) -> int:
     return max(1, min(threads, largest))
 
 
-def _stored(store: Store, profile: Profile, step: steps.Step) -> bool:
+def _stored(store: Store, step: steps.Step) -> bool:
     """Whether a step's outputs are in ``store`` now (written by another driver after the plan)."""
     if step.kind == steps.TRAIN:  # a bundle directory appears whole (renamed into place)
         return (store.root / "bundles" / step.key / "bundle.json").is_file()
-    _, model, seed, tasks, limit, gen, rows = step.action
-    return not any(store.missing(model, list(tasks), limit, store.root / "bundles" / name if name else None, args, gen, seed)
-                   for name, args in rows)
+    return step.action.stored(store)
 
 
 def _progress(graph: steps.Graph, done: set, in_flight: dict, pending: list, started: float) -> None:

@@ -14,9 +14,62 @@ remaining chain first).
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from repro import scoring
+from repro.cache import Store
+from repro.profiles import Profile
 
 TRAIN, EVALUATE = "train", "evaluate"
+
+
+@dataclass(frozen=True)
+class Train:
+    """What a training step runs: ``Store.bundle``'s arguments (``settings`` as JSON, so the
+    action stays hashable and travels to a Ray worker as it is)."""
+
+    method: str
+    attribute: str
+    model: str
+    seed: int
+    settings: str = "null"
+
+    def compute(self, store: Store, profile: Profile) -> Path:
+        """Train the bundle into ``store`` (or read it back when stored); its directory."""
+        return store.bundle(self.method, self.attribute, self.model, self.seed, profile, json.loads(self.settings))
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """What an evaluation step runs: its rows (a bundle directory name under ``bundles/``, or None
+    for the base model, with the model_args it is evaluated with) on ``tasks`` in one shared pass."""
+
+    model: str
+    seed: int
+    tasks: tuple[str, ...]
+    limit: object  # lm-eval's --limit for these tasks (a count, or None)
+    gen: object  # the generation length these tasks run with (None: the tasks' own)
+    rows: tuple[tuple[str | None, str], ...]
+
+    def _runs(self, store: Store) -> list[tuple]:
+        """``Store.evaluations``' arguments for each row."""
+        return [(self.model, list(self.tasks), self.limit, store.root / "bundles" / name if name else None, args,
+                 self.gen, self.seed) for name, args in self.rows]
+
+    def compute(self, store: Store, profile: Profile) -> None:
+        """Evaluate every row into ``store``, the rows sharing one pass (``scoring.evaluate_group``)."""
+        scoring.evaluate_group(store, self.model, self.tasks, {(run[3], run[4]): run for run in self._runs(store)})
+
+    def stored(self, store: Store) -> bool:
+        """Whether every row's evaluation is in ``store``."""
+        return not any(store.missing(*run) for run in self._runs(store))
+
+    def read(self, store: Store) -> None:
+        """Read every row's stored evaluation back (``Store.step_seconds`` then holds its seconds)."""
+        for run in self._runs(store):
+            store.evaluations(*run)
 
 
 @dataclass(frozen=True)
@@ -29,10 +82,8 @@ class Step:
     flops: float = 0.0
     seconds: float = 0.0  # on one GPU's effective rate (repro/costs.py)
     gpus: int = 1  # GPUs it needs at once (a model too large for one)
-    # What an executor runs (repro/ray_executor.py): ("train", method, attribute, model, seed,
-    # settings as JSON) or ("evaluate", model, seed, tasks, limit, generation length, the rows not
-    # stored as (bundle directory name or None, model_args) pairs).
-    action: tuple = ()
+    # What an executor runs (repro/ray_executor.py); for an evaluation, the rows not stored.
+    action: Train | Evaluate | None = None
 
     @property
     def cost(self) -> float:

@@ -118,7 +118,7 @@ def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(t
     assert len(trained) == 3 and trained == main  # the same three bundles: running both trains each once
     evaluations = [s for s in ablation.steps.values() if s.kind == steps.EVALUATE]
     assert evaluations and all(set(s.needs) <= trained for s in evaluations)
-    rows = {args for s in evaluations for _, args in s.action[-1]}
+    rows = {args for s in evaluations for _, args in s.action.rows}
     assert rows == {"", "gate=false", "experts=single", "labels=flip", "labels=source"}  # Vanilla and EG-MARI: ""
 
     sweep = sensitivity.points(profile, ks=[1, 4], rhos=[0.8], labellings=["source"], alphas=[0.3], probe_alphas=[0.1])
@@ -135,7 +135,7 @@ def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(t
                                                                                         '{"alpha_probe": 0.3})']
     (tqa,) = [s for s in graph.steps.values() if s.kind == steps.EVALUATE and "truthfulqa" in s.key]
     assert set(tqa.needs) == set(train)
-    assert {args for _, args in tqa.action[-1]} == {"", "rho=0.8,labels=source", "probe_alpha=0.1"}
+    assert {args for _, args in tqa.action.rows} == {"", "rho=0.8,labels=source", "probe_alpha=0.1"}
     assert not (tmp_path / "runs").exists()  # planning wrote nothing
 
 
@@ -162,9 +162,9 @@ def test_the_other_scripts_plans_read_the_main_tables_bundles(tmp_path):
     own = [s for s in evaluations if s.key.endswith("(each bundle's task)")]
     by_labels = [s for s in evaluations if s.key.endswith("(gate rates per labelling)")]
     assert len(own) + len(by_labels) == len(evaluations)
-    assert {args for s in own for _, args in s.action[-1]} == {"", "gate=false"}
-    assert {args for s in by_labels for _, args in s.action[-1]} == {"", "labels=flip", "labels=source"}
-    bbq = [s for s in evaluations if "bbq_disambig_heldout" in s.action[3]]
+    assert {args for s in own for _, args in s.action.rows} == {"", "gate=false"}
+    assert {args for s in by_labels for _, args in s.action.rows} == {"", "labels=flip", "labels=source"}
+    bbq = [s for s in evaluations if "bbq_disambig_heldout" in s.action.tasks]
     assert len(bbq) == 2  # BBQ in both parts, kept apart under their names
 
     (tqa,) = [s for s in transfer_gsm8k.plan(profile, store).steps.values() if s.kind == steps.TRAIN]
