@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import random
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -139,8 +139,16 @@ class CAA(ScaledVector):
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
         return {"hidden_size": config["base_model"]["hidden_size"]}, {"vector": TensorSpec(("hidden_size",))}
 
+    # Where ``added_directions`` is added (``mari-eval export-vector`` reports it: llama.cpp adds at every position).
+    added_positions: ClassVar[str] = "the last prompt token and every later token"
+
     def edit(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.strength() * self.tensors_like(hidden)["vector"]
+
+    def added_directions(self) -> dict[int, torch.Tensor]:
+        """{site layer: what ``edit`` adds to its output at ``scale=1``}: the vector times the multiplier
+        (float32), what ``mari-eval export-vector`` writes as llama.cpp's direction.N (N: the layer)."""
+        return {self.layer: float(self.config["hyperparameters"]["multiplier"]) * self.tensors["vector"].float()}
 
     def applied(self, model: torch.nn.Module, positions: Positions,
                 variant_ids: torch.Tensor | None = None) -> AbstractContextManager:

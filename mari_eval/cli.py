@@ -121,6 +121,20 @@ def _import_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_vector(args: argparse.Namespace) -> int:
+    from mari_eval.control_vector import (  # deferred: keeps this module light (start-up, `mari-eval --help`)
+        EVERY_POSITION, export_gguf)
+
+    exported = export_gguf(args.bundle, args.file, model_hint=args.model_hint, force=args.force)
+    names = ", ".join(f"direction.{layer}" for layer in exported.layers)
+    print(f"control vector: {exported.path} ({names}; model hint {exported.model_hint!r})")
+    if exported.positions != EVERY_POSITION:
+        print(f"note: the {exported.method} bundle adds it at {exported.positions}; llama.cpp adds a control vector at "
+              "every position of every token (the whole prompt too), so its outputs differ from this bundle's scores")
+    print(f"load it with llama.cpp: --control-vector {exported.path} (or --control-vector-scaled {exported.path} S)")
+    return 0
+
+
 def _lora_peft():
     import importlib  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
@@ -261,6 +275,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
     p.set_defaults(run=_import_vector)
+
+    p = sub.add_parser("export-vector", help="write a CAA or control_vector bundle as a GGUF control vector",
+                       description="Write BUNDLE as the GGUF control vector FILE.gguf that llama.cpp loads "
+                                   "(--control-vector) and repeng reads: direction.N is what the bundle adds, at "
+                                   "scale=1, to the output of decoder layer N (model.model.layers[N]); a direction at "
+                                   "layer 0 is refused (llama.cpp cannot load it). Methods that add fixed directions "
+                                   "can be exported: caa, control_vector; others (mari, iti, reft, lora, prompting) "
+                                   "are refused. Positions differ: llama.cpp adds the vector at every position of "
+                                   "every token, the prompt's included, while a CAA bundle adds it from the last "
+                                   "prompt token on, so llama.cpp's outputs are not this bundle's scores; "
+                                   "docs/methods.md.")
+    p.add_argument("bundle", help="the bundle directory")
+    p.add_argument("file", help="the .gguf file to write")
+    p.add_argument("--model-hint", help="controlvector.model_hint to write (default: the Hugging Face model_type of "
+                                        "the bundle's base model, or an imported vector's own hint)")
+    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p.set_defaults(run=_export_vector)
 
     p = sub.add_parser("import-lora", help="import a peft LoRA adapter directory as a lora bundle",
                        description="Write the peft LoRA adapter in ADAPTER_DIR (adapter_config.json and "

@@ -6,7 +6,9 @@ the prompt's tokens, the options' and the generated ones, as llama.cpp applies a
 ``scale=`` in lm-eval's ``--model_args`` multiplies the strength at evaluation (1: as imported,
 0: the untouched model, -1: the vector reversed). It is not trained: ``mari-eval import-vector
 FILE.gguf --model M --out DIR [--scale S]`` (``import_gguf``) or, from Python,
-``from_steering_vector(vector, model, out)`` writes one.
+``from_steering_vector(vector, model, out)`` writes one. ``mari-eval export-vector BUNDLE FILE.gguf``
+(``export_gguf``) goes the other way: a bundle whose method adds fixed directions to decoder layers'
+outputs (``added_directions``: ``control_vector`` itself, CAA) written as a GGUF control vector.
 
 How layers are numbered, read from the sources:
 
@@ -25,7 +27,8 @@ How layers are numbered, read from the sources:
   ``model_layer_list(model)[i]`` (repeng/control.py), i.e. the output of ``model.model.layers[i]``;
   ``export_gguf`` writes it as ``direction.i`` unchanged, so repeng's and llama.cpp's numbers
   agree (repeng's default layers are 1 .. L - 1, never 0). repeng leaves left padding unedited,
-  which changes no score.
+  which changes no score. For the last layer, transformers' ``hidden_states[L]`` is taken after the
+  final norm, so repeng reads that direction after the norm and adds it before; the numbering holds.
 * llama-cvector-generator (tools/cvector-generator) names the direction it reads at ``l_out`` of
   layer il ``direction.(il + 1)`` (mean.hpp, pca.hpp), so llama.cpp adds its vectors one layer
   above where they were read; they are imported as llama.cpp applies them.
@@ -44,6 +47,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -51,7 +55,8 @@ import torch
 
 from mari_eval import site
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec, check_bundle_directory
-from mari_eval.control_vector_files import GGUF_FORMAT, read_gguf
+from mari_eval.bundles import load_bundle
+from mari_eval.control_vector_files import GGUF_FORMAT, read_gguf, write_gguf
 from mari_eval.intervention import Intervention
 from mari_eval.options import Option
 from mari_eval.plan import Plan
@@ -60,6 +65,10 @@ from mari_eval.registry import register_method
 log = logging.getLogger(__name__)
 
 STEERING_VECTOR_FORMAT = "steering_vectors.SteeringVector"
+EVERY_POSITION = "every position"  # llama.cpp's: the prompt's tokens, the options' and the generated ones
+# The built-in methods whose class defines ``added_directions`` (a test checks the list): what
+# ``export_gguf`` can write. A plugin's method is exportable when its class defines it too.
+EXPORTABLE_METHODS = ("caa", "control_vector")
 IMPORT_HINT = ("control vectors are imported, not trained: `mari-eval import-vector FILE.gguf --model M --out DIR`, "
                "or mari_eval.control_vector.from_steering_vector(vector, model, out) from Python")
 
@@ -76,6 +85,7 @@ class ControlVector(Intervention):
     option_fields: ClassVar[dict[str, Option]] = {
         "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True)}
     scale: float = 1.0
+    added_positions: ClassVar[str] = EVERY_POSITION  # where ``added_directions`` are added (``export_gguf``)
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False):
         super().__init__(config, tensors, checked=checked)
@@ -100,6 +110,12 @@ class ControlVector(Intervention):
     def strength(self) -> float:
         """What the directions are multiplied by: the imported strength times ``scale=``."""
         return float(self.config["hyperparameters"]["strength"]) * self.scale
+
+    def added_directions(self) -> dict[int, torch.Tensor]:
+        """{layer: what is added to its output at ``scale=1``}: each direction times the strength, as ``_adding``
+        computes it (float32)."""
+        strength = float(self.config["hyperparameters"]["strength"])
+        return {layer: strength * self.tensors["directions"][i].float() for i, layer in enumerate(self.layers)}
 
     def applied(self, model: torch.nn.Module, positions=None, variant_ids: torch.Tensor | None = None):
         """Every direction added after its layer at every position (``positions`` and ``variant_ids``
@@ -232,3 +248,65 @@ def from_steering_vector(vector, model_name_or_model: str | torch.nn.Module, out
         digest.update(f"{layer}:".encode() + directions[layer].numpy().tobytes())
     source = {"format": STEERING_VECTOR_FORMAT, "sha256": digest.hexdigest()}
     return build(directions, model_name_or_model, source, scale, where="the SteeringVector").save(out)
+
+
+# -- exporting a bundle ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportedVector:
+    """What ``export_gguf`` wrote: the file, its layers (llama.cpp's N of ``direction.N``), the model
+    hint, the bundle's method and where that method adds the directions (``added_positions``)."""
+
+    path: Path
+    layers: list[int]
+    model_hint: str
+    method: str
+    positions: str
+
+
+def bundle_directions(bundle: Intervention) -> dict[int, torch.Tensor]:
+    """{layer: the direction ``bundle`` adds to that decoder layer's output at ``scale=1``}, for a method
+    that adds fixed directions there (its class defines ``added_directions``); any other is refused."""
+    added = getattr(bundle, "added_directions", None)
+    if not callable(added):
+        raise BundleError(f"method {bundle.method!r} ({bundle.label}) cannot be exported as a control vector: it "
+                          "does not add fixed directions to decoder layers' outputs (a control vector is one direction "
+                          f"per layer, added to every token). Methods that can be: {', '.join(EXPORTABLE_METHODS)} "
+                          "(and a plugin method whose class defines added_directions())")
+    directions = {int(layer): vector.detach().float().cpu() for layer, vector in added().items()}
+    if 0 in directions:
+        raise BundleError(f"this {bundle.label} bundle adds its direction to the output of decoder layer 0, which "
+                          "would be direction.0: llama.cpp cannot load it (its control vectors start at direction.1, "
+                          "common_control_vector_load_one refuses layer 0). Train the bundle at a layer of 1 or more "
+                          "(CAA: mari-eval train --method caa --set 'layers=[...]' with layers >= 1)")
+    return directions
+
+
+def _bundle_model_hint(bundle: Intervention) -> str:
+    """The model hint to write: an imported vector's own, else the Hugging Face model_type of the
+    bundle's base model, read from its config (``_model_description``)."""
+    hint = bundle.config.get("source", {}).get("model_hint") if bundle.method == "control_vector" else None
+    if hint:
+        return str(hint)
+    name = str(bundle.config["base_model"]["name"])
+    try:
+        return _model_description(name)[3]
+    except (OSError, ValueError, KeyError) as e:
+        raise BundleError(f"the model hint (the Hugging Face model_type of the bundle's base model {name!r}) cannot "
+                          f"be read: its config does not load here ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}). "
+                          "Give it with --model-hint, e.g. --model-hint llama") from None
+
+
+def export_gguf(bundle_dir: str | Path, path: str | Path, model_hint: str | None = None,
+                force: bool = False) -> ExportedVector:
+    """``mari-eval export-vector``: the bundle in ``bundle_dir`` written as the GGUF control vector
+    ``path``, ``direction.N`` being what the bundle adds to the output of decoder layer N (llama.cpp's
+    numbering, module docstring) at ``scale=1``. ``model_hint``: default, the base model's model_type.
+    llama.cpp adds it at every position; a CAA bundle adds it from the last prompt token on."""
+    bundle = load_bundle(bundle_dir)
+    directions = bundle_directions(bundle)
+    hint = model_hint if model_hint is not None else _bundle_model_hint(bundle)
+    written = write_gguf(path, directions, hint, force=force)
+    positions = getattr(bundle, "added_positions", None) or f"the positions {bundle.label} edits"
+    return ExportedVector(written, sorted(directions), hint.strip(), bundle.method, positions)

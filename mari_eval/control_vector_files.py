@@ -1,4 +1,5 @@
-"""Reading a control vector file: the GGUF layout llama.cpp and repeng write (``read_gguf``).
+"""Control vector files: the GGUF layout llama.cpp and repeng write, read (``read_gguf``) and
+written (``write_gguf``).
 
 The layout (written by repeng's ``ControlVector.export_gguf`` and by llama.cpp's
 ``llama-cvector-generator``, ``export_gguf`` in tools/cvector-generator/cvector-generator.cpp):
@@ -10,10 +11,19 @@ module reads the file and refuses, naming the problem and the fix, what llama.cp
 (``common_control_vector_load_one`` in common/common.cpp): a file that is not a control vector, a
 tensor name that is not ``direction.N`` with N >= 1, a tensor that is not 1-D F32, directions of
 different widths. Non-finite values are refused too (llama.cpp would add them).
+
+``write_gguf`` writes that layout with the ``gguf`` package's ``GGUFWriter``, the keys as repeng's
+``export_gguf`` (repeng/extract.py) sets them: the architecture given to the writer (it records
+``general.architecture``), ``controlvector.model_hint`` a string, ``controlvector.layer_count`` a
+uint32, then ``direction.N`` per layer, N ascending. llama.cpp's loader goes by the tensors alone;
+the two keys are for repeng's ``import_gguf`` and for people. Directions that ``read_gguf`` would
+refuse (layer 0, different widths, non-finite values) are refused before anything is written.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,3 +105,80 @@ def read_gguf(path: str | Path) -> VectorFile:
         raise BundleError(f"{path}: its directions have different widths {sorted(widths)} (llama.cpp refuses such a "
                           "file); every direction must have the model's hidden size. Export the vector again")
     return VectorFile(directions, _string_field(reader, f"{ARCHITECTURE}.model_hint"), path.name, file_sha256(path))
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def check_directions(directions: dict[int, torch.Tensor], where: str) -> None:
+    """Refuse (BundleError), naming ``where`` and the fix, directions llama.cpp would not load as
+    meant: none, a layer number below 1, a tensor that is not 1-D, different widths, non-finite values."""
+    if not directions:
+        raise BundleError(f"{where}: there is no direction to write; a control vector holds at least one")
+    for layer, vector in sorted(directions.items()):
+        if not isinstance(layer, int) or layer < 1:
+            raise BundleError(f"{where}: a direction at layer {layer} would be written as direction.{layer}, which "
+                              "llama.cpp cannot load (its control vectors start at direction.1, the output of the "
+                              "second decoder layer; common_control_vector_load_one refuses direction.0). Make the "
+                              "vector at a layer of 1 or more")
+        if vector.ndim != 1:
+            raise BundleError(f"{where}: the direction of layer {layer} has shape {tuple(vector.shape)}; a direction "
+                              "is 1-D, one value per hidden unit")
+        bad = int((~torch.isfinite(vector.detach().float())).sum())
+        if bad:
+            raise BundleError(f"{where}: the direction of layer {layer} holds {bad} non-finite value(s) (NaN or "
+                              "infinite), which llama.cpp would add to every token. Retrain the bundle, or lower "
+                              "its strength if it overflowed float32")
+    widths = {int(v.numel()) for v in directions.values()}
+    if len(widths) > 1:
+        raise BundleError(f"{where}: the directions have different widths {sorted(widths)}; llama.cpp refuses such "
+                          "a file. Every direction must have the model's hidden size")
+
+
+def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint: str, force: bool = False) -> Path:
+    """Write ``directions`` ({layer N: [d]}) as the GGUF control vector ``path`` (module docstring),
+    as float32, atomically: a temporary file beside ``path``, then ``os.replace``. An existing
+    ``path`` is refused unless ``force``."""
+    import gguf  # deferred: only importing and exporting a vector need it
+
+    path = Path(path)
+    check_directions(directions, str(path))
+    if not isinstance(model_hint, str) or not model_hint.strip():
+        raise BundleError(f"{path}: the model hint is empty; give the Hugging Face model_type of the model the "
+                          "vector steers, e.g. --model-hint llama")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: give the file to write, e.g. {path / 'vector.gguf'}")
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists: pass --force to replace it, or give another file name")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+        writer.add_string(f"{ARCHITECTURE}.model_hint", model_hint.strip())
+        writer.add_uint32(f"{ARCHITECTURE}.layer_count", len(directions))
+        for layer in sorted(directions):
+            writer.add_tensor(f"direction.{layer}", directions[layer].detach().cpu().float().contiguous().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        _settle(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _settle(name: str) -> None:
+    """Give the temporary file an ordinary file's permissions (mkstemp makes it private) and flush it
+    to disk before it is renamed into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(name, 0o666 & ~umask)
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
