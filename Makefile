@@ -15,6 +15,9 @@ install:
 	# steering-vectors pins transformers<5, which it does not need for SteeringVector itself:
 	# without its dependencies, for mari_eval.control_vector's from_steering_vector and its test.
 	$(PYTHON) -m pip install --quiet --no-deps "steering-vectors==0.12.2"
+	# repeng 0.4.0 declares numpy<2; under NumPy 2 it needs only the alias np.float_ at import, which its
+	# callers supply (tests/test_ecosystem_vectors.py, examples/repeng_truthfulqa.py). Without its dependencies.
+	$(PYTHON) -m pip install --quiet --no-deps "repeng==0.4.0"
 
 repro: install
 	$(PYTHON) repro/main_table.py
