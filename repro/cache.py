@@ -177,6 +177,22 @@ class Store:
         self._fingerprints.pop(final, None)  # trained again: read its fingerprint afresh
         return self._used_bundle(final, _cached_bundle_config(final, config) or {})
 
+    def imported(self, name: str, source: Path, copy: bool = True) -> tuple[Path, str]:
+        """(the directory under bundles/, its method) of a bundle made elsewhere, a table's row by
+        ``--extra-bundle NAME=DIR`` (an imported control vector, a plugin's bundle): checked as
+        ``lm_eval --model mari`` checks it, and copied once under bundles/ by its content
+        (``extra-<name>-<fingerprint>``), where evaluations and executors find it as any other
+        row's bundle. ``copy=False``: the directory it would have (a plan writes nothing)."""
+        bundle = load_bundle(source)
+        final = self.root / "bundles" / f"extra-{name}-{bundle.fingerprint()}"
+        if copy and not (final / "bundle.json").is_file():
+            tmp = partial_dir(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(source, tmp)
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete copy
+            os.replace(tmp, final)
+        return final, bundle.method
+
     def _used_bundle(self, final: Path, config: dict) -> Path:
         seconds = config.get("train_seconds")
         self.step_seconds[final.name] = float(seconds) if isinstance(seconds, (int, float)) else 0.0

@@ -8,6 +8,7 @@ the bundles it trains and the evaluations it runs (``placement_from_args``).
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -105,6 +106,26 @@ def methods_listed(text: str, option: str = "--methods", extra: tuple[str, ...] 
         except registry.MethodRegistryError as e:
             raise SystemExit(f"{option}: {e}") from None
     return names
+
+
+def extra_bundles(values: list[str] | None, store: Store, taken: list[str], copy: bool = True) -> dict[str, tuple]:
+    """``--extra-bundle NAME=DIR`` (repeatable): {NAME: (its directory under --runs, its method)}, rows
+    of bundles made elsewhere (``Store.imported``). Refused, naming the fix: no ``=``, a name that
+    is not a plain word or that another row has, a directory that is not a bundle."""
+    out: dict[str, tuple] = {}
+    for value in values or []:
+        name, sep, directory = value.partition("=")
+        if not sep or not directory:
+            raise SystemExit(f"--extra-bundle {value!r}: give NAME=DIR, e.g. repeng=bundles/honesty")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name):
+            raise SystemExit(f"--extra-bundle {value!r}: a row name is a letter then letters, digits, '_', '.', '-'")
+        if name in out or name in taken:
+            raise SystemExit(f"--extra-bundle {value!r}: another row is named {name!r}; give this one another name")
+        try:
+            out[name] = store.imported(name, Path(directory), copy=copy)
+        except (ValueError, OSError) as e:  # BundleError among them: not a bundle, or a damaged one
+            raise SystemExit(f"--extra-bundle {value!r}: {e}") from None
+    return out
 
 
 def at_least(least: int):

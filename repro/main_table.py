@@ -43,10 +43,12 @@ EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
-        recipe: str = recipes.MAIN_TABLE_RECIPE) -> tuple[dict, dict]:
+        recipe: str = recipes.MAIN_TABLE_RECIPE, extras: dict[str, tuple] | None = None) -> tuple[dict, dict]:
     """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
 
-    ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``."""
+    ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``. ``extras``:
+    rows of bundles made elsewhere ({name: (directory, method)}, ``--extra-bundle``), each answering
+    every column."""
     by_seed = profile.seeded_columns(columns)  # the quick profile: TruthfulQA's columns under 3 seeds
     steps = [(m, s, meth) for m in profile.models for s in by_seed for meth in methods]
     cells: dict = {}
@@ -59,20 +61,28 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
             notes.setdefault(model, {}).setdefault(method, []).append(f"seed {seed}: {recipe} recipe")
         rows.setdefault((model, seed), {})[method] = (bundles, "")
     for (model, seed), by_method in rows.items():
+        by_method.update(_extra_rows(extras, by_seed[seed]))
         for method, scores in scoring.score_rows(store, profile, model, seed, by_seed[seed], by_method).items():
             tables.tally(cells, model, method, scores, seed=seed)
     return cells, notes
 
 
+def _extra_rows(extras: dict[str, tuple] | None, columns: list[tuple]) -> dict[str, scoring.Row]:
+    """The ``--extra-bundle`` rows: each bundle under every attribute of ``columns``."""
+    return {name: ({c[3]: directory for c in columns}, "") for name, (directory, _) in (extras or {}).items()}
+
+
 def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
-         recipe: str = recipes.MAIN_TABLE_RECIPE) -> steps.Graph:
+         recipe: str = recipes.MAIN_TABLE_RECIPE, extras: dict[str, tuple] | None = None) -> steps.Graph:
     """``run``'s work as a graph of steps (repro/planning.py), nothing run: a training step per
     bundle, an evaluation step per group of rows and tasks that share a pass."""
     graph = steps.Graph()
+    for name, (directory, _) in (extras or {}).items():  # made elsewhere: nothing to train
+        graph.add(steps.Step(directory.name, steps.TRAIN, f"bundle {name}, made elsewhere", cached=True))
     for model in profile.models:
         for seed, seed_columns in profile.seeded_columns(columns).items():
-            rows: dict[str, scoring.Row] = {}
-            method_of: dict = {}
+            rows: dict[str, scoring.Row] = _extra_rows(extras, seed_columns)
+            method_of: dict = {directory: method for directory, method in (extras or {}).values()}
             for method in methods:
                 bundles = {}
                 for attribute in (sorted({c[3] for c in seed_columns}) if method != "vanilla" else []):
@@ -94,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--methods", default=",".join(METHODS),
                             help="comma-separated rows (default: %(default)s): vanilla and any method mari-eval knows, "
                                  "an installed package's included (docs/plugins.md)")
+        parser.add_argument("--extra-bundle", action="append", metavar="NAME=DIR",
+                            help="a row NAME scoring the bundle DIR made elsewhere (an imported control vector, "
+                                 "docs/methods.md) on every column, beside --methods' rows; repeatable")
         planning.add_arguments(parser)
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, fixed in advance; "
@@ -101,13 +114,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)
     methods = command_line.methods_listed(args.methods)
+    taken = [*methods, *map(method_label, methods)]  # an extra row's name must differ from both
+    extras = command_line.extra_bundles(args.extra_bundle, store, taken, copy=not args.plan)
     started = time.time()
     columns = command_line.select(BENCHMARKS + EXTRA, args.columns, profiles.TQA_GENERATION)
     title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
-    if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe), title, store, profile):
+    if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe, extras), title,
+                                 store, profile):
         return 0
-    cells, notes = run(profile, store, methods, columns, args.recipe)
-    labelled = {model: {method_label(m): cols for m, cols in by_method.items()} for model, by_method in cells.items()}
+    cells, notes = run(profile, store, methods, columns, args.recipe, extras)
+    label = {**{m: method_label(m) for m in methods}, **{name: name for name in extras}}
+    labelled = {model: {label[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "

@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from mari_eval import registry
+from mari_eval import control_vector, registry
 from tests.helpers import run_repro
+
+MODEL = "smollm2-135m-instruct"
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "repe_reading_vector"
@@ -187,13 +190,24 @@ def test_the_example_plugin_trains_loads_in_lm_eval_and_scores_in_the_main_table
     assert 0 <= results["results"]["truthfulqa_mc1"]["acc,none"] <= 1
     # 3. The smoke main table with the plugin's row beside the untouched model's, with intervals and paired tests
     #    (the built-in methods' rows come from the same code: tests/test_repro.py).
+    #    Beside it, a bundle made elsewhere (a steering-vectors SteeringVector, imported) by --extra-bundle:
+    #    copied under runs/ by its content and scored the same way.
+    from steering_vectors import SteeringVector
+
+    steering = SteeringVector({10: torch.randn(576, generator=torch.Generator().manual_seed(0))}, "decoder_block")
+    vector = control_vector.from_steering_vector(steering, MODEL, tmp_path / "vector")
     dirs = (tmp_path / "runs", tmp_path / "results")
-    run_repro("main_table.py", dirs, "--methods", "vanilla,repe", "--columns", "tqa_mc1,tqa_mc2")
+    run_repro("main_table.py", dirs, "--methods", "vanilla,repe", "--columns", "tqa_mc1,tqa_mc2",
+              "--extra-bundle", f"steer={vector}")
     table = json.loads((dirs[1] / "main_table.json").read_text())
-    rows = {row["row"]: row for row in table["models"]["smollm2-135m-instruct"]["rows"]}
-    assert set(rows) == {"Vanilla", "RepE"}
-    for column in ("tqa_mc1", "tqa_mc2"):
-        cell = rows["RepE"]["ours"][column]
-        assert cell["ci"][0] <= cell["mean"] <= cell["ci"][1]
-        assert cell["difference"]["p"] is not None and cell["difference"]["reference"] == "Vanilla"
-    assert "| RepE " in (dirs[1] / "main_table.md").read_text()
+    rows = {row["row"]: row for row in table["models"][MODEL]["rows"]}
+    assert set(rows) == {"Vanilla", "RepE", "steer"}
+    for row in ("RepE", "steer"):
+        for column in ("tqa_mc1", "tqa_mc2"):
+            cell = rows[row]["ours"][column]
+            assert cell["ci"][0] <= cell["mean"] <= cell["ci"][1]
+            assert cell["difference"]["p"] is not None and cell["difference"]["reference"] == "Vanilla"
+    assert rows["steer"]["ours"]["tqa_mc2"]["mean"] != rows["Vanilla"]["ours"]["tqa_mc2"]["mean"]  # it steered
+    (copied,) = (dirs[0] / "bundles").glob("extra-steer-*")
+    assert (copied / "weights.safetensors").read_bytes() == (vector / "weights.safetensors").read_bytes()
+    assert "| RepE " in (dirs[1] / "main_table.md").read_text() and "| steer " in (dirs[1] / "main_table.md").read_text()

@@ -206,6 +206,11 @@ def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch
     (["--columns", ""], r"--columns is empty"),
     (["--columns", "tqa_mc1,"], r"--columns 'tqa_mc1,' holds an empty item"),
     (["--methods", "vanilla,,mari"], r"--methods 'vanilla,,mari' holds an empty item"),
+    (["--extra-bundle", "steer"], r"--extra-bundle 'steer': give NAME=DIR"),
+    (["--extra-bundle", "1x=somewhere"], r"a row name is a letter then"),
+    (["--extra-bundle", "mari=somewhere"], r"another row is named 'mari'"),
+    (["--extra-bundle", "CAA=somewhere"], r"another row is named 'CAA'"),  # CAA's label
+    (["--extra-bundle", "steer=/nonexistent/bundle"], r"--extra-bundle 'steer=/nonexistent/bundle': .*is missing"),
 ])
 def test_an_empty_or_half_empty_list_option_is_refused_not_read_as_the_default(argv, message, tmp_path):
     # Issue 37's sweep: `--seeds ''` (an unset variable) ran the profile's seeds, `--ks 1,,4` failed with
