@@ -7,15 +7,13 @@ instead of recomputed, so an interrupted script continues where it stopped; a st
 was killed midway left only a temporary directory, which the next run replaces.
 ``force=True`` (``--force``) recomputes.
 
-The dtype of the placement enters the cache keys (``placement_key``). Several hosts may
-share ``runs/``: a half-trained bundle is named after its host and process and only its
-own host judges whether it was abandoned.
+The keys are repro/cache_keys.py's: the dtype of the placement enters them, and an evaluation's
+task definitions. Several hosts may share ``runs/``: a half-trained bundle is named after its
+host and process and only its own host judges whether it was abandoned.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata as md
 import json
 import logging
 import os
@@ -23,7 +21,6 @@ import re
 import shutil
 import socket
 from dataclasses import asdict
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -32,76 +29,13 @@ from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
 from mari_eval.methods import load_bundle
 from repro import lm_eval_run
+from repro.cache_keys import DOCUMENTS_VERSION, config_key, tasks_fingerprint, with_placement
 from repro.documents import documents_disagree
 from repro.profiles import Profile, describe
 
-# Version of what an evaluation keeps per document (repro/documents.py), part of its cache key:
-# evaluations stored before documents were kept (1), or before BBQ's carried their context (2), are
-# evaluated again.
-DOCUMENTS_VERSION = 2
 CONTROL_SET_METHODS = ("mari",)  # the methods whose training reads D_ctrl (mari_eval.train.AttributeData.ctrl)
 
 log = logging.getLogger("repro")
-
-
-def _versions() -> dict[str, str | None]:
-    out = {}
-    for pkg in ("mari-eval", "torch", "transformers", "lm_eval"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def config_key(config: dict) -> str:
-    """The hash a step is stored under: its configuration plus the package versions."""
-    text = json.dumps({"config": config, "versions": _versions()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-@lru_cache(maxsize=None)
-def resolved_dtype(dtype: str, model: str) -> str:
-    """The dtype ``model`` is loaded in under ``dtype``: "auto" is the checkpoint's config's
-    (as transformers reads it), or stays "auto" when the config does not say or cannot be read."""
-    if dtype != "auto":
-        return dtype
-    try:
-        from transformers import AutoConfig  # deferred: transformers is heavy; only resolving dtype 'auto' needs it
-
-        from mari_eval.models import resolve_model  # deferred: with AutoConfig above
-
-        config = AutoConfig.from_pretrained(resolve_model(model))
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    except (OSError, ValueError, KeyError) as e:
-        log.info("dtype auto of %s unresolved (%s): cached under 'auto'", model, e)
-        found = None
-    return "auto" if found is None else str(found).removeprefix("torch.")
-
-
-def placement_key(placement, model: str) -> dict | None:
-    """What a placement adds to the cache key of a step on ``model``: None (nothing) for float32.
-
-    Only the dtype enters the key, resolved ("auto" is the checkpoint's dtype): it changes what
-    is computed (a bf16 evaluation is never read back for a float32 request, nor the reverse).
-    The device, the device map and the memory caps do not: they change where layers run, which
-    moves results by rounding only (tests/test_scale.py: a device map equals one device), and
-    keys never told CPU from GPU hosts either (``--device`` defaults to whichever the host has).
-
-    Nothing is added for float32 so that the steps cached before placements existed stay
-    valid: every one of them ran in float32 (MariLM's and training's dtype until dtype auto
-    became the default), and "auto" on a float32 checkpoint (the embedded models) is float32,
-    so the default command keeps its keys. "auto" on a bf16 checkpoint (the paper's models)
-    now computes in bf16 and gets a key of its own, so an older float32 step of such a model
-    is not read back for it; "auto" that cannot be resolved is keyed as "auto".
-    """
-    dtype = resolved_dtype(placement.dtype, model)
-    return None if dtype == "float32" else {"dtype": dtype}
-
-
-def _with_placement(config: dict, placement, model: str) -> dict:
-    key = placement_key(placement, model)
-    return config if key is None else {**config, "placement": key}
 
 
 class Store:
@@ -137,7 +71,7 @@ class Store:
                   "max_train": profile.max_train.get(attribute), "max_pca": profile.max_pca, "hyperparameters": hp}
         if method in CONTROL_SET_METHODS:
             config["max_ctrl"] = profile.max_ctrl
-        config = _with_placement(config, self.placement, model)
+        config = with_placement(config, self.placement, model)
         key = config_key(config)
         final = self.root / "bundles" / f"{method}-{attribute}-s{seed}-{key}"
         return final, config
@@ -208,9 +142,10 @@ class Store:
             fingerprint = self._fingerprints[bundle]
         paths, configs = {}, {}
         for task in tasks:
-            configs[task] = _with_placement(
+            configs[task] = with_placement(
                 {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
                  "model_args": model_args, "gen_tokens": gen_tokens, "documents": DOCUMENTS_VERSION,
+                 "tasks": tasks_fingerprint(),
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"

@@ -19,7 +19,8 @@ from tabulate import LATEX_ESCAPE_RULES, tabulate
 
 from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
-from repro.cache import Store, resolved_dtype
+from repro.cache import Store
+from repro.cache_keys import resolved_dtype
 from repro.documents import clustered_columns, split_clusters
 from repro.documents_file import cell_clusters, cell_documents, write_documents
 from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
@@ -72,7 +73,7 @@ def tally(cells: dict, model: str, label: str, scores: dict[str, dict], seed: in
         if found and clusters is None and column in clustered_columns():
             raise ValueError(f"{model} {label} {column}: its documents carry no cluster ids (an evaluation stored "
                              "before repro/documents.py kept BBQ's contexts); evaluate it again (--force, or a new "
-                             "repro.cache.DOCUMENTS_VERSION)")
+                             "repro.cache_keys.DOCUMENTS_VERSION)")
         cell["values"].append(result["value"])
         cell["documents"].append(found or None)
         cell["clusters"].append(clusters)

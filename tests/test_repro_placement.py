@@ -9,7 +9,7 @@ import pytest
 
 from mari_eval.devices import Placement
 
-from repro import cache, command_line, lm_eval_run, profiles
+from repro import cache, cache_keys, command_line, lm_eval_run, profiles
 
 from .helpers import run_repro
 
@@ -59,10 +59,10 @@ def test_every_script_documents_the_flags_and_the_paper_default():
 
 def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
     config = {"kind": "evaluation", "model": MODEL, "task": "truthfulqa_mc1_heldout", "limit": 2}  # as before placements
-    keyed = lambda placement, model=MODEL: cache.config_key(cache._with_placement(config, placement, model))
-    earlier = cache.config_key(config)
+    keyed = lambda placement, model=MODEL: cache_keys.config_key(cache_keys.with_placement(config, placement, model))
+    earlier = cache_keys.config_key(config)
     # dtype auto on a float32 checkpoint computes in float32, as every step cached before the flags did: same key.
-    assert cache.resolved_dtype("auto", MODEL) == "float32"
+    assert cache_keys.resolved_dtype("auto", MODEL) == "float32"
     assert keyed(Placement()) == keyed(Placement(dtype="float32")) == earlier
     # Devices and device maps move results by rounding only: not in the key.
     assert keyed(Placement(dtype="float32", device="cpu")) == earlier
@@ -71,7 +71,7 @@ def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
     others = {keyed(Placement(dtype=d)) for d in ("bfloat16", "float16")}
     assert len(others) == 2 and earlier not in others
     # dtype auto that cannot be resolved (a model not on this machine, offline) is keyed apart from float32.
-    assert cache.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
+    assert cache_keys.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
 
 
 # The configurations every step was cached under before placements existed (repro/cache.py, Store):
@@ -81,7 +81,8 @@ EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", 
                   "max_pca": 24, "hyperparameters": {}}
 # The float32 key without a placement entry (the evaluations since per-document scores were kept).
 EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", "limit": 2, "bundle": None, "model_args": "",
-                      "gen_tokens": None, "documents": cache.DOCUMENTS_VERSION, "split_seed": None}
+                      "gen_tokens": None, "documents": cache_keys.DOCUMENTS_VERSION, "tasks": cache_keys.tasks_fingerprint(),
+                      "split_seed": None}
 
 
 def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, monkeypatch):
@@ -99,7 +100,7 @@ def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, m
     bundles = {name: cache.Store(tmp_path, placement=p, max_memory="1GiB").bundle("caa", "truthfulqa", MODEL, 0,
                                                                                    profiles.PROFILES["smoke"])
                for name, p in placements.items()}
-    assert bundles["default"].name == f"caa-truthfulqa-s0-{cache.config_key(EARLIER_BUNDLE)}"  # the earlier key
+    assert bundles["default"].name == f"caa-truthfulqa-s0-{cache_keys.config_key(EARLIER_BUNDLE)}"  # the earlier key
     assert bundles["float32"] == bundles["default"] != bundles["bf16"] == bundles["bf16 mapped"]
     # Trained twice (the float32 and the mapped bf16 requests read back the first two), in the placement asked for.
     assert [c["placement"] for c in calls] == [placements["default"], placements["bf16"]]
@@ -122,9 +123,40 @@ def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, m
                             "bf16": Placement(dtype="bfloat16")}.items():
         cache.Store(tmp_path, placement=placement).evaluations(MODEL, ["arc_easy"], 2)
         files[name] = {p.name for p in (tmp_path / "evaluations").iterdir()} - set().union(*files.values())
-    assert files["default"] == {f"arc_easy-{cache.config_key(EARLIER_EVALUATION)}.json"}  # the earlier key
+    assert files["default"] == {f"arc_easy-{cache_keys.config_key(EARLIER_EVALUATION)}.json"}  # the earlier key
     assert files["float32"] == set() and len(files["bf16"]) == 1  # float32 read back the default's; bf16 its own
     assert calls == [Placement(), Placement(dtype="bfloat16")]
+
+
+def test_an_edited_task_definition_is_evaluated_again_not_read_back(tmp_path, monkeypatch):
+    # The evaluation key holds a hash of the task folder (YAMLs, templates, utils.py): an edited
+    # prompt or metric is not read back from an evaluation computed under the old one.
+    import shutil
+
+    from mari_eval import tasks
+
+    calls = []
+
+    def evaluate(model, task_names, limit, bundle, model_args, gen_tokens, split_seed, placement, lm=None):
+        calls.append(list(task_names))
+        return {t: {"metrics": {}, "n": limit, "seconds": 1.0, "documents": {}} for t in task_names}
+
+    monkeypatch.setattr(lm_eval_run, "evaluate", evaluate)
+    folder = shutil.copytree(tasks.tasks_dir(), tmp_path / "tasks")
+    monkeypatch.setattr(cache_keys, "tasks_dir", lambda: folder)
+    store = cache.Store(tmp_path / "runs")
+    for edit in ("", "", "# a changed prompt\n", "# a changed prompt\n"):
+        if edit:
+            (folder / "arc_easy.yaml").write_text((folder / "arc_easy.yaml").read_text().split("# a changed")[0] + edit)
+        cache_keys.tasks_fingerprint.cache_clear()
+        store.evaluations(MODEL, ["arc_easy"], 2)
+    cache_keys.tasks_fingerprint.cache_clear()
+    assert calls == [["arc_easy"], ["arc_easy"]]  # once per definition; each repeat read back
+    assert len(list((tmp_path / "runs" / "evaluations").glob("arc_easy-*.json"))) == 2
+    (folder / "README.md").write_text("prose only")  # not a definition: the key stays
+    before = cache_keys.tasks_fingerprint()
+    cache_keys.tasks_fingerprint.cache_clear()
+    assert cache_keys.tasks_fingerprint() == before
 
 
 @pytest.mark.needs_data
@@ -139,9 +171,9 @@ def test_a_bf16_run_evaluates_in_bf16_and_records_it(tmp_path):
     stored = json.loads(path.read_text())
     assert stored["model_dtype"] == "bfloat16" and stored["placement_used"]["dtype"] == "bfloat16"  # computed in bf16
     assert stored["config"]["placement"] == {"dtype": "bfloat16"}
-    assert path.stem.endswith(cache.config_key(stored["config"]))  # stored under its bf16 configuration's key...
+    assert path.stem.endswith(cache_keys.config_key(stored["config"]))  # stored under its bf16 configuration's key...
     float32 = {k: v for k, v in stored["config"].items() if k != "placement"}
-    assert not path.stem.endswith(cache.config_key(float32))  # ...not the float32 (default) request's
+    assert not path.stem.endswith(cache_keys.config_key(float32))  # ...not the float32 (default) request's
 
 
 def test_only_the_methods_reading_the_control_set_are_keyed_by_its_size(tmp_path, monkeypatch):
