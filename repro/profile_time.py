@@ -46,6 +46,8 @@ def step_seconds(table: str, command: str) -> dict[str, float]:
         raise SystemExit(f"{table}: {len(missing)} step(s) of `{command}` not stored under {store.root} "
                          f"(first: {missing[0]}); run the command first")
     for step in graph.order():  # every step is stored: reading it back records its seconds
+        if step.action is None:  # nothing computed here (a bundle made elsewhere, --extra-bundle)
+            continue
         if isinstance(step.action, steps.Train):
             step.action.compute(store, profile)  # a stored bundle is read back, not trained
         else:

@@ -27,9 +27,10 @@ def _strict(text: str):
 
 
 def test_bench_times_hf_and_ours_on_the_same_requests(tmp_path):
+    # The multiple-choice workload alone: the generation timings are bench's code too, run by the
+    # latency smoke test (test_every_repro_script_runs_in_smoke_mode).
     proc = subprocess.run(
-        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--gen-prompts", "1", "--gen-tokens", "3",
-         "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--workloads", "mc", "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,10 +40,9 @@ def test_bench_times_hf_and_ours_on_the_same_requests(tmp_path):
     assert hf["mc"]["questions"] == ours["mc"]["questions"] == 1
     assert hf["mc"]["acc"] == pytest.approx(ours["mc"]["acc"], abs=1e-4)  # same requests, same answers
     for r in (hf, ours):
-        assert r["gen"]["prompts"] == 1 and r["gen"]["tokens_per_s"] > 0 and r["mc"]["peak_rss_mib"] > 0
+        assert r["mc"]["peak_rss_mib"] > 0 and "gen" not in r
     table = (tmp_path / "bench.md").read_text()
     assert re.search(r"^\| hf +\| ", table, re.M) and re.search(r"^\| vanilla +\| ", table, re.M)
-    assert "3-token latency" in table
 
 
 def test_bench_refuses_a_bundle_argument_without_a_bundle(tmp_path):
