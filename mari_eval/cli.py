@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
     p.set_defaults(run=_import_vector)
 
-    p = sub.add_parser("export-vector", help="write a CAA or control_vector bundle as a GGUF control vector",
+    p = sub.add_parser("export-vector", help="a CAA bundle as a GGUF control vector (llama.cpp)",
                        description="Write BUNDLE as the GGUF control vector FILE.gguf that llama.cpp loads "
                                    "(--control-vector) and repeng reads: direction.N is what the bundle adds, at "
                                    "scale=1, to the output of decoder layer N (model.model.layers[N]); a direction at "
