@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     write_results_json(out / "diagnostics.json", {"command": command, "profile": profile.name, "seeds": profile.seeds,
                                                    "placement": profiles.asdict(store.placement),
                                                    "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(),
-                                                   "computed_now": store.computed, **diag})
+                                                   "computed_now": store.computed,
+                                                   "step_seconds": dict(store.step_seconds), **diag})
     md = markdown(diag, command, wall, tables.cost(store))
     atomic_write(out / "diagnostics.md", md)
     plot(diag["bundles"], out / "diagnostics_energy.png")

@@ -367,6 +367,8 @@ def test_profile_time_counts_each_stored_step_once_across_the_tables(smoke_dirs,
         own = _strict((results / f"{table}.json").read_text())
         if table != "figures":
             assert row["seconds_read"] == pytest.approx(own["compute_time_s"], abs=0.2), table
+            # what the table recorded is what its command's steps, rebuilt and read back from runs/, hold
+            assert own["step_seconds"] == pytest.approx(profile_time.step_seconds(table, own["command"])), table
         assert row["steps_added"] <= row["steps_read"] and row["seconds_added"] >= 0
     assert record["total_seconds"] == pytest.approx(sum(r["seconds_added"] for r in record["tables"]), abs=0.5)
     assert record["steps"] == sum(r["steps_added"] for r in record["tables"])
