@@ -1,7 +1,7 @@
-"""Table 4: generation cost of Base, ITI, NL-ITI, ReFT and MARI (SORRY-Bench-trained bundles; --methods adds others).
+"""Table 4: generation cost of Base, Prompting, ITI, NL-ITI, ReFT, LoRA and MARI (SORRY-Bench-trained bundles).
 
     python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
-    python repro/latency.py --methods prompting,iti,nl_iti,reft,lora,mari   # the simple baselines' cost too (issue 39)
+    python repro/latency.py --methods iti,nl_iti,reft,mari   # the paper's rows alone
     python repro/latency.py --plan --profile paper  # the bundles it trains first; runs nothing
 
 Times greedy generations of SORRY-Bench prompts, one at a time, with the benchmark's
@@ -30,7 +30,7 @@ from repro import bench, cache, command_line, planning, profiles, recipes, steps
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 # The paper's rows; --methods adds others (the simple baselines, prompting and lora: their cost, issue 39).
-DEFAULT_METHODS = ("iti", "nl_iti", "reft", "mari")
+DEFAULT_METHODS = ("prompting", "iti", "nl_iti", "reft", "lora", "mari")
 
 
 def rows_of(methods: list[str]) -> dict[str, str | None]:

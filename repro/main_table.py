@@ -11,8 +11,8 @@
     python repro/main_table.py --methods vanilla,mari,repe  # a method of an installed package beside ours (docs/plugins.md)
     python repro/main_table.py --columns tqa_gen_bleu_acc,tqa_gen_rouge1_acc  # TruthfulQA generation (not in the default)
 
-For each model and seed: Vanilla, CAA, ITI, NL-ITI, ReFT and MARI (``--methods`` adds Prompting and LoRA,
-``prompting,lora``, or any other method) are trained on the
+For each model and seed: Vanilla, Prompting, CAA, ITI, NL-ITI, ReFT, LoRA and MARI (``--methods`` chooses
+the rows, any other method included) are trained on the
 TruthfulQA, BBQ and SORRY-Bench training splits of that seed (``mari-eval train``) and
 evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy,
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and

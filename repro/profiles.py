@@ -13,11 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "results" / "paper"
 log = logging.getLogger("repro")
 
-# The main table's rows by default: the untouched model, the paper's four baselines and MARI. The two
-# simple baselines AxBench (Wu et al., 2025) found hard to beat (an instruction in the prompt, LoRA
-# fine-tuning on D_train; issue 39) are rows too with --methods (prompting, lora); they join the
-# default once the committed tables are regenerated with them.
-METHODS = ["vanilla", "caa", "iti", "nl_iti", "reft", "mari"]
+# The main table's rows by default: the untouched model, the two simple baselines AxBench (Wu et al.,
+# 2025) found hard to beat (an instruction in the prompt; LoRA fine-tuning on D_train; issue 39), the
+# paper's four baselines and MARI.
+METHODS = ["vanilla", "prompting", "caa", "iti", "nl_iti", "reft", "lora", "mari"]
 METHOD_LABELS = {"vanilla": "Vanilla", "prompting": "Prompting", "caa": "CAA", "iti": "ITI", "nl_iti": "NL-ITI",
                  "reft": "ReFT", "lora": "LoRA", "mari": "MARI"}
 
