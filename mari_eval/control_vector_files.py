@@ -22,7 +22,6 @@ refuse (layer 0, different widths, non-finite values) are refused before anythin
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from mari_eval.bundle_spec import BundleError
-from mari_eval.files import file_sha256
+from mari_eval.files import atomic_write, file_sha256
 
 ARCHITECTURE = "controlvector"
 GGUF_FORMAT = "gguf control vector"
@@ -137,8 +136,7 @@ def check_directions(directions: dict[int, torch.Tensor], where: str) -> None:
 
 def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint: str, force: bool = False) -> Path:
     """Write ``directions`` ({layer N: [d]}) as the GGUF control vector ``path`` (module docstring),
-    as float32, atomically: a temporary file beside ``path``, then ``os.replace``. An existing
-    ``path`` is refused unless ``force``."""
+    as float32, atomically (``files.atomic_write``). An existing ``path`` is refused unless ``force``."""
     import gguf  # deferred: only importing and exporting a vector need it
 
     path = Path(path)
@@ -150,11 +148,9 @@ def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint
         raise IsADirectoryError(f"{path} is a directory: give the file to write, e.g. {path / 'vector.gguf'}")
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists: pass --force to replace it, or give another file name")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+    with tempfile.TemporaryDirectory() as scratch:  # a control vector is kilobytes: written here, then moved whole
+        draft = Path(scratch) / path.name
+        writer = gguf.GGUFWriter(draft, ARCHITECTURE)
         writer.add_string(f"{ARCHITECTURE}.model_hint", model_hint.strip())
         writer.add_uint32(f"{ARCHITECTURE}.layer_count", len(directions))
         for layer in sorted(directions):
@@ -163,22 +159,5 @@ def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        _settle(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        return atomic_write(path, draft.read_bytes())
 
-
-def _settle(name: str) -> None:
-    """Give the temporary file an ordinary file's permissions (mkstemp makes it private) and flush it
-    to disk before it is renamed into place."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)
-    fd = os.open(name, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -88,10 +88,14 @@ def writing_alone(target: Path, option: str) -> Iterator[None]:
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, flushed to disk,
+    then renamed into place. The file gets an ordinary file's permissions (0666 less the umask),
+    not the temporary file's private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
             fh.flush()
@@ -101,6 +105,13 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def atomic_write_json(path: str | Path, obj: Any, **dumps_kwargs: Any) -> Path:

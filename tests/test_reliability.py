@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -351,6 +352,17 @@ def test_two_processes_writing_the_same_files_never_corrupt_them(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
     lines = cache.read_text().splitlines()
     assert len(lines) == 300 and {json.loads(line)["key"] for line in lines} == {f"{m}-{i}" for m in "ab" for i in range(150)}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_atomically_written_file_has_an_ordinary_files_permissions(tmp_path, umask):
+    from mari_eval.files import atomic_write
+    before = os.umask(umask)
+    try:
+        written = atomic_write(tmp_path / "table.json", "{}")
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(written.stat().st_mode) == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 
