@@ -118,13 +118,15 @@ class Store:
         (``extra-<name>-<fingerprint>``), where evaluations and executors find it as any other
         row's bundle. ``copy=False``: the directory it would have (a plan writes nothing)."""
         bundle = load_bundle(source)
-        final = self.root / "bundles" / f"extra-{name}-{bundle.fingerprint()}"
+        fingerprint = bundle.fingerprint()
+        final = self.root / "bundles" / f"extra-{name}-{fingerprint}"
         if copy and not (final / "bundle.json").is_file():
             tmp = partial_dir(final)
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(source, tmp)
             shutil.rmtree(final, ignore_errors=True)  # an incomplete copy
             os.replace(tmp, final)
+        self._fingerprints[final] = fingerprint  # the copy is the source byte for byte (named by it): not read again
         return final, bundle.method
 
     def _used_bundle(self, final: Path, config: dict) -> Path:
