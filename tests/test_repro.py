@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from repro import command_line, profiles
+from repro import command_line, main_table, profiles
 
 from .conftest import REPO
 from .helpers import run_repro
@@ -236,6 +236,12 @@ def _running(pid: str) -> bool:
         return False
 
 
+def test_the_main_table_tests_every_row_but_vanilla_against_mari():
+    rows = ["Vanilla", "Prompting", "CAA", "LoRA", "MARI", "steer"]  # "steer": an --extra-bundle row
+    assert main_table.against_mari(rows) == [("Prompting", "MARI"), ("CAA", "MARI"), ("LoRA", "MARI"), ("steer", "MARI")]
+    assert main_table.against_mari(["Vanilla", "CAA"]) == []  # no MARI row: no such family
+
+
 def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(tmp_path, smoke_dirs, uninterrupted):
     runs, out = tmp_path / "runs", tmp_path / "results"
     # TruthfulQA's columns alone (one attribute's bundles, one evaluation): the same cells as the
@@ -270,6 +276,9 @@ def test_main_table_killed_mid_training_then_rerun_equals_an_uninterrupted_run(t
     reference = {r["row"]: r for r in uninterrupted["models"][model]["rows"]}
     rows = [row for row in result["models"][model]["rows"] if row["row"] in reference]
     assert [row["row"] for row in rows] == ["Vanilla", "MARI"]
+    compared = result["models"][model]["comparisons"]  # every row but Vanilla against MARI, its own Holm family
+    assert [(c["row"], c["against"]) for c in compared] == [("CAA", "MARI")]
+    assert {c: d["test"] for c, d in compared[0]["columns"].items()} == {"tqa_mc1": "mcnemar", "tqa_mc2": "sign-flip"}
     # Every cell equals the uninterrupted run's (which has no CAA row); Holm's adjusted p depends
     # on how many tests the table makes (CAA's add some), so it is left out of the comparison.
     holm = ("p_holm", "significant_holm")
