@@ -60,7 +60,7 @@ from repro.tables import markdown_table
 from repro.timing import gate_rate, sorry_prompt_ids, time_generation
 
 REPO = Path(__file__).resolve().parents[1]
-# The methods --from-runs times: MARI and the paper's four baselines (results/bench.*, as committed).
+# The methods --from-runs times, MARI first: MARI and the paper's four baselines (results/bench.*, as committed).
 BENCH_METHODS = ("mari", "caa", "iti", "nl_iti", "reft")
 WORKLOADS = ("mc", "gen")  # truthfulqa_mc2 log-likelihoods; SORRY-Bench generations
 
@@ -196,9 +196,8 @@ def repro_bundles(profile_name: str, model: str, runs: str, placement) -> tuple[
     def where(method: str, attribute: str) -> str:
         return os.path.relpath(recipes.table_bundle(store, method, attribute, model, seed, profile))
 
-    methods = BENCH_METHODS  # MARI first
-    mc = {m: where(m, "truthfulqa") for m in methods}
-    gen = {m: where(m, "sorry_bench") for m in methods}
+    mc = {m: where(m, "truthfulqa") for m in BENCH_METHODS}  # MARI first
+    gen = {m: where(m, "sorry_bench") for m in BENCH_METHODS}
     return {**mc, "mari_open": mc["mari"] + ",gate=false"}, {**gen, "mari_open": gen["mari"] + ",gate=false"}
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from repro import bench, cache, command_line, planning, profiles, recipes, steps, tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
-# The paper's rows; --methods adds others (the simple baselines, prompting and lora: their cost, issue 39).
+# The paper's rows and the two simple baselines (their cost, issue 39); --methods chooses others.
 DEFAULT_METHODS = ("prompting", "iti", "nl_iti", "reft", "lora", "mari")
 
 
