@@ -131,13 +131,15 @@ QUICK_REFT_STEPS = 20
 QUICK_CTRL = 40
 
 PROFILES = {
-    # Every script end to end in a few minutes (tests).
+    # Every script end to end in a few minutes (tests). ARC through arc_*_first25, as the quick profile
+    # (one 25-shot preamble per task rather than one per question).
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1,
                       "truthfulqa_gen_heldout": 2},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8},
-                     tasks={"mmlu": "mmlu_abstract_algebra"}),
+                     tasks={"mmlu": "mmlu_abstract_algebra", "arc_easy": "arc_easy_first25",
+                            "arc_challenge": "arc_challenge_first25"}),
     # The embedded model on 2 CPU cores: seeded subsets of 24 training examples per attribute; D_ctrl
     # a seeded 40 per source (QUICK_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
     # 40 ARC-Easy (25-shot) and 40 MMLU (5-shot) controls). Test documents (issue 36): the first 200
