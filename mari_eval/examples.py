@@ -17,6 +17,11 @@ fixed 25-shot preamble as ``arc_easy_first25`` (the first 25 train questions, wh
 their subject's 5 dev examples, as ``mmlu_<subject>``. Energy is read at the last prompt
 token, whose state depends on the whole prompt: controls rendered zero-shot calibrate a
 threshold for prompts the gate never meets at test time.
+
+Only MARI reads D_ctrl; every method records which examples it holds (a bundle's
+``splits.ctrl_used``). So D_ctrl is a ``LazyExamples``: its ids are known at once, its examples
+are rendered the first time one is read (rendering the general controls, MMLU's 5-shot
+subjects among them, took about 10 s per bundle for methods that never read them).
 """
 
 from __future__ import annotations
@@ -99,6 +104,34 @@ class Example:
         return [self.options[self.gold]], [o for i, o in enumerate(self.options) if i != self.gold]
 
 
+class LazyExamples(Sequence["Example"]):
+    """Examples known by their ``ids`` at once and rendered (``render()``, one per id in order) the
+    first time one is read; ``len`` and ``ids`` render nothing."""
+
+    def __init__(self, ids: Sequence[str], render: Callable[[], list["Example"]]):
+        self.ids = list(ids)
+        self._render: Callable[[], list["Example"]] | None = render
+        self._examples: list["Example"] = []
+
+    @property
+    def rendered(self) -> bool:
+        return self._render is None
+
+    def _all(self) -> list["Example"]:
+        if self._render is not None:
+            examples = self._render()
+            if [ex.id for ex in examples] != self.ids:
+                raise RuntimeError("rendering D_ctrl gave other examples than its ids (a bug in examples.attribute_data)")
+            self._examples, self._render = examples, None
+        return self._examples
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+
 @dataclass
 class AttributeData:
     """An attribute's examples, tokenised; methods call ``Session.prepare`` on the ones they run."""
@@ -107,8 +140,13 @@ class AttributeData:
     splits: data_splits.Splits
     pca_prompts: list[list[int]]  # D_pca: prompts without options or labels
     train: list[Example]
-    ctrl: list[Example]  # attribute control examples, then each general source's (GENERAL_CONTROLS)
+    ctrl: Sequence[Example]  # attribute control examples, then each general source's (GENERAL_CONTROLS)
     ctrl_source: list[str]  # "attribute" or a GeneralControl.source per ctrl example
+
+    @property
+    def ctrl_ids(self) -> list[str]:
+        """D_ctrl's ids, without rendering a ``LazyExamples``."""
+        return list(self.ctrl.ids) if isinstance(self.ctrl, LazyExamples) else [ex.id for ex in self.ctrl]
 
     def prepare(self, session: "Session") -> None:
         """Frozen-model caches of D_train and D_ctrl (each control source shares its own preamble)."""
@@ -194,21 +232,30 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
         records = {r["id"]: r for r in data.load_sorry_bench()}
         pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
         train = _sorry_examples(session, records, splits.train)
-        ctrl = _sorry_examples(session, records, splits.ctrl)
+        render_attribute = lambda ids: _sorry_examples(session, records, ids)  # noqa: E731
     else:
         task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
         pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
         train = _mc_examples(session, task, docs, splits.train)
-        ctrl = _mc_examples(session, task, docs, splits.ctrl)
+        render_attribute = lambda ids: _mc_examples(session, task, docs, ids)  # noqa: E731
     if max_train is not None and len(train) > max_train:
         train = random.Random(f"max_train:{seed}").sample(train, max_train)
+    attribute_ids = list(splits.ctrl)
     if max_ctrl is not None:  # smoke runs: a seeded subset of each control source
-        ctrl = random.Random(f"max_ctrl:{seed}").sample(ctrl, min(max_ctrl, len(ctrl)))
-    sources = ["attribute"] * len(ctrl)
+        attribute_ids = random.Random(f"max_ctrl:{seed}").sample(attribute_ids, min(max_ctrl, len(attribute_ids)))
+    general: list[tuple[GeneralControl, list[str]]] = []
     for control in GENERAL_CONTROLS:
         ids = list(getattr(splits, control.splits_field))
         if max_ctrl is not None:
             ids = random.Random(f"max_ctrl_{control.source}:{seed}").sample(ids, min(max_ctrl, len(ids)))
-        ctrl += general_controls(session, manager, control, ids)
-        sources += [control.source] * len(ids)
+        general.append((control, ids))
+    sources = ["attribute"] * len(attribute_ids) + [control.source for control, ids in general for _ in ids]
+
+    def render_ctrl() -> list[Example]:
+        ctrl = render_attribute(attribute_ids)
+        for control, ids in general:
+            ctrl += general_controls(session, manager, control, ids)
+        return ctrl
+
+    ctrl = LazyExamples(attribute_ids + [i for _, ids in general for i in ids], render_ctrl)
     return AttributeData(attribute, splits, pca, train, ctrl, sources)

@@ -92,7 +92,7 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
             attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
             log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
             config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
-            config["splits"]["ctrl_used"] = [ex.id for ex in attr.ctrl]
+            config["splits"]["ctrl_used"] = attr.ctrl_ids
             if max_pca is not None:
                 config["splits"]["max_pca"] = max_pca
             run_key = {"method": method, "hyperparameters": hyperparameters or {}, **{k: v for k, v in config.items() if k != "created"}}

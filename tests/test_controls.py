@@ -60,3 +60,25 @@ def test_general_controls_carry_the_preamble_their_test_task_puts_before_every_q
         assert text.count("\nAnswer:") == 6  # five shots and the question
         positions = [text.index(q) for q in dev[subject][:5]]
         assert positions == sorted(positions)  # in the dev split's order, as first_n takes them
+
+
+def test_the_control_set_is_rendered_only_when_read_and_then_as_the_whole_split_sampled(smollm2_session):
+    # Only MARI reads D_ctrl: its ids are known at once (every bundle records them as splits.ctrl_used),
+    # its examples rendered the first time one is read. They equal rendering the attribute's whole
+    # control split and then drawing the seeded subset, as attribute_data did before.
+    import random
+
+    from mari_eval.examples import ATTRIBUTE_TASKS, _mc_examples, _task_docs, _task_manager
+
+    session = smollm2_session
+    attr = attribute_data(session, "truthfulqa", seed=0, max_train=1, max_ctrl=3)
+    assert not attr.ctrl.rendered and len(attr.ctrl) == len(attr.ctrl_source) == 9
+    ids = attr.ctrl_ids
+    assert not attr.ctrl.rendered  # ids and length render nothing
+    task, docs = _task_docs(_task_manager(), ATTRIBUTE_TASKS["truthfulqa"], "validation")
+    whole = _mc_examples(session, task, docs, attr.splits.ctrl)
+    drawn = random.Random("max_ctrl:0").sample(whole, 3)
+    assert [ex.id for ex in attr.ctrl[:3]] == [ex.id for ex in drawn] == ids[:3]
+    assert attr.ctrl.rendered and [ex.id for ex in attr.ctrl] == ids
+    for lazy, eager in zip(attr.ctrl[:3], drawn):
+        assert (lazy.context, lazy.options, lazy.gold) == (eager.context, eager.options, eager.gold)
