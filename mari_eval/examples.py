@@ -26,6 +26,7 @@ subjects among them, took about 10 s per bundle for methods that never read them
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -232,12 +233,12 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
         records = {r["id"]: r for r in data.load_sorry_bench()}
         pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
         train = _sorry_examples(session, records, splits.train)
-        render_attribute = lambda ids: _sorry_examples(session, records, ids)  # noqa: E731
+        render_attribute = functools.partial(_sorry_examples, session, records)
     else:
         task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
         pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
         train = _mc_examples(session, task, docs, splits.train)
-        render_attribute = lambda ids: _mc_examples(session, task, docs, ids)  # noqa: E731
+        render_attribute = functools.partial(_mc_examples, session, task, docs)
     if max_train is not None and len(train) > max_train:
         train = random.Random(f"max_train:{seed}").sample(train, max_train)
     attribute_ids = list(splits.ctrl)
