@@ -23,7 +23,7 @@ Settings (``DEFAULTS``) and their sources:
 * 10 epochs of batches of 8 (ReFT's adapted batch), the epoch kept the one with the lowest task loss on the
   20% validation slice of D_train (early stopping, as ReFT's adapted recipe): the validation loss of every
   epoch and of the untouched model are recorded in bundle.json's diagnostics. Why 10: with 5, on the
-  quick profile's 24 TruthfulQA examples (SmolLM2-135M, seed 0), the validation loss was still
+  standard profile's 24 TruthfulQA examples (SmolLM2-135M, seed 0), the validation loss was still
   falling at the last epoch (untouched 4.97; epochs 1-5: 4.70, 4.23, 3.59, 2.95, 2.54), 30 s an epoch
   on 2 CPU cores.
 

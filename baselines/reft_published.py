@@ -20,8 +20,8 @@ MIN_STEPS is pyreft's own recipe for very little data, the README's "a few demon
 example (stanfordnlp/pyreft README.md, steps 3-4): 10 examples, batch 10, 100 epochs, i.e.
 100 optimizer steps. On their commonsense data the rule changes nothing; here it gives 100
 epochs of one step at 20 fit examples, 34 epochs of 3 steps at 80 (TruthfulQA's whole D_train).
-``--set min_steps=N`` replaces MIN_STEPS: the quick profile's 20 (repro/profiles.py
-``QUICK_REFT_STEPS``, for its hour on 2 CPU cores), recorded in the bundle. Learning rate, schedule shape, batch and clipping stay the commonsense ones;
+``--set min_steps=N`` replaces MIN_STEPS: the standard profile's 20 and the quick profile's 10
+(repro/profiles.py ``STANDARD_REFT_STEPS``, ``QUICK_REFT_STEPS``, for their budgets on 2 CPU cores), recorded in the bundle. Learning rate, schedule shape, batch and clipping stay the commonsense ones;
 the warm-up ramp starts a step earlier than Hugging Face's (``warmup_linear``) so that the
 first step learns. The fit records the steps, every epoch's validation loss and how far the
 edit moved from its start (``diagnostics.distance_from_init``). R is orthonormalised with its
@@ -121,7 +121,7 @@ def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
 def fit_published(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],
                   given: dict[str, Any], seed: int, min_steps: int | None = None) -> Intervention:
     hp = published_hyperparameters(cls, given, session.num_layers)
-    # The least number of steps: --set min_steps=N (a profile's budget: the quick one's), else MIN_STEPS.
+    # The least number of steps: --set min_steps=N (a profile's budget: the quick and standard ones'), else MIN_STEPS.
     min_steps = hp.pop("min_steps", None) or (MIN_STEPS if min_steps is None else min_steps)
     layers, rank, d = hp["layers"], hp["rank"], session.hidden_size
     gen = torch.Generator().manual_seed(seed)

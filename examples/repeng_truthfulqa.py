@@ -7,13 +7,13 @@ made outside this repository reaches the main table with no line of ours changed
         --out runs/imported/repeng-tqa-s0
     mari-eval import-vector runs/imported/repeng-tqa-s0.gguf --model smollm2-135m-instruct --scale 8 \
         --out runs/imported/repeng-tqa-s0-x8
-    python repro/main_table.py --methods vanilla --extra-bundle repeng=runs/imported/repeng-tqa-s0 \
+    python repro/main_table.py --profile standard --methods vanilla --extra-bundle repeng=runs/imported/repeng-tqa-s0 \
         --extra-bundle repeng_x8=runs/imported/repeng-tqa-s0-x8 --columns tqa_mc1,tqa_mc2 --seeds 0 \
         --out results/repeng_vector
 
 What repeng is given, fixed before anything was scored: the main table's training questions for
-the seed (D_train of ``make_splits("truthfulqa", seed)``, the same seeded subset of the quick
-profile's ``max_train`` that the table's rows train on), each as a contrast pair written as
+the seed (D_train of ``make_splits("truthfulqa", seed)``, the same seeded subset of the standard
+profile's ``max_train`` that the committed table's rows train on), each as a contrast pair written as
 TruthfulQA's prompts write a question ("Q: ...\\nA: ..."): positive with the question's first
 correct answer, negative with its first incorrect one (mc1_targets). Everything else is repeng's
 default: ``ControlVector.train`` (PCA of the paired differences, ``pca_diff``) on the last
@@ -51,7 +51,7 @@ def _import_repeng():
 
 
 def contrast_pairs(seed: int, max_train: int | None) -> list[tuple[str, str]]:
-    """(positive, negative) texts of the seed's TruthfulQA D_train questions (the quick profile's subset)."""
+    """(positive, negative) texts of the seed's TruthfulQA D_train questions (the profile's subset)."""
     splits = data_splits.make_splits("truthfulqa", seed)
     train = list(splits.train)
     if max_train is not None and len(train) > max_train:  # as mari_eval.examples.attribute_data draws it
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or directory")
     parser.add_argument("--seed", type=int, default=0, help="whose D_train (make_splits) the pairs come from")
-    parser.add_argument("--profile", default="quick", choices=sorted(PROFILES), help="whose max_train subset")
+    parser.add_argument("--profile", default="standard", choices=sorted(PROFILES), help="whose max_train subset")
     parser.add_argument("--out", required=True, type=Path, help="the .gguf file repeng writes")
     args = parser.parse_args(argv)
 

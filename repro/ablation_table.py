@@ -1,6 +1,6 @@
 """Table 2: MARI's ablations, ours beside the paper's.
 
-    python repro/ablation_table.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2]
+    python repro/ablation_table.py [--profile quick|standard|large|paper|smoke] [--model ID] [--seeds 0,1,2]
     python repro/ablation_table.py --plan --profile paper  # its steps and their cost; runs nothing
 
 Rows: Vanilla; w/o Energy Gating (the routed experts on every input, ``gate=false``);

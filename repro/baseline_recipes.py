@@ -1,6 +1,6 @@
 """Appendix table: every baseline under both training recipes on TruthfulQA (issue 24.4).
 
-    python repro/baseline_recipes.py [--profile quick|paper|smoke] [--model ID] [--seeds 0,1,2] [--methods caa,iti,nl_iti,reft]
+    python repro/baseline_recipes.py [--profile quick|standard|large|paper|smoke] [--model ID] [--seeds 0,1,2] [--methods caa,iti,nl_iti,reft]
     python repro/baseline_recipes.py --plan --profile paper  # its steps and their cost; runs nothing
 
 Rows: Vanilla, then CAA, ITI, NL-ITI and ReFT each trained on TruthfulQA's D_train with the

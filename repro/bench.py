@@ -2,7 +2,7 @@
 baselines, on the same requests, on the same machine, in one run.
 
     python repro/bench.py --bundle mari=DIR --bundle caa=DIR ... [--limit 100] [--gen-prompts 50]
-    python repro/bench.py --from-runs quick [--limit 100] [--gen-prompts 10]
+    python repro/bench.py --from-runs standard [--limit 100] [--gen-prompts 10]
 
 ``--from-runs PROFILE`` times the repro scripts' own bundles of that profile (the first
 seed): every method's TruthfulQA bundle on ``mc`` and SORRY-Bench bundle on ``gen``, and

@@ -59,10 +59,11 @@ def add_common_args(parser) -> None:
                              "on a CUDA machine (see placement below)")
     parser.add_argument("--smoke", dest="profile", action="store_const", const="smoke", help="same as --profile smoke")
     parser.add_argument("--model", help="run this model (embedded alias or Hub id) instead of the profile's")
-    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's, for every column (the quick "
-                                        "profile's extra TruthfulQA seeds 1 and 2 are dropped too)")
+    parser.add_argument("--seeds", help="comma-separated seeds instead of the profile's, for every column (the quick and standard "
+                                        "profiles' extra TruthfulQA seeds 1 and 2 are dropped too)")
     parser.add_argument("--runs", default=str(REPO / "runs"), help="where bundles and evaluations are cached")
-    parser.add_argument("--out", default=str(REPO / "results"), help="where tables and plots are written")
+    parser.add_argument("--out", help="where tables and plots are written (default: results/ for the standard profile, "
+                                      "whose tables are committed; results/profiles/NAME/ for the others)")
     parser.add_argument("--force", action="store_true", help="recompute cached steps")
     parser.add_argument("--columns", help="comma-separated subset of the table's benchmark columns (e.g. tqa_mc1,bbq_acc)")
     placement = parser.add_argument_group("placement", PLACEMENT_HELP)
@@ -169,6 +170,8 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     if extra_args is not None:
         extra_args(parser)
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(PROFILES[args.profile].results_dir())
     for option, folder in (("--out ", args.out), ("--runs ", args.runs)):  # before the work they will hold
         try:
             check_writable_dir(Path(folder), option)

@@ -4,7 +4,7 @@ labelling of the control set (loss, flip, source: mari_eval.mari.gate_labels), h
 separates applicable from non-applicable examples (AUROC, across and within sources) and
 the gate rate on every test task of the main table.
 
-    python repro/diagnostics.py [--profile quick|paper|smoke] [--model ID]
+    python repro/diagnostics.py [--profile quick|standard|large|paper|smoke] [--model ID]
     python repro/diagnostics.py --plan --profile paper  # its steps and their cost; runs nothing
 
 For each attribute (the main table's MARI bundles, same cache under runs/): the held-out

@@ -1,7 +1,7 @@
 """The paper's diagnostic Figures 1, 5a, 5b and 6 from our TruthfulQA MARI bundles, with the numbers
 behind each picture (issue 42).
 
-    python repro/figures.py [--profile quick|paper|smoke] [--model ID] [--seeds 0]
+    python repro/figures.py [--profile quick|standard|large|paper|smoke] [--model ID] [--seeds 0]
 
 For each model and seed: the main table's TruthfulQA MARI bundle (the same cache under runs/)
 and the examples it was trained and calibrated on, rebuilt from its recorded splits (refused

@@ -1,6 +1,6 @@
 """Table 4: generation cost of Base, Prompting, ITI, NL-ITI, ReFT, LoRA and MARI (SORRY-Bench-trained bundles).
 
-    python repro/latency.py [--profile quick|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
+    python repro/latency.py [--profile quick|standard|large|paper|smoke] [--model ID] [--prompts 10] [--tokens 128] [--dtype bfloat16]
     python repro/latency.py --methods iti,nl_iti,reft,mari   # the paper's rows alone
     python repro/latency.py --plan --profile paper  # the bundles it trains first; runs nothing
 

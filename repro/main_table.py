@@ -1,6 +1,7 @@
 """Table 1: every method trained on each attribute and evaluated through lm-eval, ours beside the paper's.
 
-    python repro/main_table.py                 # quick profile: the embedded model on 2 CPU cores (about 3 h of computation)
+    python repro/main_table.py                 # quick profile: the embedded model on 2 CPU cores, within 75 minutes
+    python repro/main_table.py --profile standard  # the committed table (results/): larger sizes, about 3.5 h
     python repro/main_table.py --seeds 0       # the same with seed 0 alone (TruthfulQA's seeds 1 and 2 dropped)
     python repro/main_table.py --profile paper # the paper's models, full test sets, 3 seeds (GPU: bf16, device_map auto)
     python repro/main_table.py --dtype bfloat16 # the embedded model in bf16 (cached apart from float32)
@@ -23,7 +24,8 @@ Each baseline is trained under its published recipe, fixed in advance (repro/rec
 every evaluation is cached under runs/ by its configuration (repro/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
 
-Writes results/main_table.{json,md,tex} (or --out): mean ± std over seeds, the number of
+Writes main_table.{json,md,tex} under results/ for the standard profile, results/profiles/NAME/
+for the others (or --out): mean ± std over seeds, the number of
 documents behind each cell, the model, seeds and subset sizes, and the paper's figure for
 its closest model in a separate column.
 """
@@ -49,7 +51,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``. ``extras``:
     rows of bundles made elsewhere ({name: (directory, method)}, ``--extra-bundle``), each answering
     every column."""
-    by_seed = profile.seeded_columns(columns)  # the quick profile: TruthfulQA's columns under 3 seeds
+    by_seed = profile.seeded_columns(columns)  # quick, standard: TruthfulQA's columns under 3 seeds
     steps = [(m, s, meth) for m in profile.models for s in by_seed for meth in methods]
     cells: dict = {}
     notes: dict = {}

@@ -87,8 +87,16 @@ class Profile:
     # over 3 seeds, for their std, where the other columns keep one to stay within the hour).
     column_seeds: dict[str, list[int]] = field(default_factory=dict)
     # Per baseline: settings of its published recipe this profile changes for its budget (the quick
-    # profile: ReFT's least number of optimizer steps), recorded in every bundle and cache key.
+    # and standard profiles: ReFT's least number of optimizer steps), recorded in every bundle and cache key.
     published: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per method other than the four baselines: training settings this profile changes for its budget
+    # (the quick profile: LoRA's epochs), recorded in every bundle and cache key (repro/recipes.py).
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def results_dir(self) -> Path:
+        """Where a script writes its tables unless ``--out`` says: results/ for the standard profile
+        (the committed tables), results/profiles/NAME/ for the others."""
+        return REPO / "results" if self.name == "standard" else REPO / "results" / "profiles" / self.name
 
     def task(self, name: str) -> str:
         return self.tasks.get(name, name)
@@ -118,20 +126,26 @@ PAPER_MODELS = {
 # The paper's model closest to each embedded one (same family where there is one, else the smallest).
 CLOSEST_PAPER_MODEL = {"smollm2-135m-instruct": "Llama-2-7B", "gemma-3-270m": "Llama-2-7B", **{v: k for k, v in PAPER_MODELS.items()}}
 
-# Published ReFT's least number of optimizer steps in the quick profile, for its hour on 2 CPU
+# Published ReFT's least number of optimizer steps in the standard profile, for its hours on 2 CPU
 # cores (the rule's MIN_STEPS = 100 elsewhere: baselines/reft_published.py). A step cost 11-19 s
 # on BBQ (every layer edited, no shared preamble): about half an hour for 100 steps of one
 # bundle, and the training loss had fallen from 4.90 to 0.67 within the first 10 (docs/baselines.md, ReFT).
-QUICK_REFT_STEPS = 20
-# D_ctrl per source in the quick profile (a seeded 40 of the attribute's hold-outs, 40 of the ARC-Easy
+# The quick profile takes those first 10.
+STANDARD_REFT_STEPS = 20
+QUICK_REFT_STEPS = 10
+# D_ctrl per source in the standard profile (a seeded 40 of the attribute's hold-outs, 40 of the ARC-Easy
 # and 40 of the MMLU controls): MARI's gate calibration runs every expert and the probe on each
 # control, and the general controls carry their tasks' shots (25 for ARC, 5 for MMLU, whose preamble
 # differs per subject). With the whole D_ctrl (about 300 controls) one MARI bundle took 15 minutes
 # on 2 busy cores, 5.5 of them encoding the MMLU controls' 74 preambles, 6.5 calibrating.
-QUICK_CTRL = 40
+STANDARD_CTRL = 40
+QUICK_CTRL = 16
+# LoRA's epochs in the quick profile: its validation loss on the standard profile's TruthfulQA
+# bundle fell 4.97 (untouched), 4.70, 4.23, 3.59, 2.95, 2.54 over the first five (baselines/lora.py).
+QUICK_LORA_EPOCHS = 5
 
 PROFILES = {
-    # Every script end to end in a few minutes (tests). ARC through arc_*_first25, as the quick profile
+    # Every script end to end in a few minutes (tests). ARC through arc_*_first25, as the quick and standard profiles
     # (one 25-shot preamble per task rather than one per question).
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
@@ -140,8 +154,26 @@ PROFILES = {
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra", "arc_easy": "arc_easy_first25",
                             "arc_challenge": "arc_challenge_first25"}),
-    # The embedded model on 2 CPU cores: seeded subsets of 24 training examples per attribute; D_ctrl
-    # a seeded 40 per source (QUICK_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
+    # The README's first run (issue 36: the main table within 75 minutes on 2 CPU cores), every row,
+    # column and seed of the standard profile's main table at smaller sizes: 16 training examples per
+    # attribute, D_ctrl a seeded 16 per source (QUICK_CTRL), 64 D_pca prompts, LoRA 5 epochs
+    # (QUICK_LORA_EPOCHS), published ReFT's least 10 steps (QUICK_REFT_STEPS); test documents: the first 50
+    # held-out TruthfulQA questions of each of seeds 0, 1, 2 (MC1 and MC2), 112 BBQ (16 per local category,
+    # spread over templates and whole contexts), 45 SORRY-Bench prompts (one per category) of 32 tokens,
+    # one question per MMLU subject (57), the first 30 ARC-Easy and 30 ARC-Challenge, 10 GSM8K; MMLU and
+    # ARC under each attribute's bundle. Measured 68 min from an empty runs/ (2026-11-28; results/README.md).
+    # Wide intervals: a first look, not the committed tables.
+    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 16, "bbq": 16, "sorry_bench": 16}, QUICK_CTRL,
+                     {"truthfulqa_mc1_heldout": 50, "truthfulqa_mc2_heldout": 50, "bbq_disambig_heldout": 112,
+                      "sorry_bench_heldout": 45, "mmlu": 1, "arc_easy": 30, "arc_challenge": 30, "gsm8k": 10,
+                      "truthfulqa_gen_heldout": 30},
+                     max_pca=64, gen_tokens={"sorry_bench_heldout": 32, "gsm8k": 96},
+                     tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
+                     column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]},
+                     published={"reft": {"min_steps": QUICK_REFT_STEPS}}, settings={"lora": {"epochs": QUICK_LORA_EPOCHS}}),
+    # The committed tables (results/): the embedded model on 2 CPU cores, about 3.5 h for the main
+    # table and 8 h for every table. Seeded subsets of 24 training examples per attribute; D_ctrl
+    # a seeded 40 per source (STANDARD_CTRL: 40 attribute hold-outs, or SORRY-Bench's 45 down to 40, beside
     # 40 ARC-Easy (25-shot) and 40 MMLU (5-shot) controls). Test documents (issue 36): the first 200
     # held-out TruthfulQA questions of each seed's split (MC1 and MC2; the held-out tasks list them
     # in a seeded order), under seeds 0, 1 and 2 in the main table (``column_seeds``: 600 questions over three splits, as many as the 535 of one
@@ -152,14 +184,14 @@ PROFILES = {
     # through arc_*_first25: the same 25 shots (the first 25 train questions) before every question,
     # computed once, where lm-eval's arc tasks draw 25 anew per question (the large profile keeps
     # those; docs/evaluating.md, ARC's shots).
-    "quick": Profile("quick", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, QUICK_CTRL,
+    "standard": Profile("standard", ["smollm2-135m-instruct"], [0], {"truthfulqa": 24, "bbq": 24, "sorry_bench": 24}, STANDARD_CTRL,
                      {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                       "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20,
                       "truthfulqa_gen_heldout": 100},
                      max_pca=128, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
                      tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
                      column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [0, 1, 2]},
-                     published={"reft": {"min_steps": QUICK_REFT_STEPS}}),
+                     published={"reft": {"min_steps": STANDARD_REFT_STEPS}}),
     # All 535 held-out TruthfulQA questions, 504 BBQ, 10 per MMLU subject (570), 200 ARC-Easy and 200
     # ARC-Challenge through lm-eval's own arc tasks (25 shots drawn per question), 90 SORRY-Bench
     # prompts (2 per category), 50 GSM8K, and larger training sets (20 validation examples or more):

@@ -7,7 +7,7 @@ baseline, attribute, model and seed, chosen before any result was seen: the comp
 reader of a steering paper expects is against each baseline as its authors train it.
 
 Earlier tables kept, per bundle, the recipe with the lower validation-slice loss. That choice
-was made on 4-5 validation questions in the quick profile, and the adapted recipe's figure was
+was made on 4-5 validation questions in the standard profile, and the adapted recipe's figure was
 already the minimum of a 12-15-cell grid over the same questions, so it was biased towards
 ``adapted`` and close to a coin toss. ``python repro/main_table.py --recipe adapted`` scores the
 other recipe, and ``repro/baseline_recipes.py`` shows both side by side with their validation
@@ -43,8 +43,11 @@ def recipe_settings(method: str, profile: Profile, recipe: str) -> dict | None:
 
 
 def table_settings(method: str, profile: Profile, recipe: str = MAIN_TABLE_RECIPE) -> dict | None:
-    """The hyperparameters the tables train ``method`` with: a baseline's ``recipe``, else the defaults."""
-    return recipe_settings(method, profile, recipe) if method in BASELINES else None
+    """The hyperparameters the tables train ``method`` with: a baseline's ``recipe``, else the
+    profile's settings for it (``Profile.settings``: the quick profile's LoRA epochs), else the defaults."""
+    if method in BASELINES:
+        return recipe_settings(method, profile, recipe)
+    return dict(profile.settings[method]) if method in profile.settings else None
 
 
 def table_bundle(store: Store, method: str, attribute: str, model: str, seed: int, profile: Profile,

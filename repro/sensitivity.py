@@ -1,7 +1,7 @@
 """Sensitivity to K (number of experts), rho (gate quantile) under each applicability labelling,
 and alpha_probe (the probe's strength), retrained and at inference: tables and line plots.
 
-    python repro/sensitivity.py [--profile quick|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6]
+    python repro/sensitivity.py [--profile quick|standard|large|paper|smoke] [--model ID] [--ks 1,2,3,4,5,6]
         [--rhos 0.7,0.8,0.9] [--labellings loss,flip,source] [--alphas 0.1,0.3,1]
         [--probe-alphas 0.1,0.3,1]
     python repro/sensitivity.py --plan  # its steps, which are cached, their cost; runs nothing

@@ -1,6 +1,6 @@
 """Table 3: the TruthfulQA-trained MARI on GSM8K at several gate quantiles rho.
 
-    python repro/transfer_gsm8k.py [--profile quick|paper|smoke] [--model ID] [--rhos 0.5,0.7,0.9,1.0]
+    python repro/transfer_gsm8k.py [--profile quick|standard|large|paper|smoke] [--model ID] [--rhos 0.5,0.7,0.9,1.0]
         [--labellings loss,source]
     python repro/transfer_gsm8k.py --plan --profile paper  # its steps and their cost; runs nothing
 

@@ -16,8 +16,7 @@ from baselines.common import SELECTION_KEY
 from baselines.loreft import continuous_rows, distance_from_init, dropped, initial_parameters
 from baselines.reft_published import evaluation_loss, fit_published, step_plan, warmup_linear
 
-from .tiny import tiny_examples, tiny_session
-from .tiny import reloaded, tiny_model
+from .tiny import reloaded, tiny_examples, tiny_model, tiny_session
 
 CONFIG = {"base_model": {"name": "tiny", "hidden_size": 32, "num_layers": 4}, "site": {"layer": 1}}
 
@@ -98,10 +97,11 @@ def test_published_fit_records_the_authors_settings_and_round_trips(tiny, tmp_pa
 
 
 def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_adapted_recipe_refuses_it():
-    # The quick profile's budget (repro/profiles.py QUICK_REFT_STEPS): published ReFT's least step count,
-    # passed as --set min_steps=N, so it is in the bundle's hyperparameters and its cache key.
+    # The quick and standard profiles' budgets (repro/profiles.py QUICK_REFT_STEPS, STANDARD_REFT_STEPS):
+    # published ReFT's least step count, passed as --set min_steps=N, so it is in the bundle's
+    # hyperparameters and its cache key.
     from repro import recipes
-    from repro.profiles import PROFILES, QUICK_REFT_STEPS
+    from repro.profiles import PROFILES, QUICK_REFT_STEPS, STANDARD_REFT_STEPS
 
     asked = []
 
@@ -112,9 +112,14 @@ def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_ad
     for method in ("reft", "caa"):
         for recipe in ("published", "adapted"):
             recipes.recipe_bundle(Store(), method, "bbq", "m", 0, PROFILES["quick"], recipe)
+    recipes.recipe_bundle(Store(), "reft", "bbq", "m", 0, PROFILES["standard"], "published")
     recipes.recipe_bundle(Store(), "reft", "bbq", "m", 0, PROFILES["large"], "published")
     assert asked == [("reft", {"recipe": "published", "min_steps": QUICK_REFT_STEPS}), ("reft", None),
-                     ("caa", {"recipe": "published"}), ("caa", None), ("reft", {"recipe": "published"})]
+                     ("caa", {"recipe": "published"}), ("caa", None),
+                     ("reft", {"recipe": "published", "min_steps": STANDARD_REFT_STEPS}), ("reft", {"recipe": "published"})]
+    # Methods other than the four baselines: the profile's settings (the quick profile's LoRA epochs), else none.
+    assert recipes.table_settings("lora", PROFILES["quick"]) == {"epochs": 5}
+    assert recipes.table_settings("lora", PROFILES["standard"]) is None and recipes.table_settings("mari", PROFILES["quick"]) is None
     assert reft_published.published_hyperparameters(reft.ReFT, {"min_steps": 20}, 4)["min_steps"] == 20
     with pytest.raises(ValueError, match=r"hyperparameters.min_steps is 0"):
         reft_published.published_hyperparameters(reft.ReFT, {"min_steps": 0}, 4)
@@ -125,7 +130,7 @@ def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_ad
 def test_the_step_rule_gives_at_least_100_steps_and_6_epochs():
     # pyreft README.md's few-example run: 10 examples, batch 10, 100 epochs.
     assert reft_published.MIN_STEPS == 100
-    # (n_fit, batch, least epochs) -> (steps per epoch, epochs, steps): quick profile's 20 fit examples,
+    # (n_fit, batch, least epochs) -> (steps per epoch, epochs, steps): the standard profile's 20 fit examples,
     # TruthfulQA's whole D_train (80), 8 examples in batches of 3, and pyreft's commonsense data (~170k,
     # where 6 epochs stay 6).
     assert step_plan(20, 32, 6) == (1, 100, 100)

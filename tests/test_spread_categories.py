@@ -44,19 +44,21 @@ def test_bbq_deals_templates_in_turn_and_keeps_each_contexts_questions_adjacent(
 
 @pytest.mark.needs_data
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_quick_profiles_bbq_documents_spread_over_templates_and_whole_contexts(seed):
+@pytest.mark.parametrize("name, per_category, templates_expected", [("standard", 72, 6 * 25 + 36), ("quick", 16, 7 * 8)])
+def test_a_profiles_bbq_documents_spread_over_templates_and_whole_contexts(seed, name, per_category, templates_expected):
     from mari_eval import data, data_splits
     from repro.profiles import PROFILES
 
-    n = PROFILES["quick"].limits["bbq_disambig_heldout"]
+    n = PROFILES[name].limits["bbq_disambig_heldout"]
     docs = _task_utils().load_bbq_disambig_heldout(split_seed=seed)["test"].to_list()
     assert sorted(d["id"] for d in docs) == sorted(data_splits.make_splits("bbq", seed).test)  # the same set, reordered
     first = docs[:n]
     contexts = Counter(data.bbq_context_key(d) for d in first)
     templates = {data.bbq_template_key(d) for d in first}
     categories = Counter(d["category"] for d in first)
-    # File order gave 33 templates and 308 contexts, 196 of them whole. Now 36 whole contexts per
-    # category: all 25 templates of six categories and 36 of Gender_identity's 50.
-    assert n == 504 and set(categories.values()) == {72} and len(categories) == 7
-    assert len(contexts) == 252 and set(contexts.values()) == {2}
-    assert len(templates) == 6 * 25 + 36
+    # File order gave 33 templates and 308 contexts, 196 of them whole. Now, in the standard profile,
+    # 36 whole contexts per category: all 25 templates of six categories and 36 of Gender_identity's
+    # 50; in the quick profile 8 whole contexts per category, each from its own template.
+    assert n == 7 * per_category and set(categories.values()) == {per_category} and len(categories) == 7
+    assert len(contexts) == n // 2 and set(contexts.values()) == {2}
+    assert len(templates) == templates_expected
