@@ -8,26 +8,32 @@ committed tables are ``standard``'s), fails here, naming the table and the field
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 
+from repro.command_line import add_common_args
 from repro.profiles import PROFILES
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
-TABLES = sorted(p for p in RESULTS.rglob("*.json")
-                if p.parent.name != "paper" and "profile" in json.loads(p.read_text())
-                and isinstance(json.loads(p.read_text())["profile"], str))
-DEFAULT_PROFILE = "quick"  # repro.command_line's --profile default
+
+
+def _names_a_profile(path: Path) -> bool:
+    table = json.loads(path.read_text())
+    return isinstance(table, dict) and isinstance(table.get("profile"), str)
+
+
+TABLES = sorted(p for p in RESULTS.rglob("*.json") if p.parent.name != "paper" and _names_a_profile(p))
 
 
 def _profile_of(command: str) -> str:
-    words = shlex.split(command)
-    if "--smoke" in words:
-        return "smoke"
-    return words[words.index("--profile") + 1] if "--profile" in words else DEFAULT_PROFILE
+    """The profile a recorded ``python repro/X.py ...`` command runs, as the scripts' own parser reads it."""
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    return parser.parse_known_args(shlex.split(command)[2:])[0].profile
 
 
 def test_the_committed_tables_are_found():
