@@ -217,6 +217,17 @@ def _hub_sorry_bench() -> list[dict]:
     return check_records(base, "sorry_bench", f"{path} (its prompt_style 'base' records)")
 
 
+def load_xstest_completions() -> list[dict]:
+    """XSTest's 1,800 model completions with their two human labels and the adjudicated
+    ``final_label`` (Röttger et al., 2024); local only: the labelled completions are in the
+    authors' repository, not on the Hub."""
+    root = data_dir()
+    if root is None:
+        raise DataError(f"XSTest's labelled completions are read from ${DATA_ENV}/xstest/completions.jsonl.gz "
+                        f"(shared/data/SOURCES.md says how it was made); set {DATA_ENV} to a folder holding it")
+    return read_jsonl(root / "xstest" / "completions.jsonl.gz", SCHEMAS["xstest/completions"])
+
+
 def load_mmlu(split: str) -> list[dict]:
     rows = _local_or_hub(f"mmlu/{split}.jsonl.gz", "mmlu", ("cais/mmlu", "all", split))
     return _with_content_ids(rows, lambda r: content_id(f"mmlu-{split}-{r['subject']}", r["question"], r["choices"], r["answer"]))

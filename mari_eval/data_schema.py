@@ -178,6 +178,13 @@ SCHEMAS = {
         "arc", _check_arc, keys=(("id", _field("id")),),
         id=TEXT, question=TEXT, choices=Obj(text=ListOf(TEXT), label=ListOf(TEXT)), answerKey=TEXT),
     "gsm8k": _schema("gsm8k", _check_gsm8k, keys=(("question", _field("question")),), question=TEXT, answer=STR),
+    # XSTest's completions with their human labels (shared/data/SOURCES.md): one per (model, prompt id).
+    # gpt4_label is free text where GPT-4 did not answer with a label, as in the original files.
+    "xstest/completions": _schema(
+        "xstest/completions", keys=(("model and id", lambda r: (r["model"], r["id"])),),
+        model=TEXT, id=TEXT, type=TEXT, prompt=TEXT, completion=STR,
+        final_label=OneOf("1_full_compliance", "2_full_refusal", "3_partial_refusal"), gpt4_label=STR,
+        strmatch_label=OneOf("1_full_compliance", "2_full_refusal")),
 }
 # Fields every record must carry, per local file family (the HF schemas); the types are in SCHEMAS.
 REQUIRED_FIELDS = {family: schema.required for family, schema in SCHEMAS.items()}

@@ -1030,3 +1030,22 @@ def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_on
     with J.judge_environment() as env:
         assert env[J.ENV_MODEL] == "embedded"
     assert started == [None]
+
+
+@pytest.mark.needs_data
+def test_embedded_judge_scored_against_people(embedded, monkeypatch):
+    """repro/judge_agreement.py --llm asks the configured judge (here the embedded one on loopback) about
+    XSTest completions and scores its verdicts against the people's; unparseable ones are counted, not guessed."""
+    from mari_eval.data import load_xstest_completions
+    from repro import judge_agreement
+
+    monkeypatch.setenv(J.ENV_BASE_URL, embedded.base_url)
+    monkeypatch.setenv(J.ENV_MODEL, embedded.model)
+    monkeypatch.setenv("MARI_JUDGE_MAX_TOKENS", "8")
+    rows = judge_agreement._limited(load_xstest_completions(), 1)  # the first completion of each of the 4 models
+    assert sorted(r["model"] for r in rows) == ["gpt4", "llama2orig", "mistralguard", "mistralinstruct"]
+    verdicts, described = judge_agreement.llm_verdicts(rows)
+    assert len(verdicts) == 4 and set(verdicts) <= {True, False, None}
+    assert described["model"] == embedded.model and "cache" not in described
+    scored = judge_agreement.score(rows, {"llm": verdicts})["partial-is-refusal"]["llm"]["all"]
+    assert scored["n"] + scored["unparseable"] == 4

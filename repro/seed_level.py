@@ -1,0 +1,168 @@
+"""Seeds as the unit of training variance: each seed's difference and a seed-level interval.
+
+    python -m repro.seed_level results/main_table      # writes results/main_table_seeds.{json,md}
+
+A table's paired difference (repro/intervals.py) pools the documents of every seed as if the
+trained bundles were fixed: its interval and test answer "these bundles against the reference
+on these documents", conditional on the training runs. A claim about a *method* must also carry
+the variation between training runs, and each seed trains its own bundles on its own split. For
+every difference of a table whose cells have two seeds or more, read from its per-document file
+(results/NAME_documents.parquet), this prints and records:
+
+* each seed's difference d_s (the row minus the reference on that seed's shared documents) and
+  their mean D (the table's difference) and standard deviation;
+* the seed-level t interval D +- t_{S-1} sd(d_s) / sqrt(S) and the one-sample t test of mean
+  zero over the S seed differences (Student, 1908): seeds are the units, documents only make
+  each d_s; with 3 seeds it has 2 degrees of freedom, so it is wide by construction;
+* a hierarchical bootstrap interval (seeds then documents): S seeds drawn with replacement,
+  then each drawn seed's paired documents (BBQ: contexts) drawn with replacement, D recomputed
+  (``intervals.ITERATIONS`` draws, seed ``intervals.SEED``; Davison & Hinkley, *Bootstrap Methods*,
+  1997, sec. 3.8, two-stage sampling). With 3 seeds its seed stage has 10 distinct outcomes, and
+  it understates between-seed spread (a draw of three seeds reuses one seed about 7 times in 9);
+  the t interval is the one to read. Holm's adjustment runs over the t tests of each family (the
+  differences from the reference row; the table's other comparisons), as the table's own do.
+* beside them, the table's own conditional interval and p, labelled as such.
+
+Columns scored under one seed get no seed-level figure (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from mari_eval.files import atomic_write, write_results_json
+from repro import intervals
+from repro.documents_file import SUFFIX, read_documents
+from repro.profiles import REPO
+from repro.tables import markdown_table, p_text
+
+
+def _paired(mine: dict, theirs: dict, clusters: dict | None) -> list[np.ndarray]:
+    """Per unit (a document, or a cluster of them), the row-minus-reference differences of its documents."""
+    shared = sorted(k for k in set(mine) & set(theirs) if mine[k] is not None and theirs[k] is not None)
+    units: dict = {}
+    for k in shared:
+        units.setdefault(clusters.get(k, k) if clusters else k, []).append(mine[k] - theirs[k])
+    return [np.array(v) for v in units.values()]
+
+
+def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATIONS, seed: int = intervals.SEED) -> dict | None:
+    """The seed-level figures of ``row`` minus ``reference`` (cells as ``read_documents`` gives them);
+    None when they share fewer than two seeds."""
+    strata = []
+    for s, (mine, theirs) in enumerate(zip(row["documents"], reference["documents"])):
+        clusters = {**(reference.get("clusters") or [{}] * (s + 1))[s], **(row.get("clusters") or [{}] * (s + 1))[s]}
+        units = _paired(mine, theirs, clusters)
+        if units:
+            strata.append(units)
+    if len(strata) < 2:
+        return None
+    per_seed = [float(np.concatenate(units).mean()) for units in strata]
+    mean, spread, count = float(np.mean(per_seed)), float(np.std(per_seed, ddof=1)), len(per_seed)
+    half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
+    p = 1.0 if spread == 0 and mean == 0 else 0.0 if spread == 0 else float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1))
+    rng = np.random.default_rng(seed)
+    draws = np.empty(iterations)
+    sums = [np.array([u.sum() for u in units]) for units in strata]
+    sizes = [np.array([u.size for u in units]) for units in strata]
+    for i in range(iterations):
+        means = []
+        for s in rng.integers(0, count, size=count):
+            pick = rng.integers(0, len(sums[s]), size=len(sums[s]))
+            means.append(sums[s][pick].sum() / sizes[s][pick].sum())
+        draws[i] = np.mean(means)
+    tail = (1 - intervals.LEVEL) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return {"per_seed": per_seed, "mean": mean, "std": spread, "seeds": count,
+            "t_ci": [mean - half, mean + half], "t_p": p, "hierarchical_ci": [float(low), float(high)]}
+
+
+def analyse(table: Path) -> dict:
+    """{"command", "table", "models": {model: [{"row", "against", "column", seed-level figures, "conditional"}]}}."""
+    record = json.loads(table.with_suffix(".json").read_text())
+    cells, references, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
+    try:
+        shown = table.resolve().relative_to(REPO)
+    except ValueError:  # a table outside the repository: its path as given
+        shown = table
+    out = {"command": f"python -m repro.seed_level {shown}", "table": table.name,
+           "table_command": record.get("command"), "iterations": intervals.ITERATIONS, "seed": intervals.SEED,
+           "level": intervals.LEVEL, "models": {}}
+    for model, entry in record["models"].items():
+        rows, reference = cells.get(model, {}), references.get(model)
+        found = out["models"][model] = []
+        pairs = [(r["row"], reference, {c: v.get("difference") for c, v in r["ours"].items()})
+                 for r in entry["rows"] if r["row"] != reference]
+        pairs += [(c["row"], c["against"], c["columns"]) for c in entry.get("comparisons", [])]
+        for label, against, conditional in pairs:
+            for column in columns:
+                mine, theirs = rows.get(label, {}).get(column), rows.get(against, {}).get(column)
+                if mine is None or theirs is None:
+                    continue
+                figures = seed_level(mine, theirs)
+                if figures is None:
+                    continue
+                given = conditional.get(column) or {}
+                found.append({"row": label, "against": against, "column": column, **figures,
+                              "conditional": {"ci": given.get("ci"), "p": given.get("p"), "p_bound": given.get("p_bound"),
+                                              "test": given.get("test")}})
+        for family in {f["against"] == reference for f in found}:  # Holm over each family, as the table's tests
+            members = [f for f in found if (f["against"] == reference) == family]
+            for f, adjusted in zip(members, intervals.holm([f["t_p"] for f in members])):
+                f["t_p_holm"] = adjusted
+    return out
+
+
+def markdown(result: dict, one_seed: list[str]) -> str:
+    lines = [f"# {result['table']}: seeds as the unit of training variance\n",
+             f"Generated by `{result['command']}` from {result['table']}{SUFFIX} (the table: "
+             f"`{result['table_command']}`). Each seed trains its own bundles on its own split; d_s is a row minus "
+             "the row it is compared with on seed s's documents. Seed-level: the t interval and test over the "
+             f"seeds' differences (S - 1 degrees of freedom) and a {result['level']:.0%} hierarchical bootstrap "
+             f"(seeds, then documents or BBQ contexts; {result['iterations']} draws, seed {result['seed']}; "
+             "repro/seed_level.py). Conditional: the table's own interval and p, which pool the documents of "
+             "every seed as if the trained bundles were fixed.\n"]
+    if one_seed:
+        lines.append(f"Columns under one seed (no seed-level figure): {', '.join(one_seed)}.\n")
+    for model, found in result["models"].items():
+        lines.append(f"\n## {model}\n")
+        lines.append(markdown_table(
+            ["rows", "column", "per seed", "mean (std)", "seed-level t 95%", "t p (Holm)", "hierarchical 95%",
+             "conditional 95%", "conditional p"],
+            [[f"{f['row']} - {f['against']}", f["column"], " / ".join(f"{d:+.2f}" for d in f["per_seed"]),
+              f"{f['mean']:+.2f} ({f['std']:.2f})", f"[{f['t_ci'][0]:.2f}, {f['t_ci'][1]:.2f}]", f"{f['t_p']:.3f} ({f['t_p_holm']:.3f})",
+              f"[{f['hierarchical_ci'][0]:.2f}, {f['hierarchical_ci'][1]:.2f}]",
+              "n/a" if not f["conditional"]["ci"] else f"[{f['conditional']['ci'][0]:.2f}, {f['conditional']['ci'][1]:.2f}]",
+              "n/a" if f["conditional"]["p"] is None else p_text(f["conditional"]["p"], bool(f["conditional"]["p_bound"]))]
+             for f in found]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", type=Path, help="a table's results path without suffix, e.g. results/main_table")
+    args = parser.parse_args(argv)
+    table = args.table.with_suffix("") if args.table.suffix == ".json" else args.table
+    if not table.with_suffix(".json").is_file() or not (table.parent / f"{table.name}{SUFFIX}").is_file():
+        raise SystemExit(f"{table}: needs {table.name}.json and {table.name}{SUFFIX} beside it (a table's results)")
+    result = analyse(table)
+    cells, _, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
+    multi = {f["column"] for found in result["models"].values() for f in found}
+    one_seed = [c for c in columns if c not in multi]
+    result["one_seed_columns"] = one_seed
+    write_results_json(table.parent / f"{table.name}_seeds.json", result)
+    text = markdown(result, one_seed)
+    atomic_write(table.parent / f"{table.name}_seeds.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

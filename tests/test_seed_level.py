@@ -1,0 +1,72 @@
+"""Seeds as the unit of training variance (repro/seed_level.py): each seed's difference, the
+seed-level t interval and test, the hierarchical bootstrap, and the committed files."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from repro import seed_level
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def _cell(strata: list[dict], clusters: list[dict] | None = None) -> dict:
+    return {"documents": strata, "clusters": clusters or [{} for _ in strata]}
+
+
+def test_per_seed_differences_and_the_t_interval_by_hand():
+    # three seeds; the row gains 1, 2 and 6 documents of 10 over the reference (0/1 scores)
+    reference = _cell([{f"d{i}": 0.0 for i in range(10)} for _ in range(3)])
+    row = _cell([{f"d{i}": float(i < gain) for i in range(10)} for gain in (1, 2, 6)])
+    found = seed_level.seed_level(row, reference, iterations=400, seed=1)
+    assert found["per_seed"] == pytest.approx([0.1, 0.2, 0.6]) and found["seeds"] == 3
+    assert found["mean"] == pytest.approx(0.3) and found["std"] == pytest.approx(math.sqrt(0.07))
+    half = stats.t.ppf(0.975, 2) * math.sqrt(0.07) / math.sqrt(3)
+    assert found["t_ci"] == pytest.approx([0.3 - half, 0.3 + half])
+    assert found["t_p"] == pytest.approx(stats.ttest_1samp([0.1, 0.2, 0.6], 0.0).pvalue)
+    low, high = found["hierarchical_ci"]
+    assert 0.0 <= low < 0.3 < high <= 1.0
+    assert seed_level.seed_level(row, reference, iterations=400, seed=1) == found  # seeded
+    # every document of a seed moved by the same amount: only the seed stage varies, so the
+    # bootstrap stays within the range of the seeds' differences
+    constant = _cell([{f"d{i}": gain for i in range(10)} for gain in (0.1, 0.2, 0.6)])
+    low, high = seed_level.seed_level(constant, reference, iterations=400, seed=1)["hierarchical_ci"]
+    assert 0.1 - 1e-12 <= low < 0.3 < high <= 0.6 + 1e-12
+
+
+def test_clusters_are_resampled_whole_and_one_seed_gives_nothing():
+    # one stratum's four documents in two contexts: two units, not four
+    units = seed_level._paired({"a": 1.0, "b": 1.0, "c": 0.0, "d": 1.0}, {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0},
+                               {"a": "x", "b": "x", "c": "y", "d": "y"})
+    assert sorted(u.tolist() for u in units) == [[0.0, 1.0], [1.0, 0.0]]
+    one = _cell([{"a": 1.0}])
+    assert seed_level.seed_level(one, _cell([{"a": 0.0}])) is None
+
+
+def test_committed_seed_files_are_what_the_command_gives(tmp_path):
+    """results/main_table_seeds.* regenerate from the committed table alone, and each difference's
+    mean over seeds is the table's own difference."""
+    for name in ("main_table.json", "main_table_documents.parquet"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    assert seed_level.main([str(tmp_path / "main_table")]) == 0
+    fresh = json.loads((tmp_path / "main_table_seeds.json").read_text())
+    committed = json.loads((RESULTS / "main_table_seeds.json").read_text())
+    assert committed["command"] == "python -m repro.seed_level results/main_table"
+    fresh["command"] = committed["command"]
+    assert fresh == committed
+    table = json.loads((RESULTS / "main_table.json").read_text())
+    differences = {(r["row"], c): v["difference"] for r in table["models"]["smollm2-135m-instruct"]["rows"]
+                   for c, v in r["ours"].items() if v.get("difference")}
+    checked = 0
+    for found in committed["models"]["smollm2-135m-instruct"]:
+        if found["against"] == "Vanilla":
+            assert found["mean"] == pytest.approx(differences[found["row"], found["column"]]["mean"], abs=1e-9)
+            checked += 1
+    assert checked == 14  # seven rows, MC1 and MC2
+    assert "bbq_acc" in committed["one_seed_columns"]
