@@ -81,6 +81,23 @@ def write_documents(path: Path, cells: dict, columns: list[str], reference: str 
     return atomic_write(path, sink.getvalue().to_pybytes())
 
 
+def table_argument(path: Path) -> Path:
+    """A table named on a command line (results/main_table, or its .json), checked to have its JSON
+    and per-document file beside it; SystemExit naming them otherwise."""
+    table = path.with_suffix("") if path.suffix == ".json" else path
+    if not table.with_suffix(".json").is_file() or not (table.parent / f"{table.name}{SUFFIX}").is_file():
+        raise SystemExit(f"{table}: needs {table.name}.json and {table.name}{SUFFIX} beside it (a table's results)")
+    return table
+
+
+def shown_path(path: Path, root: Path) -> str:
+    """``path`` as a command records it: relative to the repository ``root`` when inside it."""
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 

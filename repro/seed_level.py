@@ -39,7 +39,7 @@ from scipy import stats
 
 from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
-from repro.documents_file import SUFFIX, read_documents
+from repro.documents_file import SUFFIX, read_documents, shown_path, table_argument
 from repro.profiles import REPO
 from repro.tables import markdown_table, p_text
 
@@ -88,10 +88,7 @@ def analyse(table: Path) -> dict:
     """{"command", "table", "models": {model: [{"row", "against", "column", seed-level figures, "conditional"}]}}."""
     record = json.loads(table.with_suffix(".json").read_text())
     cells, references, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
-    try:
-        shown = table.resolve().relative_to(REPO)
-    except ValueError:  # a table outside the repository: its path as given
-        shown = table
+    shown = shown_path(table, REPO)
     out = {"command": f"python -m repro.seed_level {shown}", "table": table.name,
            "table_command": record.get("command"), "iterations": intervals.ITERATIONS, "seed": intervals.SEED,
            "level": intervals.LEVEL, "models": {}}
@@ -149,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", type=Path, help="a table's results path without suffix, e.g. results/main_table")
     args = parser.parse_args(argv)
-    table = args.table.with_suffix("") if args.table.suffix == ".json" else args.table
-    if not table.with_suffix(".json").is_file() or not (table.parent / f"{table.name}{SUFFIX}").is_file():
-        raise SystemExit(f"{table}: needs {table.name}.json and {table.name}{SUFFIX} beside it (a table's results)")
+    table = table_argument(args.table)
     result = analyse(table)
     cells, _, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
     multi = {f["column"] for found in result["models"].values() for f in found}

@@ -16,6 +16,18 @@ from repro import seed_level
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
+def _regenerated(tmp_path: Path, module, suffix: str) -> tuple[dict, dict]:
+    """(what ``module``'s command gives now from a copy of the committed main table, the committed
+    results/main_table_<suffix>.json), the command line made equal."""
+    for name in ("main_table.json", "main_table_documents.parquet"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    assert module.main([str(tmp_path / "main_table")]) == 0
+    fresh = json.loads((tmp_path / f"main_table_{suffix}.json").read_text())
+    committed = json.loads((RESULTS / f"main_table_{suffix}.json").read_text())
+    assert committed["command"] == f"python -m {module.__name__} results/main_table"
+    return {**fresh, "command": committed["command"]}, committed
+
+
 def _cell(strata: list[dict], clusters: list[dict] | None = None) -> dict:
     return {"documents": strata, "clusters": clusters or [{} for _ in strata]}
 
@@ -52,13 +64,7 @@ def test_clusters_are_resampled_whole_and_one_seed_gives_nothing():
 def test_committed_seed_files_are_what_the_command_gives(tmp_path):
     """results/main_table_seeds.* regenerate from the committed table alone, and each difference's
     mean over seeds is the table's own difference."""
-    for name in ("main_table.json", "main_table_documents.parquet"):
-        shutil.copy(RESULTS / name, tmp_path / name)
-    assert seed_level.main([str(tmp_path / "main_table")]) == 0
-    fresh = json.loads((tmp_path / "main_table_seeds.json").read_text())
-    committed = json.loads((RESULTS / "main_table_seeds.json").read_text())
-    assert committed["command"] == "python -m repro.seed_level results/main_table"
-    fresh["command"] = committed["command"]
+    fresh, committed = _regenerated(tmp_path, seed_level, "seeds")
     assert fresh == committed
     table = json.loads((RESULTS / "main_table.json").read_text())
     differences = {(r["row"], c): v["difference"] for r in table["models"]["smollm2-135m-instruct"]["rows"]
@@ -70,3 +76,19 @@ def test_committed_seed_files_are_what_the_command_gives(tmp_path):
             checked += 1
     assert checked == 14  # seven rows, MC1 and MC2
     assert "bbq_acc" in committed["one_seed_columns"]
+
+
+def test_bbq_read_by_context_by_hand_and_committed(tmp_path):
+    """repro/bbq_contexts.py: a context's two questions counted together; the committed file is what the
+    command gives from the committed main table."""
+    from repro import bbq_contexts
+
+    cell = {"documents": [{"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 0.0, "f": 0.0, "g": 1.0}],
+            "clusters": [{"a": "x", "b": "x", "c": "y", "d": "y", "e": "z", "f": "z", "g": "w"}]}
+    assert bbq_contexts.by_context(cell) == [{"x": 2, "y": 1, "z": 0}]  # w lacks its pair: left out
+    with pytest.raises(ValueError, match="has no context"):
+        bbq_contexts.by_context({"documents": [{"a": 1.0}], "clusters": [{}]})
+    fresh, committed = _regenerated(tmp_path, bbq_contexts, "bbq_contexts")
+    assert fresh == committed
+    vanilla = committed["models"]["smollm2-135m-instruct"][0]
+    assert vanilla["row"] == "Vanilla" and vanilla["both_right"] + vanilla["one_right"] + vanilla["neither_right"] == 252
