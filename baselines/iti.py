@@ -70,7 +70,7 @@ from mari_eval.prefix_cache import broadcast_cache, with_cache
 from mari_eval.registry import register_method
 
 from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_losses, validation_split
-from .iti_heads import RECORD_FIELDS, choice_record, heads_summary, rank_heads
+from .iti_heads import HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 
 if TYPE_CHECKING:
@@ -283,12 +283,13 @@ class ITI(ScaledVector):
         "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
         # What the published recipe's probe rows are (iti_published.probe_answers); absent before issue 36 (MC1's options).
         "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")),
+        "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True),
     }
     # The record of the chosen heads (iti_heads.choice_record); other diagnostics are not checked.
     config_fields = {"diagnostics": Obj(RECORD_FIELDS, optional=True)}
     label = "ITI"
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
-                       "recipe": RECIPE_FIELD}
+                       "recipe": RECIPE_FIELD, "head_selection": Str(optional=True, choices=HEAD_SELECTIONS)}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -334,6 +335,8 @@ class ITI(ScaledVector):
     @classmethod
     def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
                     seed: int) -> Intervention:
+        if "head_selection" in hyperparameters:
+            raise ValueError(f"{cls.label}: the adapted recipe does not read ['head_selection'] (the published recipe's)")
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         fit_examples, val_examples = validation_split(data.train, seed)

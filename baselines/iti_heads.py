@@ -28,13 +28,15 @@ accuracy; the adapted recipe's balanced accuracy puts that bar at 0.5).
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mari_eval.bundle_spec import Float, Int, List, Obj, Str
 
 TIE_RULE = "seeded random order among equal accuracies (seed: the training seed)"
+HEAD_SELECTIONS = ("validation", "cv")
+CV_FOLDS = 5  # folds of questions for head_selection="cv"
 
 # What the record adds to a bundle's diagnostics; every key optional (bundles trained before issue 36 lack them).
 RECORD_FIELDS = {
@@ -45,7 +47,49 @@ RECORD_FIELDS = {
     "head_tie_rule": Str(optional=True),
     "probe_validation": Obj({"rows": Int(1), "true_rows": Int(0), "majority_accuracy": Float(0, 1),
                              "accuracy_min": Float(0, 1), "accuracy_max": Float(0, 1)}, optional=True),
+    "head_selection": Str(optional=True, choices=HEAD_SELECTIONS),
+    "selection_warnings": List(Str(), optional=True),
 }
+
+# score(x_fit [N, G, d], y_fit [N], x_val [M, G, d], y_val [M], seed) -> accuracy of each of G probes [G]
+ProbeScore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def cross_validated_accuracy(score: ProbeScore, x: torch.Tensor, y: torch.Tensor, owner: torch.Tensor, seed: int,
+                             folds: int = CV_FOLDS) -> torch.Tensor:
+    """Each head's probe accuracy over all rows ``x`` [N, G, d], every row predicted by a probe (``score``)
+    fitted on the rows of the other folds; the folds split the questions (``owner``: each row's question),
+    seeded, so that no question is both fitted and scored."""
+    questions = sorted(set(owner.tolist()))
+    if len(questions) < 2:
+        raise ValueError("cross-validated head selection needs at least 2 training questions")
+    order = list(questions)
+    random.Random(f"iti-heads:cv:{seed}").shuffle(order)
+    fold_of = {q: i % min(folds, len(order)) for i, q in enumerate(order)}
+    assigned = torch.tensor([fold_of[int(q)] for q in owner])
+    correct = torch.zeros(x.shape[1], dtype=torch.float64)
+    for fold in range(min(folds, len(order))):
+        held = assigned == fold
+        if y[~held].min() == y[~held].max():
+            raise ValueError(f"cross-validated head selection: the probes of fold {fold + 1} would be fitted on one "
+                             "class only; use more training examples")
+        correct += score(x[~held], y[~held], x[held], y[held], seed).double() * int(held.sum())
+    return (correct / len(y)).float()
+
+
+def selection_warnings(record: dict[str, Any], k: int) -> list[str]:
+    """What makes a choice of heads uninformative (``choice_record``'s record of it): the K-th
+    accuracy within one probe row of the majority class, or more heads tied at it than K."""
+    out = []
+    rows = record.get("probe_validation", {}).get("rows")
+    majority = record.get("probe_validation", {}).get("majority_accuracy")
+    if rows and majority is not None and record["boundary_accuracy"] - majority <= 1 / rows + 2e-6:  # both rounded to 1e-6
+        out.append(f"the K-th head's probe accuracy {record['boundary_accuracy']:.4f} is within one of {rows} rows of "
+                   f"always answering the majority class ({majority:.4f})")
+    if record["heads_tied_at_boundary"] > k:
+        out.append(f"{record['heads_tied_at_boundary']} heads tie at the K-th accuracy, more than K = {k}: the seeded "
+                   f"order chose {record['tied_heads_chosen']} of them")
+    return out
 
 
 def rank_heads(accuracy: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -48,7 +48,8 @@ Equal accuracies are ordered by a random permutation seeded by the training seed
 sort; ordering them by head index favoured layers 0 and 1). The chosen heads with their
 validation accuracies, and how many heads share the K-th accuracy, are recorded in the
 bundle's diagnostics (``iti_heads.choice_record``) and shown in lm-eval's
-``config.mari_diagnostics``. K scales
+``config.mari_diagnostics``; ``head_selection="cv"`` scores the probes by cross-validation over
+all of D_train instead (``iti_heads``). K scales
 with the model: 48 / 1024 of its heads (13 of SmolLM2-135M's 30 x 9), so that the share of
 the model moved is the authors'; alpha is in units of sigma and stays 15. The probes are fitted
 on the answers of the 80% of the questions of ``common.validation_split`` and scored on those of
@@ -88,7 +89,7 @@ from mari_eval.objectives import COMPLIANCE_TARGET
 from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
 from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
-from .iti_heads import choice_record, rank_heads
+from .iti_heads import CV_FOLDS, choice_record, cross_validated_accuracy, rank_heads, selection_warnings
 
 if TYPE_CHECKING:
     from mari_eval.intervention import Intervention
@@ -249,10 +250,9 @@ def logistic_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Ten
     authors' estimator rather than a re-solve: the same optimum to lbfgs's tolerance, in about
     two seconds for 270 heads (one torch L-BFGS over all heads at once, whose curvatures differ
     by orders of magnitude, stopped short of it on some heads and took 30 times longer)."""
-    from sklearn.exceptions import \
-        ConvergenceWarning  # deferred: scikit-learn is heavy; only this path needs it
-    from sklearn.linear_model import \
-        LogisticRegression  # deferred: scikit-learn is heavy; only this path needs it
+    # deferred: scikit-learn is heavy; only this path needs it
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
 
     fit_x, val_x = x_fit.double().numpy(), x_val.double().numpy()
     fit_y, val_y = y_fit.numpy() > 0.5, y_val.numpy() > 0.5
@@ -341,7 +341,8 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
                   hyperparameters: dict[str, Any], seed: int) -> Intervention:
     """``cls`` (ITI or NL-ITI) trained by its authors' recipe, ``cls.published``."""
     recipe: Recipe = cls.published
-    fixed = sorted(set(hyperparameters) - {"recipe"})
+    fixed = sorted(set(hyperparameters) - {"recipe", "head_selection"})
+    selection = hyperparameters.get("head_selection", "validation")  # how the probes are scored (iti_heads)
     if fixed:
         raise ValueError(f"{cls.method}: the published recipe fixes K and alpha (the authors' 48/1024 of the heads and 15); "
                          f"drop --set {', '.join(fixed)} or use --recipe adapted, which chooses them on the validation slice")
@@ -355,23 +356,27 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     is_fit, sigma_fit = acts["owner"] < len(fit_examples), acts["sigma_owner"] < len(fit_examples)
     if y[~is_fit].min() == y[~is_fit].max():
         raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
-    x_fit, x_val = flat["probe"][is_fit], flat["probe"][~is_fit]
-    if recipe.probe == "linear":
-        accuracy = logistic_accuracy(x_fit, y[is_fit], x_val, y[~is_fit], seed)
+    score = logistic_accuracy if recipe.probe == "linear" else mlp_accuracy
+    if selection == "cv":  # every row scored by a probe fitted without its question
+        accuracy = cross_validated_accuracy(score, flat["probe"], y, acts["owner"], seed)
     else:
-        accuracy = mlp_accuracy(x_fit, y[is_fit], x_val, y[~is_fit], seed)
+        accuracy = score(flat["probe"][is_fit], y[is_fit], flat["probe"][~is_fit], y[~is_fit], seed)
     k = num_heads_for(n_layers * n_heads)
     ranked = rank_heads(accuracy, seed)
     top = ranked[:k]
     heads = torch.stack([top // n_heads, top % n_heads], 1)
-    choice = choice_record(accuracy, ranked, k, n_heads, y[~is_fit])
+    choice = choice_record(accuracy, ranked, k, n_heads, y if selection == "cv" else y[~is_fit])
+    choice.update(head_selection=selection, selection_warnings=selection_warnings(choice, k))
+    for warning in choice["selection_warnings"]:
+        log.warning("%s (published) head choice: %s", cls.method, warning)
     log.info("%s (published): %d of %d heads share the K-th validation accuracy %.4f, %d of them chosen by the seeded "
              "tie order", cls.method, choice["heads_tied_at_boundary"], len(accuracy), choice["boundary_accuracy"],
              choice["tied_heads_chosen"])
 
     hp = {"recipe": "published", "alpha": ALPHA, "num_heads": k, "head_fraction": HEAD_FRACTION, "probe": recipe.probe,
           "probe_answers": answer_kind, "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
-          **recipe.formats(), "validation_fraction": VALIDATION_FRACTION}
+          **recipe.formats(), "validation_fraction": VALIDATION_FRACTION,
+          **({"head_selection": "cv", "probe_folds": CV_FOLDS} if selection == "cv" else {})}
     hp.update({"probe_C": LOGISTIC_C, "probe_max_iter": LBFGS_ITERATIONS} if recipe.probe == "linear"
               else {f"probe_{name}": value for name, value in MLP.items()})
     position = ("attention heads' outputs, every token after the last prompt token (the answer's)" if recipe.shift_from == "answer"

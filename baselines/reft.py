@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 
 DEFAULTS = {"rank": 4, "first": 5, "last": 5, "lr": 5e-3, "epochs": 3, "batch": 8}
 # Settings only the published recipe reads (``baselines.reft_published``); the adapted fit refuses them.
-PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm", "min_steps")
+PUBLISHED_ONLY = ("layers", "dropout", "warmup_ratio", "weight_decay", "max_grad_norm", "min_steps", "epoch_selection")
 
 
 @register_method("reft")
@@ -97,6 +97,9 @@ class ReFT(Baseline):
         "warmup_ratio": Float(0, 1, optional=True), "weight_decay": Float(0, optional=True),
         "max_grad_norm": Float(0, lo_open=True, optional=True), "loss": Str(optional=True),
         "schedule": Str(optional=True), "positions": Str(optional=True), "min_steps": Int(1, optional=True),
+        # published recipe: the epoch kept, the last (pyreft's commonsense and math runs) or the best on the
+        # validation slice (pyreft's GLUE runs, load_best_model_at_end); absent: the last
+        "epoch_selection": Str(optional=True, choices=("last", "best")),
     }
 
     label = "ReFT"

@@ -6,7 +6,10 @@ first 7 and last 7 prompt tokens, rank 8, W and b at ``torch.nn.Linear``'s defau
 initialisation, AdamW at 9e-4 with a linear schedule after 10% warm-up, effective batch
 32, gradients clipped to norm 1, the last epoch kept, and the language-modelling loss of
 the answer: the teacher-forced NLL of the gold option's (or the target's) tokens, averaged
-over the tokens of the batch.
+over the tokens of the batch. ``--set epoch_selection=best`` keeps instead the epoch of the
+lowest validation loss, as pyreft's authors select on held-out data for GLUE (their
+``train.py``: ``load_best_model_at_end``; for commonsense and math they keep the last epoch and
+tune the length on a dev split), recorded as ``epoch_kept``.
 
 How many optimizer steps (issue 36): pyreft's commonsense command trains 6 epochs of ~170k
 examples at batch 32, some 32,000 steps. On 20-80 fit examples 6 epochs are 6 steps (the
@@ -139,6 +142,8 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
                      generator=gen)
     order = random.Random(f"reft-published:{seed}")
     step = [0]
+    keep_best = hp.get("epoch_selection") == "best"
+    best: list = [math.inf, 0, None]  # validation loss, epoch (from 1), its parameters (epoch_selection=best)
     config = copy.deepcopy(config)
     config["site"]["position"] = (f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*), "
                                   f"at layers {_layer_span(layers)}")
@@ -191,19 +196,32 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
         record = {"train_loss": sum(logged["loss"] * size for size, logged in parts) / n,
                   "grad_norm": max(logged["grad_norm"] for _, logged in parts), "lr_last": parts[-1][1]["lr"],
                   "validation_loss": evaluation_loss(session, bundle(), val_examples)}
+        if keep_best and record["validation_loss"] < best[0]:
+            best[:] = [record["validation_loss"], epoch + 1, {k: v.detach().cpu().clone() for k, v in params.items()}]
         log.info("ReFT (published) epoch %d/%d: train loss (token-mean answer NLL, before each step) %.4f, validation "
                  "loss %.4f (vanilla %.4f)", epoch + 1, epochs, record["train_loss"], record["validation_loss"], base)
         return record
 
     def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:
         order.setstate(python_rng_state(state["order"]))
+        if keep_best:
+            best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
+
+    def state() -> dict[str, Any]:
+        return {"order": order.getstate(), **({"best_validation": best[0], "best_epoch": best[1]} if keep_best else {})}
 
     initial_loss = evaluation_loss(session, bundle(), val_examples)  # before loop.run restores a checkpoint
-    history = loop.run(batches, loss, end_epoch, restored=restored, state=lambda: {"order": order.getstate()})
+    history = loop.run(batches, loss, end_epoch, restored=restored, state=state, extra=lambda: best[2])
+    if keep_best:  # the epoch of the lowest validation loss, as pyreft's GLUE runs keep it
+        with torch.no_grad():
+            for k, v in best[2].items():
+                params[k].copy_(v)
+        config["hyperparameters"]["epoch_kept"] = best[1]
     fitted = bundle()
     with torch.no_grad():
         start = {"R": continuous_rows(initial["free"]), "W": initial["W"], "b": initial["b"]}
-    fitted.config["diagnostics"] = {"history": history, SELECTION_KEY: history[-1]["validation_loss"],
+    kept_loss = history[config["hyperparameters"]["epoch_kept"] - 1]["validation_loss"]
+    fitted.config["diagnostics"] = {"history": history, SELECTION_KEY: kept_loss,
                                     "validation_loss_base": base, "validation_loss_init": initial_loss,
                                     "validation_ids": [ex.id for ex in val_examples],
                                     "distance_from_init": distance_from_init(start, fitted.tensors)}

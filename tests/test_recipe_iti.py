@@ -360,3 +360,52 @@ def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270(truthful
     assert [[c["layer"], c["head"]] for c in diag["chosen_heads"]] == diag["heads"]
     assert np.isfinite(diag[SELECTION_KEY]) and diag[SELECTION_KEY] != diag["validation_loss_base"]
     assert (fitted.tensors["sigma"] > 0).all()
+
+
+def test_cross_validated_accuracy_scores_every_row_by_a_probe_fitted_without_its_question():
+    # 6 questions of 3 rows each; a stand-in probe whose "accuracy" on each held-out row is 1 when the
+    # row's question was not among those it was fitted on, so any leak shows as a value below 1.
+    owner = torch.arange(6).repeat_interleave(3)
+    y = torch.tensor([1.0, 0, 0] * 6)
+    x = torch.stack([owner.float()] * 2, 1)[:, :, None]  # [18 rows, 2 heads, 1]: a row carries its question
+    folds = []
+
+    def score(x_fit, y_fit, x_val, y_val, seed):
+        fitted, held = set(x_fit[:, 0, 0].tolist()), set(x_val[:, 0, 0].tolist())
+        folds.append(held)
+        return torch.tensor([float(not fitted & held), 0.5])
+
+    accuracy = iti_heads.cross_validated_accuracy(score, x, y, owner, seed=0, folds=3)
+    assert accuracy.tolist() == [1.0, 0.5]  # every row scored once, none by a probe that saw its question
+    assert len(folds) == 3 and set().union(*folds) == set(range(6)) and all(len(f) == 2 for f in folds)
+    with pytest.raises(ValueError, match="one class only"):
+        iti_heads.cross_validated_accuracy(score, x, torch.tensor([1.0] * 15 + [0.0] * 3), owner, seed=0, folds=3)
+
+
+def test_selection_warnings_name_an_uninformative_choice_of_heads():
+    labels = torch.tensor([1.0] * 19 + [0.0] * 16)  # 35 rows, majority 19/35, as the reviewed TruthfulQA slice
+    accuracy = torch.tensor([21 / 35] * 13 + [20 / 35] * 5)  # the K-th head two rows above the majority: no warning
+    record = iti_heads.choice_record(accuracy, iti_heads.rank_heads(accuracy), 5, 3, labels)
+    assert iti_heads.selection_warnings(record, 5) == [
+        "13 heads tie at the K-th accuracy, more than K = 5: the seeded order chose 5 of them"]
+    accuracy = torch.tensor([20 / 35] * 3 + [0.5] * 3)  # one row above the majority class
+    record = iti_heads.choice_record(accuracy, iti_heads.rank_heads(accuracy), 3, 3, labels)
+    assert iti_heads.selection_warnings(record, 3) == [
+        "the K-th head's probe accuracy 0.5714 is within one of 35 rows of always answering the majority class (0.5429)"]
+
+
+@pytest.mark.parametrize("cls", [iti.ITI, iti.NLITI])
+def test_published_fit_with_cross_validated_heads_records_it(tmp_path, mc2, cls):
+    model = tiny_model("llama")
+    session = chat_free_session(model)
+    examples = char_examples(session)
+    mc2.update(_mc2(examples))
+    fitted = cls.fit(session, attribute_of(examples), tiny_config(model), {"recipe": "published", "head_selection": "cv"},
+                     seed=0)
+    hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
+    assert (hp["head_selection"], hp["probe_folds"], diag["head_selection"]) == ("cv", iti_heads.CV_FOLDS, "cv")
+    rows = sum(len(t) + len(f) for t, f in mc2.values())  # every MC2 answer of every training question
+    assert diag["probe_validation"]["rows"] == rows and isinstance(diag["selection_warnings"], list)
+    assert reloaded(fitted, tmp_path / cls.method).config["diagnostics"]["head_selection"] == "cv"
+    with pytest.raises(ValueError, match=r"adapted recipe does not read \['head_selection'\]"):
+        cls.fit(session, attribute_of(examples), tiny_config(model), {"head_selection": "cv"}, seed=0)

@@ -364,3 +364,24 @@ def test_a_shared_preamble_runs_once_per_step_with_the_same_loss_and_gradient():
             [_answer_logprobs(model, bundle, ex.context, option).sum() for option in ex.options])[None],
             torch.tensor([ex.gold]))) for ex in examples]
     assert evaluation_loss(session, bundle, examples) == pytest.approx(sum(by_hand) / len(by_hand), abs=1e-4)
+
+
+def test_epoch_selection_best_keeps_the_epoch_of_the_lowest_validation_loss(tiny):
+    """--set epoch_selection=best (pyreft's GLUE practice): the kept tensors are the best validation epoch's,
+    recorded as epoch_kept, and the selection loss is that epoch's, recomputed from the kept bundle."""
+    model, session, examples = tiny
+    fitted = _fit(tiny, min_steps=12, epoch_selection="best")
+    hp, diag = fitted.config["hyperparameters"], fitted.config["diagnostics"]
+    losses = [record["validation_loss"] for record in diag["history"]]
+    assert hp["epoch_selection"] == "best" and len(losses) == 12
+    assert hp["epoch_kept"] == 1 + losses.index(min(losses))
+    assert diag[SELECTION_KEY] == min(losses)
+    val = [ex for ex in examples if ex.id in set(diag["validation_ids"])]
+    assert reft_published.evaluation_loss(session, fitted, val) == pytest.approx(min(losses), abs=1e-5)
+    last = _fit(tiny, min_steps=12)  # the default keeps the last epoch: the same run, other tensors unless it is the best
+    assert "epoch_selection" not in last.config["hyperparameters"] and last.config["hyperparameters"]["epoch_kept"] == 12
+    assert [r["validation_loss"] for r in last.config["diagnostics"]["history"]] == losses
+    with pytest.raises(ValueError, match=r"adapted recipe does not read \['epoch_selection'\]"):
+        reft.ReFT.fit(session, SimpleNamespace(train=examples), CONFIG, {"epoch_selection": "best"}, seed=0)
+    with pytest.raises(ValueError, match="epoch_selection"):
+        _fit(tiny, epoch_selection="first")
