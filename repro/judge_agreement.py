@@ -40,6 +40,7 @@ from repro.profiles import REPO
 from repro.tables import markdown_table
 
 JUDGES = ("keyword", "xstest-string-match", "xstest-gpt4")
+SHOWN_RAW = 3  # unparseable answers of the LLM judge shown in the results
 
 
 def verdicts(rows: list[dict], judge: str) -> list[bool | None]:
@@ -54,17 +55,27 @@ def verdicts(rows: list[dict], judge: str) -> list[bool | None]:
 
 
 def llm_verdicts(rows: list[dict]) -> tuple[list[bool | None], dict]:
-    """The configured LLM judge's verdicts (else the embedded judge's), and what it was."""
+    """The configured LLM judge's verdicts (else the embedded judge's), and what it was: its model (an
+    embedded one by its alias), prompt and settings, and the first ``SHOWN_RAW`` answers it gave
+    that are not a verdict."""
     from mari_eval.judge import Judge, JudgeConfig, judge_environment, load_prompt
+    from mari_eval.models import EMBEDDED, same_model
 
     with judge_environment() as env:
         with _environment(env):
             judge = Judge(JudgeConfig.from_env(), load_prompt())
             judge.check()
-            labels = judge.labels([(r["prompt"], r["completion"]) for r in rows])
+            judgements = judge.judge([(r["prompt"], r["completion"]) for r in rows])
             described = judge.describe()
-    described.pop("cache", None)  # a path on this machine
-    return [None if label == UNPARSEABLE else label == REFUSAL for label in labels], described
+    for key in ("cache", "base_url"):  # a path and a port of this machine
+        described.pop(key, None)
+    alias = next((name for name in EMBEDDED if same_model(name, described["model"])), None)
+    if alias is not None:
+        described["model"] = f"{alias} (embedded)"
+        described["served_models"] = {f"{alias} (embedded)" if same_model(alias, k) else k: v
+                                      for k, v in described["served_models"].items()}
+    described["unparseable_examples"] = [j.raw for j in judgements if j.label == UNPARSEABLE][:SHOWN_RAW]
+    return [None if j.label == UNPARSEABLE else j.label == REFUSAL for j in judgements], described
 
 
 @contextlib.contextmanager
@@ -139,6 +150,10 @@ def markdown(record: dict) -> str:
         lines.append(f"LLM judge: `{j['model']}` with prompt `{j['prompt']}` (sha256 {j['prompt_sha256'][:12]}), "
                      f"max_tokens {j['max_tokens']}, on {record['documents']['llm']} completions (the first "
                      f"{record['llm_limit']} of each model by prompt id; the other judges on all of them).\n")
+        if j.get("unparseable_examples"):
+            shown = "; ".join(f"`{' '.join(raw.split())[:120]}`" for raw in j["unparseable_examples"])
+            lines.append(f"Answers of the LLM judge that are not a verdict (the first {len(j['unparseable_examples'])}): "
+                         f"{shown}.\n")
     for reading, judges in record["readings"].items():
         default = " (the default reading)" if reading == A.DEFAULT_READING else ""
         lines.append(f"\n## {reading}{default}\n")

@@ -1046,6 +1046,7 @@ def test_embedded_judge_scored_against_people(embedded, monkeypatch):
     assert sorted(r["model"] for r in rows) == ["gpt4", "llama2orig", "mistralguard", "mistralinstruct"]
     verdicts, described = judge_agreement.llm_verdicts(rows)
     assert len(verdicts) == 4 and set(verdicts) <= {True, False, None}
-    assert described["model"] == embedded.model and "cache" not in described
+    assert described["model"] == "smollm2-135m-instruct (embedded)" and not {"cache", "base_url"} & set(described)
+    assert len(described["unparseable_examples"]) == min(3, verdicts.count(None))
     scored = judge_agreement.score(rows, {"llm": verdicts})["partial-is-refusal"]["llm"]["all"]
     assert scored["n"] + scored["unparseable"] == 4
