@@ -8,7 +8,7 @@ adapted recipe (this suite's setting) and with the published one (its authors'; 
 Baselines). Columns: held-out TruthfulQA MC1 and MC2, and ``val_loss``, the task loss on the
 validation slice of D_train of the configuration each recipe keeps (fitted on the other 80%;
 Vanilla: the base model's), reported and not used to choose: the main table scores the
-published recipe of every baseline, fixed in advance (repro/recipes.py), marked under the
+published recipe of every baseline, the same for every bundle (repro/recipes.py), marked under the
 table. The bundles are the main
 table's (same cache under runs/). Writes results/baseline_recipes.{json,md,tex}.
 """

@@ -24,11 +24,18 @@ McNemar p = 0.065):
   strata of equal size (then D = (b - c)/N over all N pairs). McNemar's exact test: given the
   m = b + c discordant pairs (b: row right and reference wrong; c: the reverse), b ~
   Binomial(m, 1/2) under no difference; p = min(1, 2 P(X <= min(b, c))), computed in integers
-  (no floor). Interval: the Clopper-Pearson 95% interval [pi_L, pi_U] of pi = b/m (pi_L solves
-  P(X >= b; pi_L) = 0.025, pi_U solves P(X <= b; pi_U) = 0.025, by bisection on the binomial
-  tail) mapped to D = m (2 pi - 1) / N: 0 is outside it exactly when 1/2 is outside
-  [pi_L, pi_U], i.e. when a tail at 1/2 is below 0.025, i.e. when p < 0.05 (Clopper & Pearson
-  1934; conditional on m, as the test is; m = 0 gives [0, 0], p = 1).
+  (no floor). Interval (issue 55.7): Tango's (1998) score interval of the paired difference,
+  unconditional on m: the deltas whose score statistic
+  T(delta) = (b - c - N delta) / sqrt(N (2 q(delta) + delta (1 - delta))), with q(delta) the
+  restricted maximum-likelihood share of c-type pairs under D = delta, lies within +-1.96
+  (``tango_interval``, by bisection: T falls as delta grows). T(0) is McNemar's asymptotic
+  statistic (b - c) / sqrt(b + c), so the interval excludes 0 exactly when that test rejects;
+  the exact test is more conservative, and where the two disagree (the interval excludes 0,
+  the exact p >= 0.05: a one-sided split of few discordant pairs) the exact test decides,
+  the difference records ``interval_agrees`` false and the tables mark it "‡". The
+  conditional Clopper-Pearson interval of b/m used before (``mcnemar_interval``) ended at the
+  point estimate when the discordant pairs all went one way (-3.00 [-3.00, 1.25] for 0 against
+  3 of 100; Tango: [-8.45, 0.81]).
 * ``"sign-flip"``: every other case (continuous scores such as MC2, clusters, strata of unequal
   sizes). Units u with difference sum d_u over their n_u documents enter the statistic
   T = sum_u w_u d_u (w_u = 1 / (S n_s) in stratum s; T = D). Under no difference each unit's
@@ -38,7 +45,10 @@ McNemar p = 0.065):
   p = share of sign vectors with |T*| >= |T|: all 2^k of them when there are k <= ``EXACT_UNITS``
   units (exact), else ``PERMUTATIONS`` seeded random ones with p = (1 + count) / (1 + B), a
   valid p-value whose floor 1/(B + 1) ~ 1e-5 is far below Holm's smallest threshold in our
-  largest table (0.05 / 65 ~ 8e-4). When no draw is as extreme, p = 1/(B + 1) < 1e-5 is all
+  largest table (0.05 / 91 ~ 5.5e-4). A Monte Carlo p has a standard error, sqrt(p (1 - p) / B):
+  a decision it sits within ``STABLE_SE`` of (0.05, or its Holm threshold in the table) is
+  drawn again with ten times the sign vectors, up to ``MAX_PERMUTATIONS``
+  (``repro.differences.paired_family``), and the draws are recorded. When no draw is as extreme, p = 1/(B + 1) < 1e-5 is all
   B draws can show (the exact permutation p is below 3/B with 95% confidence, and may be far
   smaller): it is stored with ``p_bound`` true and printed "p<1e-05". Interval: the shifts
   delta that the same test does not reject at ``ALPHA`` when every document's difference is
@@ -55,7 +65,6 @@ so a reader can tell "p < 0.05 once" from "p < 0.05 after correcting for the who
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -63,6 +72,8 @@ import numpy as np
 
 ITERATIONS = 2000  # bootstrap resamples of a cell's interval
 PERMUTATIONS = 100_000  # Monte Carlo sign vectors of a sign-flip test beyond EXACT_UNITS units
+MAX_PERMUTATIONS = 10_000_000  # ... drawn again, ten times as many each time, while a decision is not stable
+STABLE_SE = 3.0  # a Monte Carlo p this many standard errors or more from a threshold decides it
 EXACT_UNITS = 20  # up to 2^20 sign vectors: enumerated
 LEVEL = 0.95
 SEED = 0  # of every bootstrap and permutation draw: the same numbers to the last digit every run
@@ -96,6 +107,7 @@ class Difference:
     units: int = 0  # units the test flips: documents, or clusters (all strata)
     clusters: int | None = None  # clusters behind the difference (None: unclustered)
     draws: int | None = None  # Monte Carlo sign vectors (None: exact)
+    interval_agrees: bool = True  # the interval excludes 0 exactly when p < ALPHA (McNemar: Tango's may not)
 
 
 def _scored(stratum: dict[str, float | None]) -> dict[str, float]:
@@ -140,11 +152,13 @@ def interval(documents: Documents, clusters: Clusters = None, seed: int = SEED) 
     return Interval(float(low), float(high))
 
 
-def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed: int = SEED) -> Difference | None:
+def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed: int = SEED,
+           draws: int | None = None) -> Difference | None:
     """``row`` minus ``reference`` on the documents both scored, per stratum; None when none are shared.
 
     Strata pair by position (seed i of the row with seed i of the reference); ``clusters``
-    (per stratum {document: cluster}) makes the units clusters (their summed differences)."""
+    (per stratum {document: cluster}) makes the units clusters (their summed differences);
+    ``draws``: Monte Carlo sign vectors (default ``PERMUTATIONS``)."""
     if len(row) != len(reference):
         raise ValueError(f"{len(row)} seeds against {len(reference)} in the reference row: "
                          "a row and its reference must be scored under the same seeds")
@@ -164,20 +178,21 @@ def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed
     if binary and clusters is None and len({len(s) for s, _ in strata}) == 1:
         better = sum(a > b for s, _ in strata for a, b in s.values())
         worse = sum(a < b for s, _ in strata for a, b in s.values())
-        low, high = mcnemar_interval(better, worse)
-        return Difference(mean, Interval(scale * low * (better + worse) / pairs, scale * high * (better + worse) / pairs),
-                          mcnemar_exact(better, worse), "mcnemar", pairs, (better, worse), units=pairs)
+        low, high = tango_interval(better, worse, pairs)
+        p = mcnemar_exact(better, worse)
+        return Difference(mean, Interval(scale * low, scale * high), p, "mcnemar", pairs, (better, worse), units=pairs,
+                          interval_agrees=(not low <= 0 <= high) == (p < ALPHA))
     values, shifts, means = [], [], []  # per unit: w_u d_u, w_u n_u, d_u / n_u
     for shared, stratum_clusters in strata:
         sums, counts = _units({k: a - b for k, (a, b) in shared.items()}, stratum_clusters)
         weight = 1 / (len(strata) * counts.sum())
         values.append(weight * sums), shifts.append(weight * counts), means.append(sums / counts)
-    test = sign_flip(np.concatenate(values), np.concatenate(shifts), np.concatenate(means), seed)
+    test = sign_flip(np.concatenate(values), np.concatenate(shifts), np.concatenate(means), seed, draws)
     return Difference(mean, test.interval, test.p, "sign-flip", pairs, None, test.p_bound, test.units,
                       None if clusters is None else test.units, test.draws)
 
 
-# ----------------------------------------------------------------------------- McNemar, Clopper-Pearson
+# ----------------------------------------------------------------------------- McNemar, Tango
 
 
 def mcnemar_exact(better: int, worse: int) -> float:
@@ -193,24 +208,6 @@ def mcnemar_exact(better: int, worse: int) -> float:
     return max(min(1.0, 2 * tail / 2**n), math.ulp(0.0))  # an integer ratio below floats' range: the least
 
 
-@functools.lru_cache(maxsize=8)
-def _log_factorials(m: int) -> np.ndarray:
-    """log j! for j = 0..m."""
-    return np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, m + 1)))])
-
-
-def _upper_tail(k: int, m: int, pi: float) -> float:
-    """P(X >= k) for X ~ Binomial(m, pi), summed in logs (no underflow for large m)."""
-    if k <= 0 or (pi >= 1 and k <= m):
-        return 1.0
-    if k > m or pi <= 0:
-        return 0.0
-    log_factorial = _log_factorials(m)
-    i = np.arange(k, m + 1)
-    logs = log_factorial[m] - log_factorial[i] - log_factorial[m - i] + i * math.log(pi) + (m - i) * math.log1p(-pi)
-    return float(np.exp(np.logaddexp.reduce(logs)))
-
-
 def _boundary(inside: float, outside: float, accepted) -> float:
     """The last point from ``inside`` towards ``outside`` that ``accepted`` holds, by bisection
     (``accepted(inside)`` true, ``accepted(outside)`` false): the end of an interval."""
@@ -222,27 +219,27 @@ def _boundary(inside: float, outside: float, accepted) -> float:
     return inside
 
 
-def _clopper_pearson_low(b: int, c: int, significant: bool) -> float:
-    """pi_L of b successes in m = b + c, its side of 1/2 set by the test: above 1/2 exactly when
-    the two-sided McNemar p is significant with b > c."""
-    m = b + c
-    if b == 0:
-        return 0.0
-    accepted = lambda pi: _upper_tail(b, m, pi) >= (1 - LEVEL) / 2  # noqa: E731
-    if significant and b > c:
-        return _boundary(b / m, 0.5, accepted)
-    return _boundary(b / m if significant else min(b / m, 0.5), 0.0, accepted)
+_Z = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
-def mcnemar_interval(better: int, worse: int) -> tuple[float, float]:
-    """The Clopper-Pearson 95% interval of pi = better / m mapped to 2 pi - 1 in [-1, 1] (times
-    m / N it is the interval of the difference); it holds 0 exactly when ``mcnemar_exact`` >= ALPHA."""
-    if better + worse == 0:
-        return 0.0, 0.0
-    significant = mcnemar_exact(better, worse) < ALPHA
-    low = _clopper_pearson_low(better, worse, significant)
-    high = 1 - _clopper_pearson_low(worse, better, significant)  # P(X <= b; pi) = P(m - X >= c; 1 - pi)
-    return 2 * low - 1, 2 * high - 1
+def _tango_statistic(better: int, worse: int, n: int, delta: float) -> float:
+    """Tango's score statistic of D = delta (module docstring): b = ``better``, c = ``worse`` of n pairs."""
+    a, b_coef, c_coef = 2 * n, -better - worse + (2 * n - better + worse) * delta, -worse * delta * (1 - delta)
+    q = (math.sqrt(max(b_coef * b_coef - 4 * a * c_coef, 0.0)) - b_coef) / (2 * a)
+    variance = n * (2 * q + delta * (1 - delta))
+    return (better - worse - n * delta) / math.sqrt(max(variance, 1e-300))
+
+
+def tango_interval(better: int, worse: int, n: int) -> tuple[float, float]:
+    """Tango's (1998) 95% score interval of the paired difference (better - worse) / n, in [-1, 1]
+    (Statistics in Medicine 17:891-908): every delta whose score statistic is within +-1.96."""
+    if n < 1 or better < 0 or worse < 0 or better + worse > n:
+        raise ValueError(f"tango_interval({better}, {worse}, {n}): the discordant pairs must fit in n >= 1 pairs")
+    mean = (better - worse) / n
+    inside = lambda z: (lambda delta: abs(_tango_statistic(better, worse, n, delta)) <= z)  # noqa: E731
+    low = -1.0 if inside(_Z)(-1 + 1e-12) else _boundary(mean, -1 + 1e-12, inside(_Z))
+    high = 1.0 if inside(_Z)(1 - 1e-12) else _boundary(mean, 1 - 1e-12, inside(_Z))
+    return low, high
 
 
 # ----------------------------------------------------------------------------- sign-flip test
@@ -271,8 +268,8 @@ def _flipped(columns: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return 2 * chosen - columns.sum(axis=0)
 
 
-def _draws(columns: np.ndarray, seed: int) -> tuple[np.ndarray, bool]:
-    """Every sign vector's flipped sums (k <= EXACT_UNITS: all 2^k, exact) or PERMUTATIONS seeded ones."""
+def _draws(columns: np.ndarray, seed: int, count: int) -> tuple[np.ndarray, bool]:
+    """Every sign vector's flipped sums (k <= EXACT_UNITS: all 2^k, exact) or ``count`` seeded ones."""
     k = columns.shape[0]
     groups = max(1, -(-k // 8))
     chunk = max(1, _CHUNK // groups)
@@ -280,20 +277,21 @@ def _draws(columns: np.ndarray, seed: int) -> tuple[np.ndarray, bool]:
         return np.concatenate([_flipped(columns, np.arange(start, min(start + chunk, 2**k), dtype="<u4")
                                         .view(np.uint8).reshape(-1, 4)[:, :groups]) for start in range(0, 2**k, chunk)]), True
     rng, out = np.random.default_rng(seed), []
-    for start in range(0, PERMUTATIONS, chunk):
-        codes = rng.integers(0, 256, size=(min(chunk, PERMUTATIONS - start), groups), dtype=np.uint8)
+    for start in range(0, count, chunk):
+        codes = rng.integers(0, 256, size=(min(chunk, count - start), groups), dtype=np.uint8)
         out.append(_flipped(columns, codes))
     return np.concatenate(out), False
 
 
-def sign_flip(values: np.ndarray, shifts: np.ndarray, means: np.ndarray, seed: int = SEED) -> SignFlip:
+def sign_flip(values: np.ndarray, shifts: np.ndarray, means: np.ndarray, seed: int = SEED,
+              count: int | None = None) -> SignFlip:
     """The paired sign-flip test of T = sum(values) (values[u] = w_u d_u) and the interval inverting it.
 
     ``shifts[u]`` = w_u n_u (summing to 1): a shift delta of every document's difference moves
     unit u's value by -shifts[u] delta and T by -delta. ``means[u]`` = d_u / n_u bound the
     shifts that can be accepted (see the module docstring)."""
     observed = float(math.fsum(values))
-    draws, exact = _draws(np.stack([values, shifts], axis=1), seed)
+    draws, exact = _draws(np.stack([values, shifts], axis=1), seed, count or PERMUTATIONS)
     total, reach = float(np.abs(values).sum()), float(np.abs(shifts).sum())
 
     def p_at(delta: float) -> tuple[float, int]:
@@ -319,6 +317,20 @@ def sign_flip(values: np.ndarray, shifts: np.ndarray, means: np.ndarray, seed: i
 
 
 # ----------------------------------------------------------------------------- many tests
+
+
+def monte_carlo_se(p: float, draws: int | None) -> float:
+    """The standard error of a Monte Carlo p from ``draws`` sign vectors (0: exact)."""
+    return 0.0 if draws is None else math.sqrt(max(p * (1 - p), 1 / draws) / draws)
+
+
+def holm_thresholds(ps: list[float]) -> list[float]:
+    """The level each of ``ps`` is compared with in Holm's step-down procedure: ALPHA / (m - rank)."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out = [0.0] * len(ps)
+    for rank, i in enumerate(order):
+        out[i] = ALPHA / (len(ps) - rank)
+    return out
 
 
 def holm(ps: list[float]) -> list[float]:

@@ -19,7 +19,7 @@ evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
 ARC-Challenge (25-shot) under each attribute's intervention (the columns without a tag under
 TruthfulQA's, as the paper reports them; ``@bbq`` and ``@sorry`` under BBQ's and SORRY-Bench's).
-Each baseline is trained under its published recipe, fixed in advance (repro/recipes.py;
+Each baseline is trained under its published recipe, the same for every bundle (repro/recipes.py;
 ``--recipe adapted`` for this suite's setting). Every bundle and
 every evaluation is cached under runs/ by its configuration (repro/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "docs/methods.md) on every column, beside --methods' rows; repeatable")
         planning.add_arguments(parser)
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
-                            help="every baseline's training recipe (default: %(default)s, fixed in advance; "
+                            help="every baseline's training recipe (default: %(default)s, the same for every bundle; "
                                  "repro/recipes.py)")
 
     args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)

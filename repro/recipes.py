@@ -1,10 +1,12 @@
-"""Which training recipe of each baseline the tables use: fixed in advance (issue 36.5).
+"""Which training recipe of each baseline the tables use: the same for every bundle (issue 36.5).
 
 Every baseline has two recipes (docs/baselines.md): ``adapted`` (this suite's setting, its
 strength and site chosen on the validation slice of D_train) and ``published`` (its authors'
 recipe, as their code and papers fix it). The main table scores ``MAIN_TABLE_RECIPE`` for every
-baseline, attribute, model and seed, chosen before any result was seen: the comparison a
-reader of a steering paper expects is against each baseline as its authors train it.
+baseline, attribute, model and seed: the comparison a reader of a steering paper expects is
+against each baseline as its authors train it. It was fixed on 2026-11-26 after both recipes'
+held-out TruthfulQA results had been committed (3e04444, 2cdc907), not before any result was
+seen; the reason for it is the one above, not those results.
 
 Earlier tables kept, per bundle, the recipe with the lower validation-slice loss. That choice
 was made on 4-5 validation questions in the standard profile, and the adapted recipe's figure was

@@ -4,7 +4,7 @@
 
 The file (one record per model, row, column, seed and document) is described in
 ``repro.documents_file``, which writes and reads it. ``recompute`` rebuilds the table's cells from that file alone and runs the tables' own
-computation on them (``repro.tables.cell_interval`` and ``_differences``: repro/intervals.py's
+computation on them (``repro.tables.cell_interval`` and ``repro.differences``: repro/intervals.py's
 intervals, paired tests and Holm's adjustment over the table), then compares every number with
 results/NAME.json: each seed's figure and the mean over seeds against the per-document means (to
 ``repro.documents.TOLERANCE``, the tolerance at which they were tied to lm-eval's figures, in
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from mari_eval.files import finite_json
+from repro import differences as differences_module
 from repro import tables
 from repro.documents import TOLERANCE
 from repro.documents_file import SUFFIX, read_documents
@@ -54,7 +55,7 @@ def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
     compared_cells = compared_differences = 0
     for model, entry in record["models"].items():
         rows = cells.get(model, {})
-        differences = finite_json(tables._differences(rows, columns, references.get(model)))
+        differences = finite_json(differences_module.reference_differences(rows, columns, references.get(model)))
         for row in entry["rows"]:
             for column, ours in row["ours"].items():
                 where = f"{model} / {row['row']} / {column}"
@@ -80,7 +81,7 @@ def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
         if entry.get("comparisons"):  # the table's extra pairs of rows (write_tables(comparisons=...))
             pairs = [(c["row"], c["against"]) for c in entry["comparisons"]]
             compared_differences += sum(len(c["columns"]) for c in entry["comparisons"])
-            _compare(f"{model} / comparisons", entry["comparisons"], finite_json(tables.comparisons_json(rows, columns, pairs)), out)
+            _compare(f"{model} / comparisons", entry["comparisons"], finite_json(differences_module.comparisons_json(rows, columns, pairs)), out)
     out += [f"{model}: in {documents.name}, not in the JSON" for model in cells if model not in record["models"]]
     return out, compared_cells, compared_differences
 

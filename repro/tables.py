@@ -14,6 +14,7 @@ import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 from tabulate import LATEX_ESCAPE_RULES, tabulate
 
@@ -21,6 +22,7 @@ from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
 from repro.cache import Store
 from repro.cache_keys import resolved_dtype
+from repro.differences import comparisons_json, reference_differences
 from repro.documents import clustered_columns, split_clusters
 from repro.documents_file import cell_clusters, cell_documents, write_documents
 from repro.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
@@ -104,6 +106,13 @@ def pyplot():
 # ----------------------------------------------------------------------------- writing tables
 
 
+class Rerendered(NamedTuple):
+    """A table written again from its own files (``repro.rerender``)."""
+
+    command: str  # what wrote it again, with the date
+    generated: str  # the first sentence of its header as the run that computed its steps wrote it
+
+
 def cost(store: Store) -> str:
     """What the steps behind a table cost, whether this run computed them or read them back."""
     reused = sum(1 for name in store.step_seconds if name not in store.computed)
@@ -155,62 +164,8 @@ def cell_interval(cell: dict) -> tuple[intervals.Interval | None, int | None]:
     return intervals.interval(documents, clusters), intervals.cluster_count(documents, clusters)
 
 
-def _pair_clusters(mine: dict, theirs: dict) -> list | None:
-    """The clusters of a row and of its reference, one per seed: a document in one cluster in both."""
-    a, b = cell_clusters(mine), cell_clusters(theirs)
-    if a is None and b is None:
-        return None
-    if a is None or b is None:
-        raise ValueError("a clustered cell paired with an unclustered one")
-    for x, y in zip(a, b):
-        if any(y.get(doc, c) != c for doc, c in x.items()):
-            raise ValueError("a document in different clusters in a row and its reference")
-    return [{**y, **x} for x, y in zip(a, b)]
-
-
 def _interval_text(ci, digits: int) -> str:
     return "" if ci is None else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
-
-
-def _differences(rows: dict, columns: list[str], reference: str | None) -> dict[tuple[str, str], dict]:
-    """{(row label, column): the paired difference from ``reference`` as JSON}, with Holm's
-    adjustment over every test of the table (one model)."""
-    if reference not in rows:
-        return {}
-    return {(label, column): d for (label, _, column), d in
-            paired_family(rows, columns, [(label, reference) for label in rows if label != reference]).items()}
-
-
-def paired_family(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str, str], dict]:
-    """{(row, against, column): ``row`` minus ``against`` on the documents both scored, as JSON}
-    for every pair in ``pairs`` and column where both have documents, with Holm's adjustment
-    over all of them (one family of tests)."""
-    found: dict[tuple[str, str, str], tuple[intervals.Difference, str | None]] = {}
-    for label, against in pairs:
-        if label not in rows or against not in rows:
-            continue
-        for column in columns:
-            mine, theirs = rows[label].get(column, {}), rows[against].get(column, {})
-            if cell_documents(mine) is not None and cell_documents(theirs) is not None:
-                difference = intervals.paired(cell_documents(mine), cell_documents(theirs), _pair_clusters(mine, theirs))
-                if difference is not None:
-                    found[label, against, column] = difference, mine.get("cluster_unit")
-    adjusted = dict(zip(found, intervals.holm([d.p for d, _ in found.values()])))
-    return {key: {"reference": key[1], "mean": d.mean, "ci": [d.interval.low, d.interval.high], "p": d.p,
-                  "p_bound": d.p_bound, "p_holm": adjusted[key], "test": d.test, "draws": d.draws, "pairs": d.pairs,
-                  "clusters": d.clusters, "cluster_unit": unit if d.clusters is not None else None,
-                  "discordant": list(d.discordant) if d.discordant else None,
-                  "significant": d.p < intervals.ALPHA, "significant_holm": adjusted[key] < intervals.ALPHA}
-            for key, (d, unit) in found.items()}
-
-
-def comparisons_json(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) -> list[dict]:
-    """The table's extra paired comparisons between rows (``write_tables(comparisons=...)``), as
-    JSON: one entry per pair, {"row", "against", "columns": {column: difference}}."""
-    family = paired_family(rows, columns, pairs)
-    return [{"row": label, "against": against,
-             "columns": {c: family[label, against, c] for c in columns if (label, against, c) in family}}
-            for label, against in pairs if label in rows and against in rows]
 
 
 def p_text(p: float, bound: bool = False) -> str:
@@ -225,6 +180,7 @@ def _difference_text(difference: dict | None, digits: int) -> str:
     if difference is None:
         return "n/a"
     mark = "†" if difference["significant_holm"] else "*" if difference["significant"] else ""
+    mark += "" if difference.get("interval_agrees", True) else "‡"
     p = p_text(difference["p"], difference.get("p_bound", False))
     return f"{difference['mean']:+.{digits}f}{_interval_text(difference['ci'], digits)} {p}{mark}"
 
@@ -243,10 +199,13 @@ def _digits(column: str) -> int:
 UNCERTAINTY = (f"Ours: the figure with its {intervals.LEVEL:.0%} bootstrap interval in brackets ({intervals.ITERATIONS} "
                f"resamples of documents, or of BBQ's contexts with their paired questions, seed {intervals.SEED}; "
                "repro/intervals.py). Differences from the reference row are paired on the same documents: McNemar's "
-               "exact test for 0/1 scores with the Clopper-Pearson interval of its discordant split, else a paired "
-               f"sign-flip permutation test (over contexts for BBQ; exact up to {intervals.EXACT_UNITS} units, else "
-               f"{intervals.PERMUTATIONS:,} seeded sign vectors, \"p<1e-05\" where none was as extreme) with the "
-               "interval that inverts it, so an interval excludes 0 exactly when p < 0.05; * p < 0.05, † still "
+               "exact test for 0/1 scores with Tango's score interval of the paired difference (unconditional on the "
+               "number of discordant pairs; ‡ where it excludes 0 and the exact test does not reject: the test "
+               "decides), else a paired sign-flip permutation test (over contexts for BBQ; exact up to "
+               f"{intervals.EXACT_UNITS} units, else {intervals.PERMUTATIONS:,} seeded sign vectors, ten times as many "
+               f"again up to {intervals.MAX_PERMUTATIONS:,} while p is within {intervals.STABLE_SE:g} Monte Carlo "
+               "standard errors of 0.05 or of its Holm threshold, \"p<1e-05\" where none was as extreme) with the "
+               "interval that inverts it, which excludes 0 exactly when p < 0.05; * p < 0.05, † still "
                "< 0.05 after Holm's correction over every test of the table.")
 
 
@@ -257,14 +216,15 @@ def _documents_note(name: str) -> str:
 
 def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
                  profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None,
-                 reference: str | None = "Vanilla", comparisons: list[tuple[str, str]] = ()) -> dict:
+                 reference: str | None = "Vanilla", comparisons: list[tuple[str, str]] = (),
+                 rerendered: Rerendered | None = None) -> dict:
     """results/<name>.{json,md,tex}, <name>_documents.parquet (and <name>_differences.png) from
     ``cells`` = {model: {row label: {column: {"values", "n", "documents", "clusters", ...}}}} (``tally``).
 
     Every cell with per-document scores gets its bootstrap interval (over clusters where its
     documents have them, their count beside n); every row but
     ``reference`` (when the table has that row) its paired difference from it per column,
-    with the test's p and Holm's adjustment over the table (``_differences``).
+    with the test's p and Holm's adjustment over the table (``repro.differences``).
     ``paper_lookup(model) -> (paper model, {row label: {column: figure}})`` gives the paper's
     figures, shown in their own column beside ours and never mixed into them. ``notes`` =
     {model: {row label: [lines]}}: what a row was made with (the baselines' recipes), listed
@@ -272,6 +232,8 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     (row, against) pairs tested the same way, one more family for Holm's adjustment, in a table
     of their own and under the model's "comparisons" in the JSON (the ablation's EG-MARI against
     the single adapter, say, where the claim is about two methods rather than one and Vanilla).
+    ``rerendered``: the table written again from its files (``repro.rerender``): its header keeps the
+    run's own first sentence and says what wrote it again; its JSON records that command.
     """
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "limits": profile.limits, "gen_tokens": profile.gen_tokens, "tasks": profile.tasks,
@@ -279,22 +241,27 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
                   "interval": f"{intervals.LEVEL:.0%} percentile bootstrap over documents (BBQ: over contexts), "
                               "stratified by seed",
                   "iterations": intervals.ITERATIONS, "seed": intervals.SEED, "alpha": intervals.ALPHA,
-                  "tests": "mcnemar (exact, Clopper-Pearson interval) for 0/1 scores of equal-size strata, else "
+                  "tests": "mcnemar (exact; Tango's score interval) for 0/1 scores of equal-size strata, else "
                            "sign-flip (paired permutation over units, interval by inverting it)",
-                  "permutations": intervals.PERMUTATIONS, "exact_units": intervals.EXACT_UNITS,
+                  "permutations": intervals.PERMUTATIONS, "max_permutations": intervals.MAX_PERMUTATIONS,
+                  "stable_se": intervals.STABLE_SE, "exact_units": intervals.EXACT_UNITS,
                   "reference": reference, "documents": f"{name}_documents.parquet"},
               "wall_time_s": round(wall, 1), "compute_time_s": store.compute_seconds(), "computed_now": store.computed,
-              "step_seconds": dict(store.step_seconds),
+              **({"step_seconds": dict(store.step_seconds)} if store.step_seconds is not None else {}),
+              **({"rerendered": rerendered.command} if rerendered else {}),
               "models": {}}
-    md = [f"# {title}\n", f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}, "
-          f"{describe(store.placement)}) in {wall:.0f} s; "
-          f"{cost(store)}. {intro} {UNCERTAINTY}{_documents_note(name)}\n"]
+    generated = (rerendered.generated if rerendered else
+                 f"Generated by `{command}` (profile `{profile.name}`, seeds {profile.seeds}, "
+                 f"{describe(store.placement)}) in {wall:.0f} s; {cost(store)}.")
+    md = [f"# {title}\n", f"{generated} {intro} {UNCERTAINTY}{_documents_note(name)}"
+          + (f" Re-rendered by {rerendered.command} from the figures and per-document scores its steps gave, with the "
+             "intervals and tests of today's code (repro/rerender.py)." if rerendered else "") + "\n"]
     tex_blocks, tex_differences = [], []
     for model, rows in cells.items():
         paper_model, paper = paper_lookup(model)
         entry = record["models"][model] = {"paper_model": paper_model, "dtype": resolved_dtype(store.placement.dtype, model),
                                            "rows": []}
-        differences = _differences(rows, columns, reference)
+        differences = reference_differences(rows, columns, reference)
         md_rows, tex_rows, md_diff_rows = [], [], []
         for label, by_column in rows.items():
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}

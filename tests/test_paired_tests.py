@@ -1,6 +1,7 @@
-"""The paired tests and their intervals (repro/intervals.py, issue 36.4 and 36.6): McNemar with the
-Clopper-Pearson interval of its discordant split, the sign-flip permutation test with the
-interval that inverts it, clusters as units; each interval excludes 0 exactly when p < 0.05."""
+"""The paired tests and their intervals (repro/intervals.py, issues 36.4, 36.6 and 55.7): McNemar's exact
+test with Tango's score interval (which may exclude 0 where the exact test does not reject: marked), the
+sign-flip permutation test with the interval that inverts it (excluding 0 exactly when p < 0.05),
+clusters as units, and Monte Carlo p values drawn again until a decision is stable."""
 
 import itertools
 import math
@@ -15,52 +16,92 @@ def docs(values, prefix="d"):
     return {f"{prefix}{i:04d}": float(v) for i, v in enumerate(values)}
 
 
-def binomial_upper(k, m, pi):
-    return sum(math.comb(m, i) * pi**i * (1 - pi) ** (m - i) for i in range(k, m + 1))
+def _restricted_q(b, c, n, delta):
+    """The maximum-likelihood share of c-type pairs when the paired difference is delta, found numerically:
+    maximise b log(q + delta) + c log q + (n - b - c) log(1 - 2q - delta) over the q that keep every cell positive."""
+    optimize = pytest.importorskip("scipy.optimize")
+    low, high = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
+
+    def minus_loglik(q):
+        return -(b * math.log(q + delta) if b else 0) - (c * math.log(q) if c else 0) - \
+            ((n - b - c) * math.log(1 - 2 * q - delta) if n - b - c else 0)
+    return optimize.minimize_scalar(minus_loglik, bounds=(low, high), method="bounded", options={"xatol": 1e-13}).x
 
 
-@pytest.mark.parametrize("b, c", [(3, 0), (10, 2), (7, 9), (30, 12), (0, 5), (15, 5), (14, 5), (40, 0), (1, 1)])
-def test_clopper_pearson_ends_put_each_tail_at_two_and_a_half_percent(b, c):
-    m = b + c
-    low, high = ((x + 1) / 2 for x in intervals.mcnemar_interval(b, c))  # back from 2 pi - 1 to pi
-    assert low == 0.0 if b == 0 else binomial_upper(b, m, low) == pytest.approx(0.025, rel=1e-6)
-    assert high == 1.0 if c == 0 else 1 - binomial_upper(b + 1, m, high) == pytest.approx(0.025, rel=1e-6)
-    assert low <= b / m <= high
+@pytest.mark.parametrize("b, c, n", [(0, 3, 100), (95, 15, 600), (5, 0, 100), (19, 9, 600), (30, 12, 80), (7, 9, 40)])
+def test_tangos_interval_ends_where_the_score_statistic_reaches_1_96(b, c, n):
+    low, high = intervals.tango_interval(b, c, n)
+    assert low < (b - c) / n < high
+    for end in (low, high):
+        if abs(end) < 1 - 1e-9:  # an end inside (-1, 1): the score statistic is +-1.96 there
+            q = _restricted_q(b, c, n, end)
+            statistic = (b - c - n * end) / math.sqrt(n * (2 * q + end * (1 - end)))
+            assert abs(statistic) == pytest.approx(1.959963984540054, abs=1e-4)
+    # at 0 the score statistic is McNemar's asymptotic one
+    assert intervals._tango_statistic(b, c, n, 0.0) == pytest.approx((b - c) / math.sqrt(b + c))
 
 
-def test_clopper_pearson_matches_scipy_where_it_is_installed():
-    stats = pytest.importorskip("scipy.stats")
-    for b, c in [(10, 2), (300, 250), (1, 60), (25, 25)]:
-        expected = stats.binomtest(b, b + c).proportion_ci(0.95, "exact")
-        low, high = intervals.mcnemar_interval(b, c)
-        assert ((low + 1) / 2, (high + 1) / 2) == pytest.approx((expected.low, expected.high), abs=1e-10)
-
-
-def test_the_mcnemar_interval_excludes_zero_exactly_when_its_p_is_below_five_percent():
-    cases = [(b, c) for m in range(0, 41) for b in range(m + 1) for c in [m - b]]
-    cases += [(b, 1000 - b) for b in range(455, 475)] + [(b, 3000 - b) for b in range(1440, 1460)]
-    flips = 0
+def test_tangos_interval_excludes_zero_exactly_when_the_score_test_rejects():
+    cases = [(b, c) for m in range(1, 41) for b in range(m + 1) for c in [m - b]]
     for b, c in cases:
-        low, high = intervals.mcnemar_interval(b, c)
-        significant = intervals.mcnemar_exact(b, c) < intervals.ALPHA
-        assert (not low <= 0 <= high) == significant, (b, c)
-        flips += significant
-    assert 0 < flips < len(cases)  # both verdicts occur
+        low, high = intervals.tango_interval(b, c, 100)
+        assert (not low <= 0 <= high) == (abs(b - c) / math.sqrt(b + c) > 1.959963984540054), (b, c)
+    assert intervals.tango_interval(0, 0, 50)[0] < 0 < intervals.tango_interval(0, 0, 50)[1]
+    with pytest.raises(ValueError, match="must fit"):
+        intervals.tango_interval(60, 50, 100)
 
 
-def test_paired_accuracy_maps_the_interval_to_the_difference_in_the_scores_units():
+def test_a_one_sided_split_no_longer_ends_at_the_point_estimate():
+    # MARI ARC-C under the SORRY-Bench bundle: 0 won, 3 lost of 100 (results/main_table.json)
+    reference = [100.0] * 30 + [0.0] * 70
+    row = [0.0] * 3 + [100.0] * 27 + [0.0] * 70
+    d = intervals.paired([docs(row)], [docs(reference)])
+    assert d.test == "mcnemar" and d.discordant == (0, 3) and d.mean == pytest.approx(-3.0)
+    assert d.interval.low < -3.0 - 4 and 0 < d.interval.high  # Tango: about [-8.45, 0.81]
+    assert d.interval_agrees  # p = 0.25 and the interval holds 0
+
+
+def test_the_exact_test_decides_where_the_score_interval_excludes_zero():
+    reference, row = [0.0] * 100, [100.0] * 5 + [0.0] * 95  # 5 won, 0 lost: exact p = 0.0625
+    d = intervals.paired([docs(row)], [docs(reference)])
+    assert d.p == pytest.approx(0.0625) and d.interval.low > 0 and not d.interval_agrees
+
+
+def test_paired_accuracy_maps_tangos_interval_to_the_difference_in_the_scores_units():
     rng = np.random.default_rng(3)
     reference = (rng.random(300) < 0.5).astype(float)
     row = np.where(rng.random(300) < 0.15, 1 - reference, reference)  # 15% of answers change, either way
     row[:12] = 1.0
     d = intervals.paired([docs(100 * row)], [docs(100 * reference)])
     better, worse = d.discordant
-    low, high = intervals.mcnemar_interval(better, worse)
+    low, high = intervals.tango_interval(better, worse, 300)
     assert d.test == "mcnemar" and d.units == 300 and d.clusters is None and not d.p_bound
     assert d.mean == pytest.approx(100 * (better - worse) / 300)
-    assert (d.interval.low, d.interval.high) == pytest.approx((100 * low * (better + worse) / 300,
-                                                               100 * high * (better + worse) / 300))
-    assert (not d.interval.low <= 0 <= d.interval.high) == (d.p < 0.05)
+    assert (d.interval.low, d.interval.high) == pytest.approx((100 * low, 100 * high))
+    assert d.interval_agrees == ((not d.interval.low <= 0 <= d.interval.high) == (d.p < 0.05))
+
+
+def test_a_monte_carlo_decision_near_its_holm_line_is_drawn_again_until_stable(monkeypatch):
+    from repro import differences
+
+    monkeypatch.setattr(intervals, "PERMUTATIONS", 2000)
+    monkeypatch.setattr(intervals, "MAX_PERMUTATIONS", 200_000)
+    rng = np.random.default_rng(5)
+    base = {f"d{i:03d}": float(v) for i, v in enumerate(rng.random(60))}
+    rows = {"Ref": {"x": {"values": [0.5], "documents": [base]}}}
+    for shift, name in ((0.0, "A"), (0.026, "B"), (0.3, "C")):  # B's p sits near 0.05
+        noisy = {k: v + shift + 0.1 * rng.standard_normal() for k, v in base.items()}
+        rows[name] = {"x": {"values": [0.5], "documents": [noisy]}}
+    found = differences.reference_differences(rows, ["x"], "Ref")
+    lines = intervals.holm_thresholds([d["p"] for d in found.values()])
+    for (label, _), d, line in zip(found, found.values(), lines):
+        if d["draws"] is None or d["p_bound"]:
+            continue
+        se = intervals.monte_carlo_se(d["p"], d["draws"])
+        stable = min(abs(d["p"] - line), abs(d["p"] - 0.05)) >= intervals.STABLE_SE * se
+        assert stable or d["draws"] == intervals.MAX_PERMUTATIONS, (label, d)
+        assert d["p_mc_se"] == pytest.approx(se)
+    assert max(d["draws"] or 0 for d in found.values()) > 2000  # at least one was drawn again
 
 
 def test_the_exact_sign_flip_test_of_zero_one_differences_is_mcnemars_test():
