@@ -16,16 +16,14 @@ reference row on the same contexts (McNemar's exact test on contexts, repro/inte
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
-from repro.documents_file import SUFFIX, read_documents, shown_path, table_argument
+from repro.documents_file import SUFFIX, read_documents, shown_path, table_command_line
 from repro.profiles import REPO
-from repro.tables import markdown_table, p_text
+from repro.tables import markdown_table, p_text, write_record
 
 COLUMN = "bbq_acc"
 
@@ -93,17 +91,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", type=Path, help="a table's results path without suffix, e.g. results/main_table")
-    args = parser.parse_args(argv)
-    table = table_argument(args.table)
+    table = table_command_line(__doc__, argv)
     result = analyse(table)
     if not any(result["models"].values()):
         raise SystemExit(f"{table}: no {COLUMN} column in {table.name}{SUFFIX}")
-    write_results_json(table.parent / f"{table.name}_bbq_contexts.json", result)
-    text = markdown(result)
-    atomic_write(table.parent / f"{table.name}_bbq_contexts.md", text)
-    print(text)
+    write_record(table.parent / f"{table.name}_bbq_contexts", result, markdown(result))
     return 0
 
 

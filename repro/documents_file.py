@@ -81,6 +81,15 @@ def write_documents(path: Path, cells: dict, columns: list[str], reference: str 
     return atomic_write(path, sink.getvalue().to_pybytes())
 
 
+def table_command_line(description: str, argv: list[str] | None) -> Path:
+    """The one argument of a command that reads a table's files (``table_argument``)."""
+    import argparse  # deferred: only the commands need it
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", type=Path, help="a table's results path without suffix, e.g. results/main_table")
+    return table_argument(parser.parse_args(argv).table)
+
+
 def table_argument(path: Path) -> Path:
     """A table named on a command line (results/main_table, or its .json), checked to have its JSON
     and per-document file beside it; SystemExit naming them otherwise."""

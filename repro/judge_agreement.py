@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 from mari_eval.data import load_xstest_completions
-from mari_eval.files import atomic_write, check_writable_dir, write_results_json
+from mari_eval.files import check_writable_dir
 from mari_eval.judge import agreement as A
 from mari_eval.judge.prompt import REFUSAL, UNPARSEABLE, keyword_refusal
 from repro import intervals
 from repro.profiles import REPO
-from repro.tables import markdown_table
+from repro.tables import markdown_table, write_record
 
 JUDGES = ("keyword", "xstest-string-match", "xstest-gpt4")
 SHOWN_RAW = 3  # unparseable answers of the LLM judge shown in the results
@@ -198,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             readings[reading]["llm"] = by_judge["llm"]
     record["readings"] = readings
     record["wall_time_s"] = round(time.perf_counter() - start, 1)
-    write_results_json(args.out / "judge_agreement.json", record)
-    text = markdown(record)
-    atomic_write(args.out / "judge_agreement.md", text)
-    print(text)
+    write_record(args.out / "judge_agreement", record, markdown(record))
     return 0
 
 

@@ -28,7 +28,6 @@ Columns scored under one seed get no seed-level figure (said in the output).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,11 +36,10 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from mari_eval.files import atomic_write, write_results_json
 from repro import intervals
-from repro.documents_file import SUFFIX, read_documents, shown_path, table_argument
+from repro.documents_file import SUFFIX, read_documents, shown_path, table_command_line
 from repro.profiles import REPO
-from repro.tables import markdown_table, p_text
+from repro.tables import markdown_table, p_text, write_record
 
 
 def _paired(mine: dict, theirs: dict, clusters: dict | None) -> list[np.ndarray]:
@@ -143,19 +141,13 @@ def markdown(result: dict, one_seed: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", type=Path, help="a table's results path without suffix, e.g. results/main_table")
-    args = parser.parse_args(argv)
-    table = table_argument(args.table)
+    table = table_command_line(__doc__, argv)
     result = analyse(table)
     cells, _, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
     multi = {f["column"] for found in result["models"].values() for f in found}
     one_seed = [c for c in columns if c not in multi]
     result["one_seed_columns"] = one_seed
-    write_results_json(table.parent / f"{table.name}_seeds.json", result)
-    text = markdown(result, one_seed)
-    atomic_write(table.parent / f"{table.name}_seeds.md", text)
-    print(text)
+    write_record(table.parent / f"{table.name}_seeds", result, markdown(result, one_seed))
     return 0
 
 

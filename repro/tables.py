@@ -120,6 +120,13 @@ def cost(store: Store) -> str:
             f"computation ({reused} of them read back from the cache under runs/)")
 
 
+def write_record(stem: Path, record: dict, text: str) -> None:
+    """``stem``.json (strict JSON) and ``stem``.md (``text``, also printed): a result beside its reading."""
+    write_results_json(stem.with_name(f"{stem.name}.json"), record)
+    atomic_write(stem.with_name(f"{stem.name}.md"), text)
+    print(text)
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     """A Markdown (GitHub pipe) table of ``rows`` under ``headers``, cells as given (strings,
     never re-parsed as numbers), a "|" inside one escaped."""
