@@ -49,10 +49,9 @@ class RecordedSteps:
         return self.seconds
 
 
-def _cells(record: dict, documents: dict) -> dict:
+def _cells(record: dict, documents: dict, seeds_of: dict) -> dict:
     """The table's cells as ``tables.tally`` builds them: the recorded figures, and the per-document
     scores, clusters and seeds of the Parquet file where the cell has them."""
-    seeds_of = documents.pop("__seeds__")
     cells: dict = {}
     for model, entry in record["models"].items():
         for row in entry["rows"]:
@@ -98,7 +97,6 @@ def rerender(table: Path, out: Path, today: str) -> dict:
     md = table.with_suffix(".md").read_text()
     parquet = table.parent / f"{table.name}{SUFFIX}"
     documents, _, columns = read_documents(parquet)
-    documents["__seeds__"] = _seeds(parquet)
     steps = RecordedSteps(Placement(**record["placement"]), record.get("step_seconds"), list(record["computed_now"]),
                           float(record["compute_time_s"]))
     recorded = {k: record[k] for k in ("seeds", "max_train", "max_ctrl", "limits", "gen_tokens", "tasks")}
@@ -115,7 +113,7 @@ def rerender(table: Path, out: Path, today: str) -> dict:
     comparisons = next(([(c["row"], c["against"]) for c in entry["comparisons"]]
                         for entry in record["models"].values() if entry.get("comparisons")), [])
     again = tables.Rerendered(f"`python -m repro.rerender {shown_path(table, REPO)}` ({today})", generated)
-    return tables.write_tables(out, table.name, title, intro, _cells(record, documents), all_columns, paper.__getitem__,
+    return tables.write_tables(out, table.name, title, intro, _cells(record, documents, _seeds(parquet)), all_columns, paper.__getitem__,
                                profile, record["command"], record["wall_time_s"], steps, notes,
                                reference=record["uncertainty"]["reference"], comparisons=comparisons, rerendered=again)
 
