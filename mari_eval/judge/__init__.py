@@ -44,6 +44,7 @@ caller needs:
 * ``server``: the embedded ``transformers serve`` judge and ``main`` (``__main__``).
 * ``samples``: saved generations (``mari-eval judge``) and their verdicts.
 * ``sorry_bench``: the SORRY-Bench task's scoring, which harness_tasks/utils.py hands to lm-eval.
+* ``agreement``: a refusal judge's verdicts against people's labels (XSTest; repro/judge_agreement.py).
 """
 
 from mari_eval.judge.cache import JudgeCache, cache_key, default_cache_path
