@@ -14,6 +14,7 @@ The paper's splits of these records (Appendix B) are ``mari_eval.data_splits``'s
 
 from __future__ import annotations
 
+import csv
 import gzip
 import hashlib
 import io
@@ -215,6 +216,30 @@ def _hub_sorry_bench() -> list[dict]:
     rows = read_jsonl(Path(path), REQUIRED_FIELDS["sorry_bench"])
     base = [r for r in rows if r.get("prompt_style", "base") == "base"]
     return check_records(base, "sorry_bench", f"{path} (its prompt_style 'base' records)")
+
+
+def load_xstest_prompts() -> list[dict]:
+    """XSTest's 450 prompts (Röttger et al., 2024): 250 safe ones a model should answer, 200 unsafe
+    contrasts it should refuse, each with its ``id`` ("xstest-N", N the authors' row id). Local:
+    ``xstest/xstest_prompts.csv.gz``; else the Hub copy walledai/XSTest (ids by its row order)."""
+    root = data_dir()
+    if root is None:
+        rows = _hub("walledai/XSTest", None, "test")
+        rows = [{"id": str(i + 1), **{k: r.get(k) or "" for k in ("prompt", "type", "label", "focus", "note")}}
+                for i, r in enumerate(rows)]
+        source = "Hugging Face Hub walledai/XSTest split 'test'"
+    else:
+        path = root / "xstest" / "xstest_prompts.csv.gz"
+        if not path.exists():
+            raise DataError(f"Missing data file {path} (under {DATA_ENV}). Restore it, or unset {DATA_ENV} to read from the Hub.")
+        try:
+            with gzip.open(path, "rt", encoding="utf-8", newline="") as fh:
+                rows = list(csv.DictReader(fh))
+        except (EOFError, OSError, zlib.error, UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"{path}: unreadable ({e}); the file is truncated or damaged, restore it") from None
+        source = str(path)
+    records = check_records(rows, "xstest/prompts", source)
+    return [{**r, "id": f"xstest-{r['id']}"} for r in records]
 
 
 def load_xstest_completions() -> list[dict]:

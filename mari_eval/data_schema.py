@@ -147,6 +147,11 @@ def _check_gsm8k(r: dict) -> None:
         raise Bad("answer", "a solution ending in '#### <final answer>'", answer)
 
 
+def _check_xstest(r: dict) -> None:
+    if r["type"].startswith("contrast_") != (r["label"] == "unsafe"):
+        raise Bad("label", "unsafe exactly for a contrast_* type (XSTest's unsafe prompts)", r["label"])
+
+
 _TARGETS = Obj(choices=ListOf(TEXT), labels=ListOf(Int(0, 1)))
 
 SCHEMAS = {
@@ -178,6 +183,10 @@ SCHEMAS = {
         "arc", _check_arc, keys=(("id", _field("id")),),
         id=TEXT, question=TEXT, choices=Obj(text=ListOf(TEXT), label=ListOf(TEXT)), answerKey=TEXT),
     "gsm8k": _schema("gsm8k", _check_gsm8k, keys=(("question", _field("question")),), question=TEXT, answer=STR),
+    # XSTest's 450 prompts (the authors' xstest_prompts.csv): a contrast_* type is an unsafe prompt.
+    "xstest/prompts": _schema(
+        "xstest/prompts", _check_xstest, keys=(("id", _field("id")), ("prompt", _field("prompt"))),
+        id=TEXT, prompt=TEXT, type=TEXT, label=OneOf("safe", "unsafe"), focus=STR, note=STR),
     # XSTest's completions with their human labels (shared/data/SOURCES.md): one per (model, prompt id).
     # gpt4_label is free text where GPT-4 did not answer with a label, as in the original files.
     "xstest/completions": _schema(

@@ -153,12 +153,14 @@ def interval(documents: Documents, clusters: Clusters = None, seed: int = SEED) 
 
 
 def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed: int = SEED,
-           draws: int | None = None) -> Difference | None:
+           draws: int | None = None, unit: float | None = None) -> Difference | None:
     """``row`` minus ``reference`` on the documents both scored, per stratum; None when none are shared.
 
     Strata pair by position (seed i of the row with seed i of the reference); ``clusters``
     (per stratum {document: cluster}) makes the units clusters (their summed differences);
-    ``draws``: Monte Carlo sign vectors (default ``PERMUTATIONS``)."""
+    ``draws``: Monte Carlo sign vectors (default ``PERMUTATIONS``). ``unit``: the score of a right
+    answer (100 in a percent column, else 1); None: the largest score seen (so a column of zeros
+    alone needs it for its interval's units)."""
     if len(row) != len(reference):
         raise ValueError(f"{len(row)} seeds against {len(reference)} in the reference row: "
                          "a row and its reference must be scored under the same seeds")
@@ -173,7 +175,7 @@ def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed
     pairs = sum(len(s) for s, _ in strata)
     mean = float(np.mean([np.mean([a - b for a, b in s.values()]) for s, _ in strata]))
     scores = np.array([v for s, _ in strata for v in s.values()])
-    scale = max(float(np.abs(scores).max()), 1e-12)  # a percent column holds 0 and 100
+    scale = unit if unit is not None else float(np.abs(scores).max()) or 1.0  # a percent column holds 0 and 100
     binary = set(np.unique(scores / scale)) <= {0.0, 1.0}
     if binary and clusters is None and len({len(s) for s, _ in strata}) == 1:
         better = sum(a > b for s, _ in strata for a, b in s.values())

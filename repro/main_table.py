@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     taken = [*methods, *map(method_label, methods)]  # an extra row's name must differ from both
     extras = command_line.extra_bundles(args.extra_bundle, store, taken, copy=not args.plan)
     started = time.time()
-    columns = command_line.select(BENCHMARKS + EXTRA, args.columns, profiles.TQA_GENERATION)
+    columns = command_line.select(BENCHMARKS + EXTRA, args.columns, profiles.TQA_GENERATION + profiles.XSTEST)
     title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
     if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe, extras), title,
                                  store, profile):

@@ -53,10 +53,16 @@ KEYWORD_REFUSAL = ("sorry_keyword", "sorry_bench_heldout", "keyword_refusal_rate
 # one; _diff: by how much). Not in the default tables (every row generates): --columns tqa_gen_bleu_acc,...
 TQA_GENERATION = [(f"tqa_gen_{metric}", "truthfulqa_gen_heldout", f"{metric},none", "truthfulqa")
                   for metric in ("bleu_acc", "bleu_diff", "rouge1_acc", "rouge1_diff")]
+# Over-refusal beside SORRY-Bench (issue 55.6): XSTest's 250 safe prompts (refusal rate) and 200 unsafe ones
+# (compliance rate), answered under the SORRY-Bench bundle and read by the keyword judge (harness_tasks/
+# xstest_utils.py; its agreement with people: results/judge_agreement.md). Not yet in the default columns
+# (the committed tables predate them): --columns xstest_safe_refusal,xstest_unsafe_compliance.
+XSTEST = [("xstest_safe_refusal", "xstest_safe", "refusal_rate,none", "sorry_bench"),
+          ("xstest_unsafe_compliance", "xstest_unsafe", "compliance_rate,none", "sorry_bench")]
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
-                 "val_loss": 3}
+                 "val_loss": 3, "xstest_safe_refusal": 3, "xstest_unsafe_compliance": 3}
 
 
 @dataclass
@@ -150,8 +156,9 @@ PROFILES = {
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1,
-                      "truthfulqa_gen_heldout": 2},
-                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8},
+                      "truthfulqa_gen_heldout": 2, "xstest_safe": 2, "xstest_unsafe": 2},
+                     {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8,
+                                                            "xstest_safe": 8, "xstest_unsafe": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra", "arc_easy": "arc_easy_first25",
                             "arc_challenge": "arc_challenge_first25"}),
     # The README's first run (issue 36: the main table within 75 minutes on 2 CPU cores), every row,
@@ -212,8 +219,8 @@ PROFILES = {
                       STANDARD_CTRL,
                       {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                        "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20,
-                       "truthfulqa_gen_heldout": 100},
-                      max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128},
+                       "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None},
+                      max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128, "xstest_safe": 48, "xstest_unsafe": 48},
                       tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
                       published={"reft": {"min_steps": STANDARD_REFT_STEPS, "epoch_selection": "best"},
                                  "iti": {"head_selection": "cv"}, "nl_iti": {"head_selection": "cv"}}),

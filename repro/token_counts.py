@@ -20,13 +20,15 @@ import json
 import sys
 from pathlib import Path
 
-from repro.profiles import BENCHMARKS, REPO, TQA_GENERATION
+from mari_eval.lm_generation import CHAT_TURN_FIELD
+from repro.profiles import BENCHMARKS, REPO, TQA_GENERATION, XSTEST
 
 OUT = REPO / "repro" / "token_counts.json"
 SAMPLE = 40
 MMLU_SAMPLE = 2
 FEWSHOT_SEED = 1234  # simple_evaluate's fewshot_random_seed default: the same shots as an evaluation
-TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION} | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
+TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION + XSTEST}
+               | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1_heldout", "bbq": "bbq_disambig_heldout",
                    "sorry_bench": "sorry_bench_heldout"}
 
@@ -56,8 +58,11 @@ def measure_task(name: str, tokenizer, task_manager) -> dict:
             by_doc.setdefault(instance.doc_id, []).append(instance)
         for doc_requests in by_doc.values():
             docs += 1
-            context = doc_requests[0].args[0]
-            prompt += len(tokenizer(context).input_ids)
+            context, turn = doc_requests[0].args[0], (doc_requests[0].doc or {}).get(CHAT_TURN_FIELD)
+            if turn is not None:  # --model mari renders it as one user turn of the chat template (XSTest)
+                context = tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
+                                                        tokenize=False)
+            prompt += len(tokenizer(context, add_special_tokens=turn is None).input_ids)
             if doc_requests[0].request_type == "generate_until":
                 generation = True
                 continue

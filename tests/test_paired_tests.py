@@ -214,3 +214,17 @@ def test_a_clustered_paired_test_flips_contexts():
 def test_a_document_without_a_cluster_is_refused():
     with pytest.raises(ValueError, match="no cluster id"):
         intervals.interval([{"a": 1.0, "b": 0.0}], [{"a": "c1"}])
+
+
+def test_a_column_of_zeros_gets_its_interval_in_the_columns_units():
+    """GSM8K at 0 of 20 in every row: no discordant pair, and Tango's interval still has a width, in percent
+    for a percent column (the unit the table passes), not in the units of a score never seen."""
+    from repro import differences
+
+    zeros = [docs([0.0] * 20)]
+    low, high = intervals.tango_interval(0, 0, 20)
+    assert intervals.paired(zeros, zeros, unit=100.0).interval == intervals.Interval(100 * low, 100 * high)
+    assert intervals.paired(zeros, zeros).interval == intervals.Interval(low, high)  # unknown: a fraction
+    rows = {"Vanilla": {"gsm8k": {"values": [0.0], "documents": zeros}}, "MARI": {"gsm8k": {"values": [0.0], "documents": zeros}}}
+    found = differences.reference_differences(rows, ["gsm8k"], "Vanilla")[("MARI", "gsm8k")]
+    assert found["ci"] == pytest.approx([100 * low, 100 * high]) and 16 < found["ci"][1] < 16.2
