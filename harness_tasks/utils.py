@@ -1,16 +1,11 @@
 """Data for the lm-eval tasks of this folder, read through ``mari_eval.data``.
 
-Every YAML here names one of the ``load_*`` functions below as its
-``custom_dataset``. lm-eval 0.4.13 calls it as ``fn(**metadata, **dataset_kwargs)``
-(``lm_eval/api/task.py``, ``ConfigurableTask.download``), where ``metadata`` is the
-YAML's ``metadata`` merged with ``--metadata`` and with the model's ``--model_args``
-(so it holds unrelated keys such as ``version``, ``config_source`` or ``pretrained``:
-every loader accepts ``**_``). The loaders return a ``datasets.DatasetDict`` keyed by
-the split names that the YAMLs use.
-
-The records come from ``$MARI_DATA_DIR`` when it is set (the local copy, see
-``shared/data/SOURCES.md``), otherwise from the Hugging Face Hub, exactly as
-``mari_eval.data`` reads them (each with its stable ``id``).
+Every YAML here names one of the ``load_*`` functions below as its ``custom_dataset``. lm-eval
+0.4.13 calls it as ``fn(**metadata, **dataset_kwargs)`` (``ConfigurableTask.download``), where
+``metadata`` merges the YAML's, ``--metadata`` and the model's ``--model_args`` (unrelated keys such
+as ``version`` or ``pretrained``: every loader accepts ``**_``); it returns a ``datasets.DatasetDict``
+keyed by the YAML's split names. The records come from ``$MARI_DATA_DIR`` when it is set (the local
+copy, ``shared/data/SOURCES.md``), otherwise from the Hub, as ``mari_eval.data`` reads them.
 
 Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, imported
 (not copied) so that the YAMLs can reference them as ``!function utils.<name>``. The
@@ -23,15 +18,12 @@ category without documents (missing from the data) has no row in the results.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
 
 try:
     from mari_eval import data as mari_data
@@ -45,13 +37,11 @@ from mari_eval.document_order import spread_bbq, spread_over_categories  # noqa:
 from mari_eval.judge import sorry_bench
 from mari_eval.judge.sorry_bench import SORRY_CATEGORIES
 # SORRY-Bench's scoring lives with the judge (mari_eval/judge/sorry_bench.py); the YAMLs call it by these names.
-from mari_eval.judge.sorry_bench import agg_category_refusal_rate as sorry_agg_category_refusal_rate  # noqa: F401
-from mari_eval.judge.sorry_bench import agg_judge as sorry_agg_judge  # noqa: F401
-from mari_eval.judge.sorry_bench import agg_judge_unparseable as sorry_agg_judge_unparseable  # noqa: F401
-from mari_eval.judge.sorry_bench import agg_keyword_refusal_rate as sorry_agg_keyword_refusal_rate  # noqa: F401
-from mari_eval.judge.sorry_bench import agg_refusal_rate as sorry_agg_refusal_rate  # noqa: F401
-from mari_eval.judge.sorry_bench import document_scores as sorry_document_scores  # noqa: F401
-from mari_eval.judge.sorry_bench import process_results as sorry_process_results  # noqa: F401
+from mari_eval.judge.sorry_bench import (  # noqa: F401
+    agg_category_refusal_rate as sorry_agg_category_refusal_rate, agg_judge as sorry_agg_judge,
+    agg_judge_unparseable as sorry_agg_judge_unparseable, agg_keyword_refusal_rate as sorry_agg_keyword_refusal_rate,
+    agg_refusal_rate as sorry_agg_refusal_rate, document_scores as sorry_document_scores,
+    process_results as sorry_process_results)
 
 from lm_eval.tasks.bbq import utils as bbq_utils
 from lm_eval.tasks.truthfulqa import utils as truthfulqa_utils
@@ -73,35 +63,6 @@ def _source() -> str:
 
 def _dataset(records: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_list(records)
-
-
-def _dataset_on_disk(name: str, records: list[dict]) -> datasets.Dataset:
-    """``records`` as a memory-mapped Arrow file under the datasets cache, for tasks with process_docs.
-
-    lm-eval runs a task's process_docs (for BBQ a ``datasets.map`` over every doc, about 5 s
-    for the 17,628 docs) each time it asks for the docs, two or three times per task. On an
-    in-memory dataset datasets cannot cache that map; on a file-backed one it does, as it does
-    for the built-in's Hub download. The file name holds a hash of the content, so changed
-    data (or another split seed) get a new file. Falls back to an in-memory dataset when the
-    cache folder cannot be written.
-    """
-    ds = _dataset(records)
-    if not datasets.is_caching_enabled():
-        return ds
-    digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = Path(datasets.config.HF_DATASETS_CACHE) / "mari_eval_harness" / f"{name}-{digest}.arrow"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            table = ds.data.table
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-                writer.write_table(table)
-            os.replace(tmp, path)
-        return datasets.Dataset.from_file(str(path))
-    except OSError as e:
-        log.warning("Could not write %s (%s); using an in-memory dataset (process_docs is then not cached)", path, e)
-        return ds
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,7 +208,7 @@ def _bbq_records() -> tuple[dict, ...]:
 
 def load_bbq(**_) -> datasets.DatasetDict:
     """Every BBQ record of the covered categories (ambiguous and disambiguated) as ``test``."""
-    return datasets.DatasetDict({"test": _dataset_on_disk("bbq", list(_bbq_records()))})
+    return datasets.DatasetDict({"test": mari_data.dataset_on_disk("bbq", list(_bbq_records()))})
 
 
 def _bbq_heldout(split_seed, *, keep_only_test: bool, task: str) -> list[dict]:
@@ -262,7 +223,7 @@ def load_bbq_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     """BBQ (both contexts) without the pca/train/ctrl ids of ``make_splits("bbq", split_seed)``, in
     file order (no profile takes its first N)."""
     records = _bbq_heldout(split_seed, keep_only_test=False, task="bbq_heldout")
-    return datasets.DatasetDict({"test": _dataset_on_disk("bbq_heldout", records)})
+    return datasets.DatasetDict({"test": mari_data.dataset_on_disk("bbq_heldout", records)})
 
 
 def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
@@ -271,8 +232,24 @@ def load_bbq_disambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
     split seed): lm-eval's ``--limit N`` (the quick profile's first 504) takes a sample across
     templates instead of the first contexts of each category's file."""
     records = _bbq_heldout(split_seed, keep_only_test=True, task="bbq_disambig_heldout")
-    records = spread_bbq(records, _seed(split_seed))
-    return datasets.DatasetDict({"test": _dataset_on_disk("bbq_disambig_heldout", records)})
+    return datasets.DatasetDict({"test": mari_data.dataset_on_disk("bbq_disambig_heldout", spread_bbq(records, _seed(split_seed)))})
+
+
+def load_bbq_ambig_heldout(split_seed=0, **_) -> datasets.DatasetDict:
+    """The ambiguous records of ``load_bbq_heldout`` less those whose context opens the context of a
+    pca/train/ctrl record of their template (the same people and question, without the sentence
+    that disambiguates), spread as ``load_bbq_disambig_heldout``'s."""
+    splits = splits_for("bbq", split_seed)
+    dropped = {i for field in HELDOUT_DROP for i in getattr(splits, field)}
+    seen: dict[str, list[str]] = {}
+    for r in _bbq_records():
+        if r["id"] in dropped:
+            seen.setdefault(mari_data.bbq_template_key(r), []).append(r["context"])
+    records = [r for r in _bbq_heldout(split_seed, keep_only_test=False, task="bbq_ambig_heldout")
+               if r["context_condition"] == "ambig"
+               and not any(c.startswith(r["context"]) for c in seen.get(mari_data.bbq_template_key(r), []))]
+    return datasets.DatasetDict({"test": mari_data.dataset_on_disk("bbq_ambig_heldout",
+                                                                   spread_bbq(records, _seed(split_seed)))})
 
 
 def load_mmlu(mmlu_subject: str, **_) -> datasets.DatasetDict:

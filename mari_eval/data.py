@@ -266,3 +266,59 @@ def load_arc(task: str, split: str) -> list[dict]:
 def load_gsm8k(split: str) -> list[dict]:
     rows = _local_or_hub(f"gsm8k/{split}.jsonl.gz", "gsm8k", ("openai/gsm8k", "main", split))
     return _with_content_ids(rows, lambda r: content_id(f"gsm8k-{split}", r["question"]))
+
+
+def dataset_on_disk(name: str, records: list[dict]):
+    """``records`` as a memory-mapped Arrow file under the datasets cache, for tasks with process_docs.
+
+    lm-eval runs a task's process_docs (for BBQ a ``datasets.map`` over every doc, about 5 s
+    for the 17,628 docs) each time it asks for the docs, two or three times per task. On an
+    in-memory dataset datasets cannot cache that map; on a file-backed one it does, as it does
+    for the built-in's Hub download. The file name holds a hash of the content, so changed
+    data (or another split seed) get a new file. Falls back to an in-memory dataset when the
+    cache folder cannot be written. (The records of harness_tasks/utils.py's BBQ tasks.)
+    """
+    import datasets  # deferred: only the lm-eval tasks need it
+    import pyarrow as pa
+
+    ds = datasets.Dataset.from_list(records)
+    if not datasets.is_caching_enabled():
+        return ds
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = Path(datasets.config.HF_DATASETS_CACHE) / "mari_eval_harness" / f"{name}-{digest}.arrow"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            table = ds.data.table
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+            os.replace(tmp, path)
+        return datasets.Dataset.from_file(str(path))
+    except OSError as e:
+        log.warning("Could not write %s (%s); using an in-memory dataset (process_docs is then not cached)", path, e)
+        return ds
+
+
+GENERAL_TEXT_PER_SOURCE = 100  # documents from each of MMLU's and ARC-Challenge's test questions
+GENERAL_TEXT_MIN_WORDS = 16
+
+
+def load_general_text() -> list[dict]:
+    """General-domain text none of the suite's methods trains or calibrates on (D_ctrl reads MMLU's
+    validation and ARC-Easy's train split), for the KL and cross-entropy columns (mari_eval/divergence.py):
+    question texts of MMLU's and ARC-Challenge's test splits with at least GENERAL_TEXT_MIN_WORDS words,
+    the first GENERAL_TEXT_PER_SOURCE of each in the order of their ids' sha256 (all subjects mixed),
+    alternating; each cut at its middle word into ``context`` and ``continuation`` (" " + the rest)."""
+    def take(rows: list[dict], source: str) -> list[dict]:
+        long = [r for r in rows if len(r["question"].split()) >= GENERAL_TEXT_MIN_WORDS]
+        long.sort(key=lambda r: hashlib.sha256(r["id"].encode("utf-8")).hexdigest())
+        out = []
+        for r in long[:GENERAL_TEXT_PER_SOURCE]:
+            words = r["question"].split()
+            out.append({"id": f"{source}:{r['id']}", "context": " ".join(words[:len(words) // 2]),
+                        "continuation": " " + " ".join(words[len(words) // 2:])})
+        return out
+
+    mmlu, arc = take(load_mmlu("test"), "mmlu"), take(load_arc("arc_challenge", "test"), "arc_challenge")
+    return [doc for pair in zip(mmlu, arc) for doc in pair]

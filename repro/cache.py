@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mari_eval import registry, train as training
+from mari_eval import divergence, registry, train as training
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
 from mari_eval.methods import load_bundle
@@ -150,6 +150,8 @@ class Store:
                  "tasks": tasks_fingerprint(),
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
+            if task == divergence.TASK:  # measured by mari_eval/divergence.py, not by a task file
+                configs[task]["measure"] = divergence.VERSION
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
         return paths, configs
 

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from mari_eval.data import bbq_context_key, bbq_template_key
-from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL, REPO
+from repro.profiles import BBQ_AMBIGUOUS, BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL, REPO
 
 # {metric key as in lm-eval's results ("acc,none")}: {document id: score (None: no score)}
 DocumentScores = dict[str, dict[str, float | None]]
@@ -43,7 +43,8 @@ def cluster_unit(task: str) -> str | None:
 
 def clustered_columns() -> set[str]:
     """The tables' columns (repro/profiles.py) whose task clusters: their documents must carry clusters."""
-    return {column for column, task, *_ in [*BENCHMARKS, *GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL] if cluster_unit(task)}
+    return {column for column, task, *_ in [*BENCHMARKS, *GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL, *BBQ_AMBIGUOUS]
+            if cluster_unit(task)}
 
 
 def cluster_id(record: dict) -> str:

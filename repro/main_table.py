@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     taken = [*methods, *map(method_label, methods)]  # an extra row's name must differ from both
     extras = command_line.extra_bundles(args.extra_bundle, store, taken, copy=not args.plan)
     started = time.time()
-    columns = command_line.select(BENCHMARKS + EXTRA, args.columns, profiles.TQA_GENERATION + profiles.XSTEST)
+    optional = profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+    scored = BENCHMARKS + EXTRA + [c for c in optional if c[0] in profile.more_columns]
+    columns = command_line.select(scored, args.columns, [c for c in optional if c not in scored])
     title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
     if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe, extras), title,
                                  store, profile):

@@ -55,14 +55,29 @@ TQA_GENERATION = [(f"tqa_gen_{metric}", "truthfulqa_gen_heldout", f"{metric},non
                   for metric in ("bleu_acc", "bleu_diff", "rouge1_acc", "rouge1_diff")]
 # Over-refusal beside SORRY-Bench (issue 55.6): XSTest's 250 safe prompts (refusal rate) and 200 unsafe ones
 # (compliance rate), answered under the SORRY-Bench bundle and read by the keyword judge (harness_tasks/
-# xstest_utils.py; its agreement with people: results/judge_agreement.md). Not yet in the default columns
-# (the committed tables predate them): --columns xstest_safe_refusal,xstest_unsafe_compliance.
+# xstest_utils.py; its agreement with people: results/judge_agreement.md). In the budget profile's columns
+# (``more_columns``); the other profiles' tables predate them: --columns xstest_safe_refusal,xstest_unsafe_compliance.
 XSTEST = [("xstest_safe_refusal", "xstest_safe", "refusal_rate,none", "sorry_bench"),
           ("xstest_unsafe_compliance", "xstest_unsafe", "compliance_rate,none", "sorry_bench")]
+# BBQ beside its disambiguated accuracy (issue 55.5): the accuracy on ambiguous contexts, whose right answer is
+# always "unknown" (harness_tasks/bbq_ambig_heldout.yaml), under the BBQ bundle, clustered by context as bbq_acc.
+# Beside it BBQ's ambiguous-context bias score s_AMB (Parrish et al., 2022), which is a mean over documents of +1
+# (the stereotyped answer), -1 (the other person) or 0 ("unknown"): harness_tasks/bbq_bias.py. The disambiguated
+# bias score is a ratio over the documents answered otherwise than "unknown", not a mean: lm-eval's figure stays
+# in each cached evaluation's metrics (``disamb_bias_score,none``), without an interval.
+BBQ_AMBIGUOUS = [("bbq_amb_acc", "bbq_ambig_heldout", "acc,none", "bbq"),
+                 ("bbq_amb_bias", "bbq_ambig_heldout", "amb_bias,none", "bbq")]
+# Invasiveness on general text (issue 55.4; ITI's measure): the steered model's KL divergence from the untouched
+# model and its cross-entropy, in nats per token, on 200 MMLU and ARC-Challenge question texts cut in two
+# (mari_eval/divergence.py, data.load_general_text), under each attribute's bundle. They move where MMLU and
+# ARC, at chance for a 135M model, cannot. In the budget profile's columns (``more_columns``); elsewhere --columns kl,ce,...
+GENERAL_TEXT = [(f"{name}{'' if attribute == 'truthfulqa' else '@' + ATTRIBUTE_TAGS[attribute]}", "general_text",
+                 f"{name},none", attribute) for attribute in ATTRIBUTE_TAGS for name in ("kl", "ce")]
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
-                 "val_loss": 3, "xstest_safe_refusal": 3, "xstest_unsafe_compliance": 3}
+                 "val_loss": 3, "bbq_amb_acc": 3, "bbq_amb_bias": 3, "xstest_safe_refusal": 3, "xstest_unsafe_compliance": 3,
+                 **{c[0]: 3 for c in GENERAL_TEXT}}
 
 
 @dataclass
@@ -98,6 +113,9 @@ class Profile:
     # Per method other than the four baselines: training settings this profile changes for its budget
     # (the quick profile: LoRA's epochs), recorded in every bundle and cache key (repro/recipes.py).
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The main table's optional columns (TQA_GENERATION, BBQ_AMBIGUOUS, XSTEST, GENERAL_TEXT) this profile
+    # scores without --columns.
+    more_columns: tuple[str, ...] = ()
 
     def results_dir(self) -> Path:
         """Where a script writes its tables unless ``--out`` says: results/ for the standard profile
@@ -156,7 +174,8 @@ PROFILES = {
     "smoke": Profile("smoke", ["smollm2-135m-instruct"], [0], {"truthfulqa": 4, "bbq": 4, "sorry_bench": 4}, 2,
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1,
-                      "truthfulqa_gen_heldout": 2, "xstest_safe": 2, "xstest_unsafe": 2},
+                      "truthfulqa_gen_heldout": 2, "xstest_safe": 2, "xstest_unsafe": 2, "general_text": 4,
+                      "bbq_ambig_heldout": 2},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8,
                                                             "xstest_safe": 8, "xstest_unsafe": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra", "arc_easy": "arc_easy_first25",
@@ -219,11 +238,12 @@ PROFILES = {
                       STANDARD_CTRL,
                       {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                        "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20,
-                       "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None},
+                       "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None, "bbq_ambig_heldout": 504},
                       max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128, "xstest_safe": 48, "xstest_unsafe": 48},
                       tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
                       published={"reft": {"min_steps": STANDARD_REFT_STEPS, "epoch_selection": "best"},
-                                 "iti": {"head_selection": "cv"}, "nl_iti": {"head_selection": "cv"}}),
+                                 "iti": {"head_selection": "cv"}, "nl_iti": {"head_selection": "cv"}},
+                      more_columns=tuple(c[0] for c in BBQ_AMBIGUOUS + XSTEST + GENERAL_TEXT)),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
                      None, {}, cuda_placement={"dtype": "bfloat16", "device_map": "auto"}),

@@ -31,7 +31,7 @@ def test_bbq_documents_carry_their_context_and_other_tasks_do_not():
     plain = documents.document_scores(samples, ["arc_easy"], "arc_easy")["acc,none"]
     assert documents.split_clusters(plain) == ({"0": 1.0}, None, None)
     assert documents.cluster_unit("bbq_disambig_heldout") == "context" and documents.cluster_unit("mmlu") is None
-    assert documents.clustered_columns() == {"bbq_acc"}
+    assert documents.clustered_columns() == {"bbq_acc", "bbq_amb_acc", "bbq_amb_bias"}
     with pytest.raises(ValueError, match="carry no cluster id"):
         documents.split_clusters({**scores, "9": 1.0})
 

@@ -147,6 +147,26 @@ def test_truthfulqa_generation_is_a_column_when_named(tmp_path, smoke_dirs, unin
         command_line.select(profiles.BENCHMARKS, "tqa_gen_typo", profiles.TQA_GENERATION)
 
 
+def test_kl_cross_entropy_and_ambiguous_bbq_are_columns_when_named(tmp_path, smoke_dirs):
+    # Issue 55.4: invasiveness on general text under each attribute's bundle, paired against Vanilla;
+    # 55.5: BBQ's ambiguous-context accuracy, clustered by context as bbq_acc.
+    columns = ["kl", "ce", "kl@sorry"]
+    out = tmp_path / "results"
+    run_repro("main_table.py", (smoke_dirs[0], out), "--methods", "vanilla,mari", "--columns",
+              ",".join(columns + ["bbq_amb_acc", "bbq_amb_bias"]))
+    rows = {r["row"]: r for r in _strict((out / "main_table.json").read_text())["models"]["smollm2-135m-instruct"]["rows"]}
+    assert rows["MARI"]["n"]["bbq_amb_acc"] == 2
+    assert rows["MARI"]["ours"]["bbq_amb_acc"]["difference"]["test"] == "sign-flip"  # over contexts, as bbq_acc
+    assert 0 <= rows["Vanilla"]["ours"]["bbq_amb_acc"]["mean"] <= 1 and -1 <= rows["MARI"]["ours"]["bbq_amb_bias"]["mean"] <= 1
+    assert rows["Vanilla"]["ours"]["kl"]["mean"] == rows["Vanilla"]["ours"]["kl@sorry"]["mean"] == 0.0
+    assert rows["Vanilla"]["ours"]["ce"]["mean"] > 0 and rows["MARI"]["ours"]["ce"]["mean"] > 0
+    assert rows["MARI"]["ours"]["kl"]["mean"] >= 0
+    for column in columns:
+        assert rows["MARI"]["n"][column] == 4  # the smoke profile's 4 general-text documents
+        assert rows["MARI"]["ours"][column]["difference"]["test"] == "sign-flip"
+    assert "kl" not in profiles.PROFILES["quick"].more_columns and "kl@bbq" in profiles.PROFILES["budget"].more_columns
+
+
 def test_a_profile_scores_some_columns_under_more_seeds():
     # The quick profile's TruthfulQA columns under seeds 0, 1, 2 (issue 36.8); the others under its seeds only.
     from repro.profiles import BENCHMARKS, Profile

@@ -32,7 +32,7 @@ SHARED = {"truthfulqa_mc1": "truthfulqa/truthfulqa_mc1.yaml", "truthfulqa_mc2": 
           "bbq": "bbq/bbq_multiple_choice.yaml", "bbq_disambig": "bbq/bbq_multiple_choice_disambig.yaml",
           "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml", "gsm8k": "gsm8k/gsm8k.yaml",
           "mmlu": "mmlu/default/_mmlu.yaml", "mmlu_anatomy": "mmlu/default/mmlu_anatomy.yaml"}
-PROJECT_ONLY = ["truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout", "bbq_heldout", "bbq_disambig_heldout",
+PROJECT_ONLY = ["truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout", "bbq_heldout", "bbq_disambig_heldout", "bbq_ambig_heldout",
                 "sorry_bench", "sorry_bench_heldout"]
 
 
@@ -62,7 +62,7 @@ def test_without_data_dir_the_builtin_names_stay_lm_evals_hub_tasks(hub_tm):
     assert hub_tm.task_index["bbq"].cfg["dataset_path"] == load_yaml(BUILTIN / SHARED["bbq"])["dataset_path"]
     for name in PROJECT_ONLY:
         assert _where(hub_tm, name).parent == OURS, name
-    assert hub_tm.task_index["mari_heldout"].tags == set(PROJECT_ONLY[:4])
+    assert hub_tm.task_index["mari_heldout"].tags == set(PROJECT_ONLY[:5])
     assert _where(hub_tm, "hellaswag").is_relative_to(BUILTIN)  # lm-eval's own tasks all stay
     assert hub_tm.include_path is None  # what the caller gave
 

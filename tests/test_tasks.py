@@ -61,7 +61,7 @@ OVERRIDES = {
     "gsm8k": "gsm8k/gsm8k.yaml",
     **{f"mmlu_{s}": f"mmlu/default/mmlu_{s}.yaml" for s in SUBJECTS},
 }
-HELDOUT = ["truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout", "bbq_heldout", "bbq_disambig_heldout"]
+HELDOUT = ["truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout", "bbq_heldout", "bbq_disambig_heldout", "bbq_ambig_heldout"]
 PLAIN = ["truthfulqa_mc1", "truthfulqa_mc2", "truthfulqa_gen", "bbq", "bbq_disambig", "arc_easy", "arc_challenge", "gsm8k"]
 # Keys that may differ from the built-in: where the data come from, tags (see README), the
 # few-shot count we were asked for, and metadata (the split seed).
@@ -293,6 +293,46 @@ def test_bbq_heldout_drops_only_pca_train_ctrl(tasks):
     assert set(_column(task, "category")) == set(covered)
     assert set(_column(task, "split_seed")) == {0}
     assert set(_column(task, "split_fingerprint")) == {splits.fingerprint()}
+
+
+def test_bbq_ambig_heldout_is_every_ambiguous_record_spread_over_categories(tasks):
+    # Issue 55.5: ambiguous-context accuracy (the right answer is always "unknown") beside bbq_acc.
+    records, covered = data.load_bbq("ambig")
+    everything, _ = data.load_bbq(None)
+    splits = data_splits.make_splits("bbq", 0)
+    used = set(splits.pca) | set(splits.train) | set(splits.ctrl)
+    trained = [(data.bbq_template_key(r), r["context"]) for r in everything if r["id"] in used]
+    # An ambiguous context that opens a trained one (the same people and question) is not held out.
+    opening = {r["id"] for r in records if any(t == data.bbq_template_key(r) and c.startswith(r["context"]) for t, c in trained)}
+    task = tasks["bbq_ambig_heldout"]
+    ids = _ids(task)
+    assert sorted(ids) == sorted(r["id"] for r in records if r["id"] not in opening) and len(ids) == len(set(ids))
+    assert 0 < len(opening) < len(records) / 2 and set(ids) <= set(_ids(tasks["bbq_heldout"]))
+    assert set(_column(task, "context_condition")) == {"ambig"}
+    categories = _column(task, "category")
+    assert len(set(categories[: len(covered)])) == len(covered)  # the first documents spread over the categories
+    for doc in list(task.eval_docs)[:20]:
+        assert "unknown" in task.doc_to_choice(doc)[task.doc_to_target(doc)].lower() or \
+            task.doc_to_choice(doc)[task.doc_to_target(doc)] in data.BBQ_UNKNOWN_RESPONSES
+
+
+def test_the_ambiguous_bias_score_is_the_mean_of_its_documents_scores(tasks):
+    # s_AMB = (1 - acc) (2 n_biased / n_non_unknown - 1) = mean of +1 / -1 / 0 (harness_tasks/bbq_bias.py)
+    import random
+
+    from lm_eval.tasks.bbq import utils as bbq_utils
+
+    task, rng = tasks["bbq_ambig_heldout"], random.Random(0)
+    scored = []
+    for doc in list(task.eval_docs)[:90]:
+        answer = rng.randrange(len(task.doc_to_choice(doc)))
+        scored.append(task.process_results(doc, [(0.0 if i == answer else -1.0, False) for i in range(3)]))
+    values = [s["amb_bias"] for s in scored]
+    assert set(values) == {-1.0, 0.0, 1.0}
+    lm_eval_figure = bbq_utils.agg_amb_bias_scores([s["amb_bias_score"] for s in scored])
+    assert sum(values) / len(values) == pytest.approx(lm_eval_figure, abs=1e-12)
+    assert sum(s["acc"] for s in scored) / len(scored) == pytest.approx(bbq_utils.agg_accuracy_amb(
+        [s["accuracy_amb"] for s in scored]))
 
 
 # ----------------------------------------------------------------------------- MMLU, ARC, GSM8K

@@ -1,0 +1,105 @@
+"""The KL and cross-entropy columns (mari_eval/divergence.py, issue 55.4) on a random Llama over bytes.
+
+What a document's scores must be: zero KL for the untouched model, whose cross-entropy is its
+lm-eval log-likelihood per token; and for every method, the scores of a continuation the method
+itself decoded equal those read off its own decoding (``generate`` under its edit, one token at a
+time over the cache), so the teacher-forced pass edits what generation edits.
+"""
+
+import math
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+from mari_eval import divergence
+from mari_eval.plan import BASE
+
+from .helpers import tiny_bundles
+from .test_lora import random_bundle
+from .tiny import byte_llama, byte_tokenizer, tiny_iti
+
+TEXTS = [("The capital of France is", " a city on the Seine."), ("Fish breathe oxygen that is in", " the water.")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return byte_llama(tokenizer, layers=4, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def bundles(model, tmp_path_factory):
+    from baselines import iti
+
+    root = tmp_path_factory.mktemp("bundles")
+    made = tiny_bundles(model, root)
+    made["nl_iti"] = str(tiny_iti(model, heads=((2, 1), (3, 2)), alpha=5.0, cls=iti.NLITI).save(root / "nl_iti"))
+    made["closed_mari"] = tiny_bundles(model, root / "closed", closed_gate=True)["mari"]
+    made["lora"] = str(random_bundle(model, scale=0.1).save(root / "lora"))
+    return made
+
+
+def _lm(model, tokenizer, bundle=None):
+    from mari_eval.lm import MariLM
+
+    return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
+                  allow_other_model=True if bundle else None)
+
+
+def _scores(lm, texts=TEXTS):
+    return divergence.score_texts(lm.model, lm.plan, texts, lambda c, x: HFLM._encode_pair(lm, c, x), lm.instructed,
+                                  lm.tokenizer.pad_token_id)
+
+
+def test_the_untouched_model_has_no_divergence_and_its_loglikelihood_as_cross_entropy(model, tokenizer):
+    lm = _lm(model, tokenizer)
+    scores = _scores(lm)
+    loglikelihoods = lm.loglikelihood([Instance("loglikelihood", {}, text, i) for i, text in enumerate(TEXTS)])
+    for s, (ll, _) in zip(scores, loglikelihoods):
+        assert s.kl == 0.0 and s.variant == BASE
+        assert math.isclose(s.ce * s.tokens, -ll, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["caa", "iti", "nl_iti", "reft", "lora", "mari", "closed_mari"])
+def test_scores_are_those_of_the_methods_own_decoding(model, tokenizer, bundles, name):
+    lm = _lm(model, tokenizer, bundles[name])
+    context = HFLM._encode_pair(lm, *TEXTS[0])[0]
+    variant = divergence.chosen_variant(model, lm.plan, context, lm.tokenizer.pad_token_id)
+    sites = [*lm.plan.prompt_sites(len(context)), len(context) - 1]
+    positions = (torch.zeros(len(sites), dtype=torch.long), torch.tensor(sites))
+    ids = torch.tensor([context])
+    edit = divergence.contextlib.nullcontext() if variant == BASE else lm.plan.apply(torch.full((len(sites),), variant), positions)
+    with torch.no_grad(), edit:  # the method decodes 6 tokens, one forward pass each over the cache
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=lm.tokenizer.pad_token_id)
+    continuation = out.sequences[0, len(context):].tolist()
+    decoded = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), -1)
+    with torch.no_grad():
+        base = torch.log_softmax(model(input_ids=out.sequences).logits[0, len(context) - 1:-1].float(), -1)
+    scores = divergence.score_text(model, lm.plan, (context, continuation), context, lm.tokenizer.pad_token_id)
+    assert scores.variant == variant and scores.tokens == 6
+    assert math.isclose(scores.ce, float(-decoded.gather(-1, torch.tensor(continuation)[:, None]).mean()), rel_tol=1e-4)
+    assert math.isclose(scores.kl, float((base.exp() * (base - decoded)).sum(-1).mean()), rel_tol=1e-3, abs_tol=1e-6)
+    if name == "closed_mari":  # the gate never opens: the base model answers, nothing diverges
+        assert variant == BASE and scores.kl == 0.0
+    else:
+        assert variant != BASE and scores.kl > 1e-4
+
+
+def test_an_instruction_moves_the_prompting_row(model, tokenizer):
+    lm = _lm(model, tokenizer)
+    lm.instructed = lambda context: "Answer truthfully.\n\n" + context
+    scores = _scores(lm)
+    assert all(s.kl > 0 and math.isfinite(s.ce) for s in scores)
+
+
+def test_a_document_without_a_continuation_is_refused(model, tokenizer):
+    lm = _lm(model, tokenizer)
+    with pytest.raises(ValueError, match="continuation of at least one token"):
+        divergence.score_text(model, lm.plan, ([1, 2, 3], []), [1, 2, 3])
