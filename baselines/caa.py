@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_loss, validation_split
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, validation_loss,
+                     validation_record, validation_split)
 from mari_eval import layer_spans, site
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
@@ -128,12 +129,12 @@ class CAA(ScaledVector):
         "negative_for_generation": Str(optional=True), "recipe": RECIPE_FIELD,
         # published: the layer of the original it is carried over from (reference_layer of reference_num_layers).
         "reference_layer": Int(0, optional=True), "reference_num_layers": Int(1, optional=True),
-        "vector_normalization": Str(optional=True, choices=("none",)),
+        "vector_normalization": Str(optional=True, choices=("none",)), **VALIDATION_FIELDS,
     }
     label = "CAA"
     # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
     training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True),
-                       "recipe": RECIPE_FIELD}
+                       "recipe": RECIPE_FIELD, "validation": VALIDATION_FIELD}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -162,7 +163,8 @@ class CAA(ScaledVector):
     def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
                     seed: int) -> Intervention:
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
-        fit_examples, val_examples = validation_split(data.train, seed)
+        source = hyperparameters.get("validation")  # None: the seeded 20% of D_train (common.VALIDATION_SOURCES)
+        fit_examples, val_examples = validation_split(data, seed, source)
         L = session.num_layers
         layers = hyperparameters.get("layers") or sorted({L // 3, L // 2, (2 * L) // 3})
         multipliers = hyperparameters.get("multipliers") or list(MULTIPLIERS)
@@ -181,7 +183,7 @@ class CAA(ScaledVector):
             **config,
             "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
             "hyperparameters": {"recipe": "adapted", "multiplier": mult, "layers_tried": layers, "multipliers_tried": multipliers,
-                                "validation_fraction": VALIDATION_FRACTION, "negative_for_generation": COMPLIANCE},
+                                **validation_record(source, val_examples), "negative_for_generation": COMPLIANCE},
             "diagnostics": {"validation_loss": {f"{l}:{m}": v for (l, m), v in scores.items()},
                             SELECTION_KEY: scores[layer, mult],
                             "validation_loss_base": base, "validation_ids": [ex.id for ex in val_examples]},
@@ -197,7 +199,8 @@ class CAA(ScaledVector):
             raise ValueError(f"CAA's published recipe fixes the layer and the multiplier; drop --set {', '.join(grid)} "
                              "or train with --recipe adapted to choose them on the validation slice")
         pairs = dict(zip((ex.id for ex in data.train), contrast_pairs(data.train, seed)))
-        fit_examples, val_examples = validation_split(data.train, seed)
+        source = hyperparameters.get("validation")  # None: the seeded 20% of D_train (common.VALIDATION_SOURCES)
+        fit_examples, val_examples = validation_split(data, seed, source)
         layer, mult = published_layer(session.num_layers), PUBLISHED_MULTIPLIER
         session.prepare(val_examples, "CAA validation slice", lower=False)
         # The selection loss is that of the vector of the fit slice alone, like every recipe's.
@@ -212,7 +215,7 @@ class CAA(ScaledVector):
             "site": {**config["site"], "layer": layer, "position": "last prompt token and every later token"},
             "hyperparameters": {"recipe": "published", "multiplier": mult, "reference_layer": PUBLISHED_LAYER,
                                 "reference_num_layers": PUBLISHED_NUM_LAYERS, "vector_normalization": "none",
-                                "validation_fraction": VALIDATION_FRACTION, "negative_for_generation": COMPLIANCE},
+                                **validation_record(source, val_examples), "negative_for_generation": COMPLIANCE},
             "diagnostics": {SELECTION_KEY: selected, "validation_loss_base": base,
                             "validation_ids": [ex.id for ex in val_examples]},
         }

@@ -10,17 +10,27 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from mari_eval import runner
-from mari_eval.bundle_spec import Str
+from mari_eval.bundle_spec import Int, Str
 from mari_eval.intervention import Intervention
 from mari_eval.objectives import task_losses
 from mari_eval.options import Option
 from mari_eval.plan import VANILLA, Plan
 
 if TYPE_CHECKING:
-    from mari_eval.examples import Example
+    from mari_eval.examples import AttributeData, Example
     from mari_eval.session import Session
 
 VALIDATION_FRACTION = 0.2
+# Where a baseline's selection examples come from (the training setting ``validation``, issue 55.2):
+#   train (the default): a seeded VALIDATION_FRACTION of D_train held out, the rest fitted;
+#   ctrl:  all of D_train fitted, and selection on D_ctrl's attribute examples, the labelled held-out
+#          pool MARI's gate is calibrated on: one labelled-data budget for every method (every method
+#          reads D_train and that pool, none the test split), and a validation set of D_ctrl's size
+#          (40 per attribute in the standard and budget profiles) where 20% of D_train is 5 to 20.
+VALIDATION_SOURCES = ("train", "ctrl")
+VALIDATION_FIELD = Str(optional=True, choices=VALIDATION_SOURCES)
+# What a bundle's hyperparameters may record of it (``validation_record``) beside ``validation_fraction``.
+VALIDATION_FIELDS = {"validation": VALIDATION_FIELD, "validation_examples": Int(1, optional=True)}
 
 # Issue 24: every baseline trains under one of two recipes, recorded in the bundle
 # (hyperparameters.recipe; a bundle without one was trained before recipes existed: adapted).
@@ -58,15 +68,40 @@ def selection_loss(config: dict[str, Any]) -> float:
                      "epoch history to read it from): retrain it with this version of mari-eval")
 
 
-def validation_split(examples: list[Example], seed: int) -> tuple[list[Example], list[Example]]:
-    """(fit, validation) examples: a seeded 20% of D_train is held out for model selection.
+def validation_split(data: AttributeData, seed: int, source: str | None = None) -> tuple[list[Example], list[Example]]:
+    """(fit, validation) examples for model selection from ``source`` (VALIDATION_SOURCES; None:
+    "train"). The test split is never involved; every baseline gets the same examples for a seed."""
+    if (source or "train") == "ctrl":
+        held = [data.ctrl[i] for i, kind in enumerate(data.ctrl_source) if kind == "attribute"]
+        if not held:
+            raise ValueError("validation=ctrl selects on D_ctrl's attribute examples and this D_ctrl holds none: "
+                             "give --max-ctrl a positive count, or train with validation=train")
+        return list(data.train), held
+    return held_out_slice(data.train, seed)
 
-    The test split is never involved; every baseline gets the same slice for a seed.
-    """
+
+def held_out_slice(examples: list[Example], seed: int) -> tuple[list[Example], list[Example]]:
+    """(fit, validation): a seeded VALIDATION_FRACTION of ``examples`` (D_train) held out."""
     order = list(range(len(examples)))
     random.Random(f"validation:{seed}").shuffle(order)
     n_val = max(1, int(len(examples) * VALIDATION_FRACTION))
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]]
+
+
+def validation_record(source: str | None, validation: list[Example]) -> dict[str, Any]:
+    """What a bundle's hyperparameters say of its validation examples (``validation_split``)."""
+    if (source or "train") == "ctrl":
+        return {"validation": "ctrl", "validation_examples": len(validation)}
+    return {"validation_fraction": VALIDATION_FRACTION}
+
+
+def prepare_validation(session: Session, data: AttributeData, validation: list[Example], lower: bool = True) -> None:
+    """The frozen model's work on the validation examples not in D_train (validation=ctrl), for a
+    method that prepared D_train alone."""
+    train = {ex.id for ex in data.train}
+    extra = [ex for ex in validation if ex.id not in train]
+    if extra:
+        session.prepare(extra, "validation examples (D_ctrl)", lower=lower)
 
 
 def shuffled_batches(examples: list[Example], size: int, order: random.Random) -> list[list[Example]]:

@@ -7,12 +7,11 @@ What ITI computes (as in the original):
    and the compliance target 0) and every attention head's output (the input of the
    layer's attention output projection, one ``head_dim`` slice per head) is read at the
    last token.
-2. One linear probe per head is fitted on 80% of D_train and scored on the other 20%
-   (the validation slice, split by question); the heads are ranked by validation accuracy,
-   equal accuracies in a random order seeded by the training seed (``iti_heads.rank_heads``;
-   never by head index, which favoured the first layers). The chosen heads, their
-   accuracies and the ties at the K-th accuracy are recorded in the bundle's diagnostics
-   and shown in lm-eval's ``config.mari_diagnostics`` (``iti_heads``).
+2. One linear probe per head is fitted on 80% of D_train and scored on the other 20% (the
+   validation slice, split by question; ``--set validation=ctrl``: fitted on all of D_train,
+   scored on D_ctrl's attribute examples, ``common.VALIDATION_SOURCES``); heads ranked by that
+   accuracy, ties in an order seeded by the training seed (``iti_heads.rank_heads``). The chosen
+   heads, their accuracies and the ties at the K-th are in the bundle's diagnostics (``iti_heads``).
 3. For each of the top K heads, the *mass-mean* direction theta = mean(label 1) -
    mean(label 0) of its outputs, normalised, and sigma = the standard deviation of the
    outputs projected on it.
@@ -23,20 +22,17 @@ What ITI computes (as in the original):
    the same vector into the projection's bias). ``scale=`` in lm-eval's ``--model_args``
    multiplies alpha at evaluation (``common.ScaledVector``).
 
-NL-ITI changes two things and nothing else (``NLITI``'s class attributes): the probes are
-MLPs (one hidden ReLU layer), and the head outputs are averaged over the last
-``tokens = 4`` tokens of each continuation instead of read at the last one (its
-"multi-token" representation), for probing and for the mass-mean direction alike.
+NL-ITI changes two things and nothing else (``NLITI``'s class attributes): the probes are MLPs
+(one hidden ReLU layer), and the head outputs are averaged over the last ``tokens = 4`` tokens of
+each continuation (its "multi-token" representation), for probing and the direction alike.
 
-Hyperparameters: ITI used K = 48 of Llama-7B's 1024 heads (4.7%) and alpha = 15. Here
-K is chosen among 2.5%, 5% and 10% of the model's heads and alpha among 2.5, 5, 10, 15,
-by the task loss on the validation slice; the directions and sigmas are then recomputed
-on all of D_train.
+Hyperparameters: ITI used K = 48 of Llama-7B's 1024 heads (4.7%) and alpha = 15. Here K is chosen
+among 2.5%, 5% and 10% of the heads and alpha among 2.5, 5, 10, 15 by the task loss on the
+validation slice; the directions and sigmas are then recomputed on all of D_train.
 
-Deviations: probes are logistic regressions (or MLPs) trained with Adam on standardised
-features, all heads in one batched tensor, with class-balanced weights (a question has
-one correct option and several wrong ones) and ranked by balanced accuracy; ITI used
-scikit-learn's logistic regression and plain accuracy.
+Deviations: probes are logistic regressions (or MLPs) trained with Adam on standardised features,
+all heads in one batched tensor, class-balanced (a question has one correct option and several
+wrong ones) and ranked by balanced accuracy; ITI used scikit-learn's and plain accuracy.
 
 Published recipe (``--recipe published``, ``iti_published``; sources and remaining differences
 in its docstring). The authors' own pipeline: head outputs read on "Q: {question} A: {answer}"
@@ -69,7 +65,8 @@ from mari_eval.plan import BASE, Plan, Positions
 from mari_eval.prefix_cache import broadcast_cache, with_cache
 from mari_eval.registry import register_method
 
-from .common import RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, ScaledVector, validation_losses, validation_split
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, prepare_validation,
+                     validation_losses, validation_record, validation_split)
 from .iti_heads import HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 
@@ -283,13 +280,14 @@ class ITI(ScaledVector):
         "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
         # What the published recipe's probe rows are (iti_published.probe_answers); absent before issue 36 (MC1's options).
         "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")),
-        "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True),
+        "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True), **VALIDATION_FIELDS,
     }
     # The record of the chosen heads (iti_heads.choice_record); other diagnostics are not checked.
     config_fields = {"diagnostics": Obj(RECORD_FIELDS, optional=True)}
     label = "ITI"
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
-                       "recipe": RECIPE_FIELD, "head_selection": Str(optional=True, choices=HEAD_SELECTIONS)}
+                       "recipe": RECIPE_FIELD, "head_selection": Str(optional=True, choices=HEAD_SELECTIONS),
+                       "validation": VALIDATION_FIELD}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -339,12 +337,15 @@ class ITI(ScaledVector):
             raise ValueError(f"{cls.label}: the adapted recipe does not read ['head_selection'] (the published recipe's)")
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
-        fit_examples, val_examples = validation_split(data.train, seed)
+        source = hyperparameters.get("validation")  # None: the seeded 20% of D_train (common.VALIDATION_SOURCES)
+        fit_examples, val_examples = validation_split(data, seed, source)
         session.prepare(data.train, "D_train", lower=False)
+        prepare_validation(session, data, val_examples, lower=False)
         x, y, owner = labelled_outputs(session, fit_examples + val_examples, cls.tokens, f"{cls.method}: head outputs")
         n_layers, n_heads, head_dim = x.shape[1:]
         x = x.reshape(len(x), n_layers * n_heads, head_dim)
         is_fit = owner < len(fit_examples)
+        in_train = is_fit if source == "ctrl" else torch.ones_like(is_fit)  # the rows of D_train
         if y[~is_fit].min() == y[~is_fit].max():
             raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
         accuracy = probe_accuracy(x[is_fit], y[is_fit], x[~is_fit], y[~is_fit], cls.probe, seed)
@@ -364,7 +365,7 @@ class ITI(ScaledVector):
             log.info("%s: %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, alpha, loss, base)
         k, alpha = min(scores, key=scores.get)
         top = ranked[:k]
-        theta, sigma = mass_mean(x[:, top], y)  # the chosen heads' directions from all of D_train
+        theta, sigma = mass_mean(x[in_train][:, top], y[in_train])  # the chosen heads' directions from all of D_train
         heads = torch.stack([top // n_heads, top % n_heads], 1)
         log.info("%s: chose %d heads, alpha %g (validation loss %.4f; base model %.4f)", cls.method, k, alpha, scores[k, alpha], base)
         config = {
@@ -373,7 +374,7 @@ class ITI(ScaledVector):
                      "position": "attention heads' outputs, last prompt token and every later token"},
             "hyperparameters": {"recipe": "adapted", "alpha": alpha, "num_heads": k, "probe": cls.probe, "tokens": cls.tokens,
                                 "head_fractions_tried": fractions, "alphas_tried": alphas,
-                                "validation_fraction": VALIDATION_FRACTION, "probe_steps": PROBE_STEPS},
+                                **validation_record(source, val_examples), "probe_steps": PROBE_STEPS},
             "diagnostics": {"validation_loss": {f"{k_}:{a}": v for (k_, a), v in scores.items()},
                             SELECTION_KEY: scores[k, alpha],
                             "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(), "heads": heads.tolist(),

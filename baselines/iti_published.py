@@ -49,26 +49,25 @@ sort; ordering them by head index favoured layers 0 and 1). The chosen heads wit
 validation accuracies, and how many heads share the K-th accuracy, are recorded in the
 bundle's diagnostics (``iti_heads.choice_record``) and shown in lm-eval's
 ``config.mari_diagnostics``; ``head_selection="cv"`` scores the probes by cross-validation over
-all of D_train instead (``iti_heads``). K scales
-with the model: 48 / 1024 of its heads (13 of SmolLM2-135M's 30 x 9), so that the share of
-the model moved is the authors'; alpha is in units of sigma and stays 15. The probes are fitted
-on the answers of the 80% of the questions of ``common.validation_split`` and scored on those of
-its 20% (a split by question, as the authors'); the
-kept bundle's directions and sigmas come from all of D_train (as the authors' train + val), and
-``validation_loss_selected`` is the task loss on the 20% with directions and sigmas from the
-80% alone. ITI's bundle records ``shift_from: answer`` (``ITI.applied``).
+all of D_train instead (``iti_heads``). K scales with the model: 48 / 1024 of its heads (13 of
+SmolLM2-135M's 30 x 9), so that the share of the model moved is the authors'; alpha is in units
+of sigma and stays 15. The probes are fitted on the answers of the 80% of the questions of
+``common.validation_split`` and scored on those of its 20% (a split by question, as the
+authors'; ``validation=ctrl``: fitted on all of D_train, scored on D_ctrl's attribute examples);
+the kept bundle's directions and sigmas come from all of D_train (as the authors' train + val),
+and ``validation_loss_selected`` is the task loss on the validation examples with directions and
+sigmas from the fitted ones alone. ITI's bundle records ``shift_from: answer`` (``ITI.applied``).
 
-Where it must still differ: the probes and directions are read from the authors' own prompt,
-but every method is evaluated (and the selection loss computed) on lm-eval's prompts, the
-6-shot TruthfulQA preamble included (the selection loss on TruthfulQA MC1, the suite's
-training task); BBQ and SORRY-Bench examples use the same Q/A format
-(the question with BBQ's context; the refusal and compliance targets as answers); sigma's
+Where it must still differ: the probes and directions are read from the authors' own prompt, but
+every method is evaluated (and the selection loss computed) on lm-eval's prompts, the 6-shot
+TruthfulQA preamble included (the selection loss on TruthfulQA MC1, the suite's training task);
+BBQ and SORRY-Bench examples use the same Q/A format (with BBQ's context; the refusal and
+compliance targets as answers); sigma's
 prompts are MC2's answers (honest_llama reads the generation set's correct and incorrect
 answers, from which MC2's were drawn) on D_train alone, their "other question" a seeded draw
 from the fit slice (honest_llama reads them on all 817 questions, unlabelled); a fit slice smaller
-than one batch of 32 trains the MLPs on one batch; in generation, honest_llama's answer path
-also shifts the last prompt token (``start_edit_location='lt'``), which ``shift_from: answer``
-does not; and the model is SmolLM2-135M, not Llama-7B.
+than one batch of 32 trains the MLPs on one batch; in generation, honest_llama's answer path also
+shifts the last prompt token (``start_edit_location='lt'``), which ``shift_from: answer`` does not.
 """
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ from mari_eval.data import load_truthfulqa_mc
 from mari_eval.objectives import COMPLIANCE_TARGET
 from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
-from .common import SELECTION_KEY, VALIDATION_FRACTION, validation_loss, validation_split
+from .common import SELECTION_KEY, validation_loss, validation_record, validation_split
 from .iti_heads import CV_FOLDS, choice_record, cross_validated_accuracy, rank_heads, selection_warnings
 
 if TYPE_CHECKING:
@@ -341,12 +340,13 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
                   hyperparameters: dict[str, Any], seed: int) -> Intervention:
     """``cls`` (ITI or NL-ITI) trained by its authors' recipe, ``cls.published``."""
     recipe: Recipe = cls.published
-    fixed = sorted(set(hyperparameters) - {"recipe", "head_selection"})
+    fixed = sorted(set(hyperparameters) - {"recipe", "head_selection", "validation"})
     selection = hyperparameters.get("head_selection", "validation")  # how the probes are scored (iti_heads)
     if fixed:
         raise ValueError(f"{cls.method}: the published recipe fixes K and alpha (the authors' 48/1024 of the heads and 15); "
                          f"drop --set {', '.join(fixed)} or use --recipe adapted, which chooses them on the validation slice")
-    fit_examples, val_examples = validation_split(data.train, seed)
+    source = hyperparameters.get("validation")  # None: the seeded 20% of D_train (common.VALIDATION_SOURCES)
+    fit_examples, val_examples = validation_split(data, seed, source)
     examples = fit_examples + val_examples
     answer_kind, answers = probe_answers(data.attribute, examples)
     acts = recipe_activations(session, recipe, examples, other_questions(examples, fit_examples, seed), answers)
@@ -354,18 +354,19 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     flat = {k: acts[k].reshape(len(acts[k]), n_layers * n_heads, head_dim) for k in ("probe", "direction", "sigma")}
     y = acts["labels"]
     is_fit, sigma_fit = acts["owner"] < len(fit_examples), acts["sigma_owner"] < len(fit_examples)
+    in_train, sigma_in_train = (is_fit, sigma_fit) if source == "ctrl" else (torch.ones_like(is_fit), torch.ones_like(sigma_fit))  # D_train
     if y[~is_fit].min() == y[~is_fit].max():
         raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
     score = logistic_accuracy if recipe.probe == "linear" else mlp_accuracy
     if selection == "cv":  # every row scored by a probe fitted without its question
-        accuracy = cross_validated_accuracy(score, flat["probe"], y, acts["owner"], seed)
+        accuracy = cross_validated_accuracy(score, flat["probe"][in_train], y[in_train], acts["owner"][in_train], seed)
     else:
         accuracy = score(flat["probe"][is_fit], y[is_fit], flat["probe"][~is_fit], y[~is_fit], seed)
     k = num_heads_for(n_layers * n_heads)
     ranked = rank_heads(accuracy, seed)
     top = ranked[:k]
     heads = torch.stack([top // n_heads, top % n_heads], 1)
-    choice = choice_record(accuracy, ranked, k, n_heads, y if selection == "cv" else y[~is_fit])
+    choice = choice_record(accuracy, ranked, k, n_heads, y[in_train] if selection == "cv" else y[~is_fit])
     choice.update(head_selection=selection, selection_warnings=selection_warnings(choice, k))
     for warning in choice["selection_warnings"]:
         log.warning("%s (published) head choice: %s", cls.method, warning)
@@ -375,7 +376,7 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
 
     hp = {"recipe": "published", "alpha": ALPHA, "num_heads": k, "head_fraction": HEAD_FRACTION, "probe": recipe.probe,
           "probe_answers": answer_kind, "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
-          **recipe.formats(), "validation_fraction": VALIDATION_FRACTION,
+          **recipe.formats(), **validation_record(source, val_examples),
           **({"head_selection": "cv", "probe_folds": CV_FOLDS} if selection == "cv" else {})}
     hp.update({"probe_C": LOGISTIC_C, "probe_max_iter": LBFGS_ITERATIONS} if recipe.probe == "linear"
               else {f"probe_{name}": value for name, value in MLP.items()})
@@ -394,7 +395,6 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     selected = validation_loss(session, val_examples, candidate.plan(session.model))
     base = validation_loss(session, val_examples)
     log.info("%s (published): %d heads, alpha %g: validation loss %.4f (base %.4f)", cls.method, k, ALPHA, selected, base)
-    everything = torch.ones_like(is_fit)
-    return bundle(everything, torch.ones_like(sigma_fit), {
+    return bundle(in_train, sigma_in_train, {
         SELECTION_KEY: selected, "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(),
         "heads": heads.tolist(), **choice, "validation_ids": [ex.id for ex in val_examples]})

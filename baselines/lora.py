@@ -59,8 +59,8 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.registry import register_method
 
-from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, shuffled_batches, validation_loss,
-                     validation_split)
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, Baseline, shuffled_batches, validation_loss,
+                     validation_record, validation_split)
 from .lora_hooks import Weights, lora_applied, target_modules
 from .loreft import python_rng_state
 
@@ -88,11 +88,11 @@ class LoRA(Baseline):
         "lr": Float(0, lo_open=True, optional=True), "epochs": Int(1, optional=True), "batch": Int(1, optional=True),
         "weight_decay": Float(0, optional=True), "dropout": Float(0, 1, hi_open=True, optional=True),
         "epoch_kept": Int(1, optional=True), "init": Str(optional=True), "recipe": RECIPE_FIELD,
-        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True),
+        "validation_fraction": Float(0, 1, lo_open=True, hi_open=True, optional=True), **VALIDATION_FIELDS,
     }
     label = "LoRA"
     training_fields = {**{k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS},
-                       "layers": List(Int(0), optional=True)}
+                       "layers": List(Int(0), optional=True), "validation": VALIDATION_FIELD}
     training_defaults = DEFAULTS
 
     @classmethod
@@ -150,7 +150,7 @@ class LoRA(Baseline):
         hp["layers"] = list(hp.get("layers") or range(session.num_layers))
         model, scaling = session.model, float(hp["alpha"]) / int(hp["rank"])
         params = initial_weights(model, hp["layers"], hp["targets"], hp["rank"], seed, session.site_device)
-        fit_examples, val_examples = validation_split(data.train, seed)
+        fit_examples, val_examples = validation_split(data, seed, hp.get("validation"))
         session.prepare(val_examples, "LoRA validation slice", lower=False)
         base = validation_loss(session, val_examples)
         loop = EpochLoop("lora", "LoRA", hp["epochs"], params,
@@ -190,7 +190,8 @@ class LoRA(Baseline):
         config["site"] = {"layer": min(hp["layers"]), "position": "every token (prompt, options, generated tokens) "
                           f"through {', '.join(hp['targets'])} of layers {hp['layers'][0]}..{hp['layers'][-1]}"}
         config["hyperparameters"] = {**hp, "alpha": float(hp["alpha"]), "recipe": "adapted", "epoch_kept": best_epoch,
-                                     "weight_decay": 0.0, "dropout": 0.0, "validation_fraction": VALIDATION_FRACTION,
+                                     "weight_decay": 0.0, "dropout": 0.0,
+                                     **validation_record(hp.get("validation"), val_examples),
                                      "init": "A uniform in +-1/sqrt(in) (peft's kaiming_uniform_, a=sqrt(5)), B = 0"}
         config["diagnostics"] = {"history": history, SELECTION_KEY: best[0], "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}

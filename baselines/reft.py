@@ -67,8 +67,9 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.registry import register_method
 
-from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FRACTION, Baseline, recipe_of, shuffled_batches,
-                     validation_loss, validation_split)
+from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELDS, Baseline, recipe_of, shuffled_batches,
+                     validation_loss, validation_split,
+                     prepare_validation, validation_record)
 from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
 from .reft_published import fit_published
 
@@ -99,11 +100,12 @@ class ReFT(Baseline):
         "schedule": Str(optional=True), "positions": Str(optional=True), "min_steps": Int(1, optional=True),
         # published recipe: the epoch kept, the last (pyreft's commonsense and math runs) or the best on the
         # validation slice (pyreft's GLUE runs, load_best_model_at_end); absent: the last
-        "epoch_selection": Str(optional=True, choices=("last", "best")),
+        "epoch_selection": Str(optional=True, choices=("last", "best")), **VALIDATION_FIELDS,
     }
 
     label = "ReFT"
-    training_fields = {k: v for k, v in hyperparameter_fields.items() if k in DEFAULTS or k in PUBLISHED_ONLY or k == "recipe"}
+    training_fields = {k: v for k, v in hyperparameter_fields.items()
+                       if k in DEFAULTS or k in PUBLISHED_ONLY or k in ("recipe", "validation")}
     training_defaults = DEFAULTS
 
     @classmethod
@@ -170,8 +172,9 @@ class ReFT(Baseline):
         params = {"free": free, "W": R0.clone(), "b": torch.zeros(hp["rank"], device=session.site_device)}
         for p in params.values():
             p.requires_grad_(True)
-        fit_examples, val_examples = validation_split(data.train, seed)
+        fit_examples, val_examples = validation_split(data, seed, hp.get("validation"))
         session.prepare(data.train, "D_train")
+        prepare_validation(session, data, val_examples)
         loop = EpochLoop("reft", "ReFT", hp["epochs"], params, torch.optim.Adam(params.values(), lr=hp["lr"]),
                          session.checkpoints)
         base = validation_loss(session, val_examples)
@@ -205,7 +208,8 @@ class ReFT(Baseline):
         tensors = {"R": orthonormal_rows(kept["free"]).contiguous(), "W": kept["W"].contiguous(), "b": kept["b"].contiguous()}
         config = copy.deepcopy(config)
         config["site"]["position"] = f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*)"
-        config["hyperparameters"] = {**hp, "recipe": "adapted", "epoch_kept": best_epoch, "validation_fraction": VALIDATION_FRACTION,
+        config["hyperparameters"] = {**hp, "recipe": "adapted", "epoch_kept": best_epoch,
+                                     **validation_record(hp.get("validation"), val_examples),
                                      "init": "R random orthonormal, W = R, b = 0"}
         config["diagnostics"] = {"history": history, SELECTION_KEY: best[0], "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}

@@ -53,7 +53,8 @@ from mari_eval.objectives import task_losses
 from mari_eval.plan import Plan
 from mari_eval.prefix_cache import encode_prefix
 
-from .common import SELECTION_KEY, VALIDATION_FRACTION, shuffled_batches, validation_loss, validation_split
+from .common import (SELECTION_KEY, prepare_validation, shuffled_batches, validation_loss, validation_record,
+                     validation_split)
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
 from .reft_step import batch_gradient, shared_length
@@ -130,12 +131,13 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     gen = torch.Generator().manual_seed(seed)
     initial = initial_parameters(gen, len(layers), rank, d)
     params = {k: v.clone().to(session.site_device).requires_grad_(True) for k, v in initial.items()}
-    fit_examples, val_examples = validation_split(data.train, seed)
+    fit_examples, val_examples = validation_split(data, seed, hp.get("validation"))
     steps_per_epoch, epochs, total_steps = step_plan(len(fit_examples), hp["batch"], hp["epochs"], min_steps)
     hp = {**hp, "epochs": epochs, "min_epochs": hp["epochs"], "min_steps": min_steps,
           "steps_per_epoch": steps_per_epoch, "steps": total_steps,
           "warmup_steps": warmup_steps(total_steps, hp["warmup_ratio"])}
     session.prepare(data.train, "D_train", lower=False)  # the edited layers start below l*: no lower states
+    prepare_validation(session, data, val_examples, lower=False)
     base = validation_loss(session, val_examples)
     optimizer = torch.optim.AdamW(params.values(), lr=hp["lr"], weight_decay=hp["weight_decay"])
     loop = EpochLoop("reft_published", "ReFT (published)", epochs, params, optimizer, session.checkpoints,
@@ -147,7 +149,7 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     config = copy.deepcopy(config)
     config["site"]["position"] = (f"first {hp['first']} and last {hp['last']} prompt tokens (the last is p*), "
                                   f"at layers {_layer_span(layers)}")
-    config["hyperparameters"] = {**hp, "epoch_kept": epochs, "validation_fraction": VALIDATION_FRACTION,
+    config["hyperparameters"] = {**hp, "epoch_kept": epochs, **validation_record(hp.get("validation"), val_examples),
                                  "init": "R random orthonormal, W and b torch.nn.Linear's default",
                                  "loss": "teacher-forced NLL of the answer tokens (token mean over the batch)",
                                  "schedule": "linear, warm-up from lr/(w+1) then decay to 0",

@@ -65,11 +65,11 @@ class Store:
         hp = {**{k: v for k, v in profile.hyperparameters.items() if k in takes}, **(hyperparameters or {})}
         if method == "mari":
             hp = {"single": True, **hp}  # the one-adapter ablation (Table 2) trained beside the experts
-        # Only MARI reads D_ctrl (its gate's calibration): the baselines' keys leave the control
-        # set's size out, so changing it retrains MARI alone.
+        # Only MARI (its gate's calibration) and a baseline selecting on D_ctrl (validation=ctrl) read D_ctrl:
+        # the other keys leave the control set's size out, so changing it retrains those alone.
         config = {"kind": "bundle", "method": method, "attribute": attribute, "model": model, "seed": seed,
                   "max_train": profile.max_train.get(attribute), "max_pca": profile.max_pca, "hyperparameters": hp}
-        if method in CONTROL_SET_METHODS:
+        if method in CONTROL_SET_METHODS or hp.get("validation") == "ctrl":
             config["max_ctrl"] = profile.max_ctrl
         config = with_placement(config, self.placement, model)
         key = config_key(config)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from baselines import caa
-from baselines.common import SELECTION_KEY, validation_split
+from baselines.common import SELECTION_KEY, held_out_slice
 from mari_eval import methods, runner
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.train import AttributeData, Example
@@ -88,14 +88,14 @@ def test_published_fit_records_its_fixed_settings_and_no_grid(fitted):
     assert hp["recipe"] == "published" and hp["multiplier"] == 1.0 and bundle.layer == 2
     assert (hp["reference_layer"], hp["reference_num_layers"], hp["vector_normalization"]) == (13, 32, "none")
     assert "layers_tried" not in hp and "validation_loss" not in diag  # no grid was scored
-    assert diag["validation_ids"] == [ex.id for ex in validation_split(examples, 0)[1]]
+    assert diag["validation_ids"] == [ex.id for ex in held_out_slice(examples, 0)[1]]
     assert set(diag) == {SELECTION_KEY, "validation_loss_base", "validation_ids"}
 
 
 def test_published_vector_and_selection_loss_match_an_independent_computation(fitted):
     model, session, examples, bundle = fitted
     pairs = dict(zip((ex.id for ex in examples), caa.contrast_pairs(examples, 0)))
-    fit, val = validation_split(examples, 0)
+    fit, val = held_out_slice(examples, 0)
     # The bundle's vector: all of D_train; the selection loss: the vector of the 80% fit slice only.
     whole = _vector(model, session, list(pairs.values()), 2)
     torch.testing.assert_close(bundle.tensors["vector"], whole, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baselines import iti
-from baselines.common import validation_loss, validation_split
+from baselines.common import held_out_slice, validation_loss
 from mari_eval import runner, site
 from mari_eval.plan import BASE, Plan
 from mari_eval.prefix_cache import broadcast_cache, encode_prefix, with_cache
@@ -42,7 +42,7 @@ def _reference_head_outputs(session, ex, continuations, tokens):
 
 def _reference_fit(cls, session, examples, seed=0):
     """The adapted fit as it ran before: one validation run per grid cell, each cell's shift alone."""
-    fit_examples, val_examples = validation_split(examples, seed)
+    fit_examples, val_examples = held_out_slice(examples, seed)
     session.prepare(examples, "reference", lower=False)
     n_heads, head_dim = site.attention_heads(session.model)
     feats, labels, owner = [], [], []
