@@ -216,6 +216,20 @@ UNCERTAINTY = (f"Ours: the figure with its {intervals.LEVEL:.0%} bootstrap inter
                "< 0.05 after Holm's correction over every test of the table.")
 
 
+# Accuracy (%) of guessing uniformly among a question's options: MMLU's 4; ARC's 4 for all but 18 of its
+# 3,548 test questions (25.02% over them, 25.0 over the first 100 of each task). A column whose reference row
+# (Vanilla) holds it in its interval is marked: no difference there reads as a change of capability.
+CHANCE = {"mmlu": 25.0, "arc_e": 25.0, "arc_c": 25.0}
+
+
+def at_chance_note(at_chance: dict[str, list[float]], reference: str) -> str:
+    """The line under a table naming its columns at chance (``at_chance``: {column: the reference's interval})."""
+    named = ", ".join(f"{column} ({reference} [{ci[0]:.2f}, {ci[1]:.2f}] holds {CHANCE[column.split('@')[0]]:g})"
+                      for column, ci in at_chance.items())
+    return (f"\n- At chance for this model: {named}, the accuracy of guessing among 4 options; a difference "
+            "there is not a change of general capability (the kl and ce columns, on general text, can move).")
+
+
 def _documents_note(name: str) -> str:
     return (f" Per-document scores: {name}_documents.parquet (`python -m repro.recompute results/{name}` "
             "recomputes every cell from them).")
@@ -269,7 +283,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
         entry = record["models"][model] = {"paper_model": paper_model, "dtype": resolved_dtype(store.placement.dtype, model),
                                            "rows": []}
         differences = reference_differences(rows, columns, reference)
-        md_rows, tex_rows, md_diff_rows = [], [], []
+        md_rows, tex_rows, md_diff_rows, at_chance = [], [], [], {}
         for label, by_column in rows.items():
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}
             if (notes or {}).get(model, {}).get(label):
@@ -288,6 +302,9 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
                                        "lm_eval_stderr": cell.get("stderr") or [None] * len(cell["values"]),
                                        "difference": difference}
                 row["n"][column] = cell["n"]
+                chance = CHANCE.get(column.split("@")[0])
+                if label == reference and chance is not None and ci is not None and ci[0] <= chance <= ci[1]:
+                    at_chance[column] = ci
                 row["paper"][column] = float(figure) if figure not in (None, "") else None
                 digits = _digits(column)
                 text = fmt(mean, std, digits) + ("" if mean != mean else _interval_text(ci, digits))
@@ -302,6 +319,9 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
         md += [f"\n## {model} ({entry['dtype']}; paper column: {paper_model})\n",
                markdown_table(["row"] + [f"{c} ({who})" for c in columns for who in ("ours", "paper")], md_rows)]
         md += [f"\n- {label}: {'; '.join(lines)}" for label, lines in (notes or {}).get(model, {}).items()]
+        if at_chance:
+            entry["at_chance"] = {column: CHANCE[column.split("@")[0]] for column in at_chance}
+            md.append(at_chance_note(at_chance, reference))
         if md_diff_rows:
             md += [f"\n### {model}: difference from {reference} (paired, same documents)\n",
                    markdown_table(["row"] + columns, md_diff_rows)]

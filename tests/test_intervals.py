@@ -121,6 +121,20 @@ def test_tables_carry_intervals_paired_differences_and_a_plot(tmp_path):
     assert (tmp_path / "t.tex").read_text().count("\\begin{tabular}") == 2
 
 
+def test_a_column_whose_reference_holds_chance_is_marked(tmp_path):
+    # MMLU and ARC at chance for the model (issue 55.4): named under the table and in the JSON; a column
+    # whose reference interval excludes 25 (arc_e here, all right) is not.
+    low = as_docs([100, 0, 0, 0, 0, 100, 0, 0])  # 25% [0, 62.5]: holds 25
+    cells = {"m": {"Vanilla": {"mmlu@bbq": {"values": [25.0], "n": 8, "documents": [low]},
+                               "arc_e": {"values": [100.0], "n": 8, "documents": [as_docs([100] * 8)]}}}}
+    store = Store(tmp_path / "runs", placement=Placement(dtype="float32"))
+    profile = Profile(name="fixed", models=["m"], seeds=[0], max_train={}, max_ctrl=None, limits={})
+    record = tables.write_tables(tmp_path, "t", "Table T", "Intro.", cells, ["mmlu@bbq", "arc_e"],
+                                 lambda model: ("P", {}), profile, "cmd", 1.0, store)
+    assert record["models"]["m"]["at_chance"] == {"mmlu@bbq": 25.0}
+    assert "- At chance for this model: mmlu@bbq (Vanilla [0.00, " in (tmp_path / "t.md").read_text()
+
+
 def test_a_difference_prints_a_small_p_in_two_digits_and_a_monte_carlo_floor_as_a_bound():
     from repro.tables import _difference_text
 
