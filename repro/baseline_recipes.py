@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     cells, notes = run(profile, store, methods)
     intro = ("Held-out TruthfulQA in %; n = test documents (val_loss: validation questions, from D_train). "
              "adapted: this suite's setting; published: the authors' recipe (docs/baselines.md), the main table's "
-             "(fixed in advance, not chosen by val_loss). The paper reports neither.")
+             "(the same for every bundle, not chosen per bundle by val_loss; repro/recipes.py says when and why it was "
+             "fixed). The paper reports neither.")
     tables.write_tables(Path(args.out), "baseline_recipes", "Baselines under both training recipes (TruthfulQA)",
                         intro, cells, [c[0] for c in COLUMNS] + ["val_loss"], lambda model: ("(not reported)", {}),
                         profile, command, time.time() - started, store, notes)

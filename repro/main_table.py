@@ -42,6 +42,15 @@ from repro import cache, command_line, planning, profiles, recipes, scoring, ste
 from repro.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
+# What the intro says of the optional columns, by the starts of their names (repro/profiles.py).
+OPTIONAL_NOTES = {
+    ("bbq_amb",): "`bbq_amb_acc` and `bbq_amb_bias`: BBQ's ambiguous-context accuracy and bias score s_AMB (a mean of "
+                  "+1 stereotyped answer / -1 the other person / 0 unknown; harness_tasks/bbq_bias.py), under the BBQ bundle.",
+    ("xstest",): "`xstest_safe_refusal` and `xstest_unsafe_compliance`: XSTest's safe prompts refused and unsafe prompts "
+                 "complied with (keyword judge), under the SORRY-Bench bundle.",
+    ("kl", "ce"): "`kl` and `ce`: the steered model's KL divergence from the untouched one and its cross-entropy, in nats "
+                  "per token, on general text (MMLU and ARC-Challenge question texts; mari_eval/divergence.py).",
+}
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
@@ -144,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
              "@sorry under the BBQ- and SORRY-Bench-trained ones. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
              "not the same model, not comparable in size. Each baseline's training recipe (published: its "
-             "authors', fixed in advance; adapted: this suite's setting; docs/baselines.md) is listed under the table. "
-             "Every row is also tested against MARI, a second family for Holm's adjustment.")
+             "authors', the same for every bundle, repro/recipes.py; adapted: this suite's setting; docs/baselines.md) is "
+             "listed under the table. "
+             "Every row is also tested against MARI, a second family for Holm's adjustment."
+             + "".join(f" {note}" for prefix, note in OPTIONAL_NOTES.items() if any(c[0].startswith(prefix) for c in columns)))
     tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store, notes,
                         comparisons=against_mari(list(label.values())))
