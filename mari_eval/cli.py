@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from mari_eval import options  # light: the seed's type
+
 
 def _materialize(args: argparse.Namespace) -> int:
     from mari_eval.models import (EMBEDDED,  # deferred: keeps this module light (start-up, `mari-eval --help`)
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("splits", help="print or write the paper's splits as example ids")
     p.add_argument("--dataset", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--out", help="write JSON here instead of printing it")
     p.set_defaults(run=_splits)
 
@@ -210,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "package declares (`mari-eval methods` lists them; docs/plugins.md)")
     p.add_argument("--attribute", required=True, choices=["truthfulqa", "bbq", "sorry_bench"])
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or local directory")
-    p.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
+    p.add_argument("--seed", type=options.seed, default=0, help="split and initialisation seed")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--layer", type=int, help="injection layer l* (default: num_layers // 2)")
     p.add_argument("--K", type=int, help="number of experts (MARI; default 4)")

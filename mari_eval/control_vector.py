@@ -239,8 +239,11 @@ def from_steering_vector(vector, model_name_or_model: str | torch.nn.Module, out
         raise BundleError(f"this SteeringVector steers {layer_type!r} layers; a control vector bundle adds to the "
                           "decoder blocks' outputs only: train it with layer_type='decoder_block'")
     n_layers = _model_description(model_name_or_model)[2]
-    directions = {(int(i) + n_layers if int(i) < 0 else int(i)): t.detach().float().cpu().reshape(-1)
-                  for i, t in activations.items()}
+    bad = [i for i in activations if isinstance(i, bool) or not isinstance(i, int) or not -n_layers <= i < n_layers]
+    if bad:  # int(5.7) would steer layer 5
+        raise BundleError(f"this SteeringVector's layer_activations has key(s) {bad!r}: a layer is an integer from "
+                          f"{-n_layers} to {n_layers - 1} for this model of {n_layers} decoder layers")
+    directions = {(i + n_layers if i < 0 else i): t.detach().float().cpu().reshape(-1) for i, t in activations.items()}
     if len(directions) != len(activations):
         raise BundleError("this SteeringVector names one layer twice (once counted from the end): keep one of them")
     digest = hashlib.sha256()

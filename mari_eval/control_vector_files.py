@@ -80,7 +80,7 @@ def read_gguf(path: str | Path) -> VectorFile:
     directions: dict[int, torch.Tensor] = {}
     for tensor in reader.tensors:
         prefix, _, number = tensor.name.partition(".")
-        if prefix != "direction" or not number.isdigit():
+        if prefix != "direction" or not (number.isascii() and number.isdigit()):  # "٥" is a digit to str.isdigit
             raise BundleError(f"{path}: tensor {tensor.name!r} is not named direction.N (N a layer number); llama.cpp "
                               "would refuse this file too. Rename it, or export the vector again")
         layer = int(number)

@@ -60,6 +60,16 @@ INSTRUCTION_DELIMITER = "\n\n"  # between a method's instruction and what follow
 
 @register_model("mari")
 class MariLM(GenerationMixin, HFLM):
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's, refusing a key given twice (``rho=0.0,rho=1.0``: lm-eval keeps the last silently)."""
+        keys = [item.split("=", 1)[0].strip() for item in (arg_string or "").split(",") if item.strip()]
+        twice = sorted({key for key in keys if keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given more than once in --model_args ({arg_string!r}): lm-eval would "
+                             "keep the last one silently; give each key once")
+        return super().create_from_arg_string(arg_string, additional_config)
+
     def __init__(
         self,
         pretrained: str = DEFAULT_MODEL,

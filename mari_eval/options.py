@@ -9,7 +9,9 @@ them, so a method's ``configure`` receives checked values only.
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +36,20 @@ class Option:
                 raise ValueError(f"{name}={value!r} in --model_args is not a finite number: e.g. {self.example}")
             return number
         if self.kind is int:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{name}={value!r} in --model_args is not an integer: e.g. {self.example}") from None
+            return as_int(value, name, self.example)
         return str(value)
+
+
+def as_int(value: Any, name: str, example: str) -> int:
+    """``value`` as an integer, never truncated: lm-eval hands "2.7" over as the float 2.7, which int()
+    would read as 2; an integral float (3.0) and a string of ASCII digits are integers."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+        return int(value)
+    raise ValueError(f"{name}={value!r} in --model_args is not an integer: e.g. {example}")
 
 
 def as_bool(value: Any, name: str) -> bool:
@@ -77,3 +88,19 @@ def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any]
         raise ValueError(f"{', '.join(unknown)} in --model_args: not an option of {method} bundles ({takes}{elsewhere}); "
                          f"drop {'it' if len(unknown) == 1 else 'them'} from --model_args")
     return {name: fields[name].parse(name, value) for name, value in values.items()}
+
+
+# The seeds every part of the code can take: scikit-learn's and NumPy's legacy random_state hold 0 .. 2**32 - 1.
+MAX_SEED = 2**32 - 1
+
+
+def seed(text: Any) -> int:
+    """A command line's seed (``--seed``, ``--seeds``) as an integer in 0 .. MAX_SEED, or an
+    ``argparse.ArgumentTypeError`` that says so (argparse prints its message)."""
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", str(text)):
+        raise argparse.ArgumentTypeError(f"seed {text!r} is not an integer")
+    number = int(text)
+    if not 0 <= number <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed {number} is out of range: give 0 to {MAX_SEED} (the seeds NumPy's and "
+                                         "scikit-learn's random states take)")
+    return number

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from mari_eval import registry
+from mari_eval import options, registry
 from mari_eval.cli import add_placement_arguments
 from mari_eval.devices import Placement
 from mari_eval.files import check_writable_dir
@@ -33,7 +33,7 @@ def profile_from_args(args) -> Profile:
     if getattr(args, "model", None):
         profile = Profile(**{**profile.__dict__, "models": [args.model]})
     if getattr(args, "seeds", None) is not None:  # exactly these seeds, for every column (column_seeds dropped)
-        profile = Profile(**{**profile.__dict__, "seeds": listed(args.seeds, "--seeds", int), "column_seeds": {}})
+        profile = Profile(**{**profile.__dict__, "seeds": listed(args.seeds, "--seeds", options.seed), "column_seeds": {}})
     return profile
 
 
@@ -88,6 +88,8 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
                          "e.g. 1,2,4")
     try:
         return [kind(item) for item in items]
+    except argparse.ArgumentTypeError as e:  # a typed item's own reason (options.seed: its range)
+        raise SystemExit(f"{option} {text!r}: {e}") from None
     except ValueError:
         raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind is int else 'a number'}, "
                          "e.g. 1,2,4") from None

@@ -228,6 +228,7 @@ def test_a_bundle_edited_by_hand_to_name_unordered_layers_is_refused(tmp_path, m
     ("nan", "non-finite.*export it again"),
     ("other architecture", "made for a 'qwen2' model.*--allow-other-model"),
     ("other names", "not named direction.N.*Rename it"),
+    ("a digit that is not ASCII", "'direction.\u0665' is not named direction.N"),  # str.isdigit's "5" in Arabic-Indic
 ])
 def test_what_does_not_fit_is_refused_naming_the_fix(tmp_path, model, case, match):
     path = tmp_path / "v.gguf"
@@ -247,6 +248,8 @@ def test_what_does_not_fit_is_refused_naming_the_fix(tmp_path, model, case, matc
         write_gguf(path, vectors)
     elif case == "other architecture":
         write_gguf(path, directions(), hint="qwen2")
+    elif case == "a digit that is not ASCII":
+        write_gguf(path, {"\u0665": directions()[1]})
     else:
         import gguf
 
@@ -287,6 +290,16 @@ def test_a_steering_vector_of_other_layers_is_refused(tmp_path, model):
     steering = SteeringVector({1: torch.ones(HIDDEN)}, "mlp")
     with pytest.raises(BundleError, match="'mlp' layers.*layer_type='decoder_block'"):
         control_vector.from_steering_vector(steering, model, tmp_path / "sv")
+
+
+@pytest.mark.parametrize("key", [5.7, "3", True, 99])
+def test_a_steering_vectors_layer_key_is_an_integer_in_range(tmp_path, model, key):
+    # int(5.7) would have steered layer 5 (issue 56.3); a bool is not a layer either.
+    from steering_vectors import SteeringVector
+
+    with pytest.raises(BundleError, match=r"layer_activations has key\(s\).*a layer is an integer from -4 to 3"):
+        control_vector.from_steering_vector(SteeringVector({key: torch.ones(HIDDEN)}, "decoder_block"), model, tmp_path / "sv")
+    assert not (tmp_path / "sv").exists()
 
 
 def test_a_control_vector_is_not_trained_but_imported():

@@ -5,10 +5,12 @@ One section per kind of failure. Elsewhere: missing data files, bad lines and wr
 (test_repro.py).
 """
 
+import argparse
 import gzip
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -561,3 +563,39 @@ def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(
     assert again == final and len(trained) == 2 and store.step_seconds == {final.name: 2.0}
     assert methods.load_bundle(final).config["train_seconds"] == 2.0
     assert f"{final / 'bundle.json'} is damaged (JSONDecodeError" in caplog.text
+
+
+# ----------------------------------------------------------------------------- round four (issue 56.3): options parsed strictly
+
+
+@pytest.mark.parametrize("value, parsed", [(2.7, None), ("2.7", None), ("\u0663", None), (True, None), ("3", 3), (3.0, 3),
+                                           (" +4 ", 4), (5, 5)])
+def test_an_integer_option_is_an_integer_never_truncated(value, parsed):
+    from mari_eval.options import Option
+
+    option = Option(int, "T_ent=1")
+    if parsed is None:  # lm-eval hands "2.7" over as 2.7, which int() read as 2
+        with pytest.raises(ValueError, match="T_ent=.* is not an integer: e.g. T_ent=1"):
+            option.parse("T_ent", value)
+    else:
+        assert option.parse("T_ent", value) == parsed
+
+
+def test_a_model_args_key_given_twice_is_refused_before_the_model_loads():
+    from mari_eval.lm import MariLM
+
+    with pytest.raises(ValueError, match=r"rho given more than once in --model_args.*give each key once"):
+        MariLM.create_from_arg_string("pretrained=/nonexistent,rho=0.0,gate=true,rho=1.0")
+
+
+@pytest.mark.parametrize("given, message", [("99999999999999999999999", "is out of range: give 0 to 4294967295"),
+                                            ("-1", "is out of range"), ("2.5", "is not an integer")])
+def test_a_seed_the_code_cannot_use_is_refused_by_a_run_and_its_plan_alike(given, message):
+    from mari_eval import options
+    from repro import command_line
+
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        options.seed(given)
+    with pytest.raises(SystemExit, match=f"--seeds '{re.escape(given)}': seed .*{message}"):
+        command_line.listed(given, "--seeds", options.seed)
+    assert options.seed("4294967295") == 2**32 - 1
