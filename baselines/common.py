@@ -181,6 +181,10 @@ class ScaledVector(Baseline):
     scale: float = 1.0
 
     def configure(self, scale: float = 1.0) -> None:
+        trained = float(self.config["hyperparameters"][self.strength_name])
+        if abs(trained * float(scale)) > torch.finfo(torch.float32).max:  # the user's option, not the bundle, overflows
+            raise ValueError(f"scale={scale:g} in --model_args makes the {self.strength_name} {trained:g} x {scale:g}, beyond "
+                             "float32's range: every edited state would be infinite. Give a smaller scale=")
         self.scale = float(scale)
 
     def strength(self) -> float:

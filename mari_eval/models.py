@@ -93,10 +93,21 @@ def cache_root() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """Return what ``from_pretrained`` should be given for ``name``."""
+    """Return what ``from_pretrained`` should be given for ``name``; a local path with nothing there
+    is refused as such (``check_local``) before transformers reads it as a malformed Hub id."""
     if name in EMBEDDED:
         return str(materialize(name))
+    check_local(name, "model")
     return name
+
+
+def check_local(name: str, what: str) -> None:
+    """A FileNotFoundError naming ``name`` when it is written as a local path (absolute, ./ ../ ~, or
+    more than one "/": a Hub id is "org/name") and nothing is there."""
+    local = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+    if local and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"{what} {name!r}: no such local directory (nothing at {Path(name).expanduser()}); "
+                                "check the path, or give a Hub id as org/name or an embedded alias")
 
 
 def same_model(a: str, b: str) -> bool:

@@ -599,3 +599,24 @@ def test_a_seed_the_code_cannot_use_is_refused_by_a_run_and_its_plan_alike(given
     with pytest.raises(SystemExit, match=f"--seeds '{re.escape(given)}': seed .*{message}"):
         command_line.listed(given, "--seeds", options.seed)
     assert options.seed("4294967295") == 2**32 - 1
+
+
+# ----------------------------------------------------------------------------- round four (issue 56.7): missing local paths
+
+
+@pytest.mark.parametrize("name", ["/nonexistent/model", "./no-such-folder", "~/no/such/model", "a/b/c"])
+def test_a_local_model_path_with_nothing_there_is_named_before_any_hub_message(name):
+    from mari_eval import models
+
+    with pytest.raises(FileNotFoundError, match=r"model '.*': no such local directory .*check the path"):
+        models.resolve_model(name)
+
+
+def test_an_overflowing_scale_is_named_as_the_users_option():
+    from .tiny import tiny_caa
+
+    bundle = tiny_caa(multiplier=3.0)
+    with pytest.raises(ValueError, match=r"scale=1e\+40 in --model_args makes the multiplier 3 x 1e\+40, beyond float32.*smaller scale="):
+        bundle.configure_from({"scale": "1e40"})
+    bundle.configure_from({"scale": "2"})  # an ordinary scale still applies
+    assert bundle.strength() == 6.0
