@@ -17,32 +17,18 @@ from mari_eval import divergence
 from mari_eval.plan import BASE
 
 from .helpers import tiny_bundles
+from .test_batching import bundles, model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 from .test_lora import random_bundle
-from .tiny import byte_llama, byte_tokenizer, tiny_iti
 
 TEXTS = [("The capital of France is", " a city on the Seine."), ("Fish breathe oxygen that is in", " the water.")]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return byte_llama(tokenizer, layers=4, hidden=64)
-
-
-@pytest.fixture(scope="module")
-def bundles(model, tmp_path_factory):
-    from baselines import iti
-
-    root = tmp_path_factory.mktemp("bundles")
-    made = tiny_bundles(model, root)
-    made["nl_iti"] = str(tiny_iti(model, heads=((2, 1), (3, 2)), alpha=5.0, cls=iti.NLITI).save(root / "nl_iti"))
-    made["closed_mari"] = tiny_bundles(model, root / "closed", closed_gate=True)["mari"]
-    made["lora"] = str(random_bundle(model, scale=0.1).save(root / "lora"))
-    return made
+def all_bundles(bundles, model, tmp_path_factory):
+    """test_batching's bundles (CAA, ITI, NL-ITI, MARI, ReFT on its byte Llama), a MARI whose gate never opens and a LoRA."""
+    root = tmp_path_factory.mktemp("more")
+    return {**bundles, "closed_mari": tiny_bundles(model, root / "closed", closed_gate=True)["mari"],
+            "lora": str(random_bundle(model, scale=0.1).save(root / "lora"))}
 
 
 def _lm(model, tokenizer, bundle=None):
@@ -67,8 +53,8 @@ def test_the_untouched_model_has_no_divergence_and_its_loglikelihood_as_cross_en
 
 
 @pytest.mark.parametrize("name", ["caa", "iti", "nl_iti", "reft", "lora", "mari", "closed_mari"])
-def test_scores_are_those_of_the_methods_own_decoding(model, tokenizer, bundles, name):
-    lm = _lm(model, tokenizer, bundles[name])
+def test_scores_are_those_of_the_methods_own_decoding(model, tokenizer, all_bundles, name):
+    lm = _lm(model, tokenizer, all_bundles[name])
     context = HFLM._encode_pair(lm, *TEXTS[0])[0]
     variant = divergence.chosen_variant(model, lm.plan, context, lm.tokenizer.pad_token_id)
     sites = [*lm.plan.prompt_sites(len(context)), len(context) - 1]
