@@ -95,10 +95,11 @@ MAX_SEED = 2**32 - 1
 
 
 def seed(text: Any) -> int:
-    """A command line's seed (``--seed``, ``--seeds``) as an integer in 0 .. MAX_SEED, or an
-    ``argparse.ArgumentTypeError`` that says so (argparse prints its message)."""
+    """A command line's seed (``--seed``, ``--seeds``) as an integer in 0 .. MAX_SEED: a ValueError for
+    what is not an integer (argparse: "invalid seed value"), an ``argparse.ArgumentTypeError`` naming the
+    range for one outside it (argparse prints its message)."""
     if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", str(text)):
-        raise argparse.ArgumentTypeError(f"seed {text!r} is not an integer")
+        raise ValueError(f"seed {text!r} is not an integer")
     number = int(text)
     if not 0 <= number <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"seed {number} is out of range: give 0 to {MAX_SEED} (the seeds NumPy's and "

@@ -91,7 +91,7 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
     except argparse.ArgumentTypeError as e:  # a typed item's own reason (options.seed: its range)
         raise SystemExit(f"{option} {text!r}: {e}") from None
     except ValueError:
-        raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind is int else 'a number'}, "
+        raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind in (int, options.seed) else 'a number'}, "
                          "e.g. 1,2,4") from None
 
 
