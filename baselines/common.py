@@ -68,10 +68,15 @@ def selection_loss(config: dict[str, Any]) -> float:
                      "epoch history to read it from): retrain it with this version of mari-eval")
 
 
+def selects_on_ctrl(source: str | None) -> bool:
+    """Whether a baseline's ``validation`` setting (VALIDATION_SOURCES; None: "train") reads D_ctrl."""
+    return (source or "train") == "ctrl"
+
+
 def validation_split(data: AttributeData, seed: int, source: str | None = None) -> tuple[list[Example], list[Example]]:
     """(fit, validation) examples for model selection from ``source`` (VALIDATION_SOURCES; None:
     "train"). The test split is never involved; every baseline gets the same examples for a seed."""
-    if (source or "train") == "ctrl":
+    if selects_on_ctrl(source):
         held = [data.ctrl[i] for i, kind in enumerate(data.ctrl_source) if kind == "attribute"]
         if not held:
             raise ValueError("validation=ctrl selects on D_ctrl's attribute examples and this D_ctrl holds none: "
@@ -90,7 +95,7 @@ def held_out_slice(examples: list[Example], seed: int) -> tuple[list[Example], l
 
 def validation_record(source: str | None, validation: list[Example]) -> dict[str, Any]:
     """What a bundle's hyperparameters say of its validation examples (``validation_split``)."""
-    if (source or "train") == "ctrl":
+    if selects_on_ctrl(source):
         return {"validation": "ctrl", "validation_examples": len(validation)}
     return {"validation_fraction": VALIDATION_FRACTION}
 

@@ -15,6 +15,7 @@ The paper's splits of these records (Appendix B) are ``mari_eval.data_splits``'s
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import hashlib
 import io
@@ -304,7 +305,7 @@ GENERAL_TEXT_PER_SOURCE = 100  # documents from each of MMLU's and ARC-Challenge
 GENERAL_TEXT_MIN_WORDS = 16
 
 
-def load_general_text() -> list[dict]:
+def _read_general_text() -> tuple[dict, ...]:
     """General-domain text none of the suite's methods trains or calibrates on (D_ctrl reads MMLU's
     validation and ARC-Easy's train split), for the KL and cross-entropy columns (mari_eval/divergence.py):
     question texts of MMLU's and ARC-Challenge's test splits with at least GENERAL_TEXT_MIN_WORDS words,
@@ -321,4 +322,16 @@ def load_general_text() -> list[dict]:
         return out
 
     mmlu, arc = take(load_mmlu("test"), "mmlu"), take(load_arc("arc_challenge", "test"), "arc_challenge")
-    return [doc for pair in zip(mmlu, arc) for doc in pair]
+    return tuple(doc for pair in zip(mmlu, arc) for doc in pair)
+
+
+@functools.lru_cache(maxsize=2)
+def _general_text_from(folder: str | None) -> tuple[dict, ...]:
+    return _read_general_text()
+
+
+def load_general_text() -> tuple[dict, ...]:
+    """``_read_general_text``, read once per data folder ($MARI_DATA_DIR) for the process: a table
+    measures every row on the same documents. The dicts are shared: read them, never change them."""
+    folder = data_dir()
+    return _general_text_from(str(folder) if folder else None)

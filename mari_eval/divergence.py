@@ -111,7 +111,8 @@ def score_texts(model: torch.nn.Module, plan: Plan, documents: Sequence[tuple[st
     out = []
     for context, continuation in (progress or (lambda items: items))(documents):
         base = encode_pair(context, continuation)
-        steered = encode_pair(instructed(context), continuation)
+        own_context = instructed(context)
+        steered = base if own_context == context else encode_pair(own_context, continuation)
         if steered[1] != base[1]:  # the instruction changed how the continuation tokenizes: score it as the base reads it
             steered = (steered[0], base[1])
         out.append(score_text(model, plan, base, steered[0], pad_token_id))

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from baselines.common import selects_on_ctrl
 from mari_eval import divergence, registry, train as training
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
@@ -69,7 +70,7 @@ class Store:
         # the other keys leave the control set's size out, so changing it retrains those alone.
         config = {"kind": "bundle", "method": method, "attribute": attribute, "model": model, "seed": seed,
                   "max_train": profile.max_train.get(attribute), "max_pca": profile.max_pca, "hyperparameters": hp}
-        if method in CONTROL_SET_METHODS or hp.get("validation") == "ctrl":
+        if method in CONTROL_SET_METHODS or selects_on_ctrl(hp.get("validation")):
             config["max_ctrl"] = profile.max_ctrl
         config = with_placement(config, self.placement, model)
         key = config_key(config)
