@@ -115,10 +115,11 @@ def _load_plugin(plugin: Plugin) -> type:
     """The class a plugin names, checked to be a method, registered under the plugin's name."""
     try:
         cls = importlib.metadata.EntryPoint(plugin.name, plugin.target, ENTRY_POINT_GROUP).load()
-    except (ImportError, AttributeError) as e:
+    except (Exception, SystemExit) as e:  # whatever its import raises (sys.exit included): named, never fatal to the rest
         raise MethodRegistryError(f"method {plugin.name!r} of package {plugin.package} does not load: "
                                   f"{plugin.target}: {type(e).__name__}: {e}. Reinstall the package or fix its "
-                                  f"{ENTRY_POINT_GROUP} entry point") from e
+                                  f"{ENTRY_POINT_GROUP} entry point (`pip uninstall {plugin.package}` leaves "
+                                  "every other method working)") from e
     # Duck-typed: importing mari_eval.intervention here would close a circle (it imports this module).
     if not isinstance(cls, type) or not all(hasattr(cls, a) for a in ("fit", "plan", "tensor_spec", "hyperparameter_fields")):
         raise MethodRegistryError(f"method {plugin.name!r} of package {plugin.package}: {plugin.target} is not a "

@@ -123,6 +123,20 @@ def test_a_plugin_that_is_not_a_method_is_refused_naming_its_package(site, targe
     assert error in str(raised.value)
 
 
+@pytest.mark.parametrize("failure", ["raise RuntimeError('no GPU driver')", "import sys; sys.exit(3)", "1/0"])
+def test_a_plugin_that_fails_at_import_names_itself_and_leaves_the_other_methods_working(site, failure, caplog):
+    _install_fake(site, "shift-plugin", {"shift": "shift_plugin:Shift"}, "shift_plugin", failure + "\n")
+    with pytest.raises(registry.MethodRegistryError, match=r"method 'shift' of package shift-plugin does not load: "
+                                                              r"shift_plugin:Shift: (RuntimeError|SystemExit|ZeroDivisionError)"):
+        registry.method_class("shift")
+    # What every `lm_eval --model mari` run reads to check its model args, vanilla's included: the broken
+    # plugin is warned about by name, the built-in methods' options are all there.
+    options = registry.option_methods()
+    assert "caa" in options["scale"] and "mari" in options["T_ent"]
+    assert "package shift-plugin does not load" in caplog.text
+    assert registry.method_class("caa").method == "caa"
+
+
 def test_a_class_registered_under_another_name_is_refused(site):
     source = PLUGIN_SOURCE + "\nfrom mari_eval.methods import register_method\nregister_method('other')(Shift)\n"
     _install_fake(site, "shift-plugin", {"shift": "shift_plugin:Shift"}, "shift_plugin", source)
