@@ -20,6 +20,11 @@ not compute a step twice: before submitting a step a driver claims it (``claim``
 ``flock`` on ``runs/claims/KEY.lock``, released by the kernel when its holder exits however it
 exits); a step claimed by another driver is waited for, and taken over if its claim is freed
 without its files appearing.
+
+Connecting. Ray itself waits for an address that does not answer (or a cluster that refuses this
+machine) for minutes or for ever; the driver gives up sooner, naming the address and the reason:
+an address nothing listens on within CONNECT_TIMEOUT_S (a TCP connection, before Ray), a cluster
+that accepts the connection but does not let Ray in within INIT_TIMEOUT_S (``ray.init``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +51,9 @@ from repro.profiles import Profile
 log = logging.getLogger("repro")
 MAX_RETRIES = 3  # runs of a step whose worker died, after the first
 POLL_S = 2.0  # how often the driver looks for steps claimed by another driver
+CONNECT_TIMEOUT_S = 10.0  # a --ray-address that takes no TCP connection within this is refused
+INIT_TIMEOUT_S = float(os.environ.get("MARI_RAY_INIT_TIMEOUT_S", 120))  # then ray.init has this long
+INIT_TIMEOUT_EXIT = 2  # the driver's exit status when ray.init ran out of time (argparse's for a bad argument)
 
 
 def _ray():
@@ -52,6 +62,61 @@ def _ray():
     except ImportError:
         raise SystemExit("--executor ray needs Ray: pip install 'mari-eval[ray]' (or pip install ray)") from None
     return ray
+
+
+def check_reachable(ray, address: str | None) -> None:
+    """Refuse ``address`` (``--ray-address``: auto, HOST:PORT or ray://HOST:PORT) when nothing takes a
+    TCP connection there within CONNECT_TIMEOUT_S; None (a local cluster started here) is not checked."""
+    if address is None or address == "local":
+        return
+    target = address.removeprefix("ray://")
+    if target == "auto":
+        try:  # Ray's own reading of "auto" (RAY_ADDRESS, then the cluster started on this machine)
+            target = ray._private.services.canonicalize_bootstrap_address(target)
+        except Exception:  # noqa: BLE001 - a private helper: where it is missing or raises, ray.init speaks
+            return
+        if not target:
+            return  # no cluster found: ray.init says so at once
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(f"--ray-address {address}: not an address (auto, HOST:PORT or ray://HOST:PORT; "
+                         "`ray status` on the head node prints it)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise SystemExit(f"--ray-address {address}: no Ray cluster answers at {host}:{port} within "
+                         f"{CONNECT_TIMEOUT_S:.0f} s ({reason}): start one there (`ray start --head`), give the "
+                         "address `ray status` prints, or drop --ray-address for a local cluster") from None
+
+
+def _give_up_after(seconds: float, address: str | None) -> threading.Timer:
+    """A timer that ends the driver when ``ray.init`` has not returned within ``seconds``: Ray's
+    client retries inside native code, where no exception reaches it; nothing has run yet."""
+    def give_up():
+        sys.stderr.write(f"--ray-address {address or 'local'}: Ray did not connect within {seconds:.0f} s (the address "
+                         "answers but its cluster does not let this driver in: a different Ray version, a cluster "
+                         "that requires authentication, or a firewall between the nodes); nothing was computed. "
+                         "Check `ray status` there, or raise MARI_RAY_INIT_TIMEOUT_S\n")
+        sys.stderr.flush()
+        os._exit(INIT_TIMEOUT_EXIT)
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    return timer
+
+
+def connect(ray, address: str | None):
+    """``ray.init`` at ``address`` (``check_reachable`` first, ``_give_up_after`` INIT_TIMEOUT_S), with
+    the environment a step reads (MARI_*, HF_*, TOKENIZERS_PARALLELISM) passed to the workers."""
+    check_reachable(ray, address)
+    deadline = _give_up_after(INIT_TIMEOUT_S, address)
+    deadline.start()
+    try:
+        return ray.init(address=address, ignore_reinit_error=True, logging_level=logging.WARNING,
+                        runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                                  if k.startswith(("MARI_", "HF_")) or k == "TOKENIZERS_PARALLELISM"}})
+    finally:
+        deadline.cancel()
 
 
 # ----------------------------------------------------------------------------- on the workers
@@ -136,9 +201,7 @@ def run(graph: steps.Graph, store: Store, profile: Profile, address: str | None 
         raise ValueError("a step without an action cannot run on Ray: build the graph with the script's plan()")
     ray = _ray()
     started = time.time()
-    context = ray.init(address=address, ignore_reinit_error=True, logging_level=logging.WARNING,
-                       runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                                 if k.startswith(("MARI_", "HF_")) or k == "TOKENIZERS_PARALLELISM"}})
+    context = connect(ray, address)
     url = getattr(context, "dashboard_url", None)
     if url:
         log.info("Ray dashboard: http://%s", url)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +43,34 @@ def local(tmp_path_factory):
     root = tmp_path_factory.mktemp("local")
     main_table(root / "runs", root / "out")
     return root
+
+
+def test_an_address_nothing_listens_on_is_refused_at_once_naming_it_and_the_reason():
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=rf"--ray-address 127.0.0.1:{port}: no Ray cluster answers at 127.0.0.1:{port} "
+                                         r"within 10 s \(Connection refused\)"):
+        ray_executor.connect(ray, f"127.0.0.1:{port}")
+    assert time.monotonic() - started < ray_executor.CONNECT_TIMEOUT_S  # refused, not waited out
+    with pytest.raises(SystemExit, match="--ray-address nohost: not an address"):
+        ray_executor.connect(ray, "nohost")
+
+
+def test_an_address_that_answers_but_never_lets_ray_in_ends_the_driver_with_the_address():
+    # A TCP listener that accepts and says nothing: Ray's client waits on it for ever on its own.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.run([sys.executable, "-c", "import sys; from repro import ray_executor as r; "
+                               "r.connect(r._ray(), sys.argv[1]); print('connected')", address],
+                              capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env={**os.environ, "MARI_RAY_INIT_TIMEOUT_S": "5", "RAY_ADDRESS": ""})
+    assert proc.returncode == ray_executor.INIT_TIMEOUT_EXIT, proc.stdout + proc.stderr[-3000:]
+    assert f"--ray-address {address}: Ray did not connect within 5 s" in proc.stderr
+    assert "connected" not in proc.stdout
 
 
 def test_a_claim_is_exclusive_and_freed_when_its_holder_exits(tmp_path):
