@@ -28,10 +28,12 @@ from baselines.common import selects_on_ctrl
 from mari_eval import divergence, registry, train as training
 from mari_eval.devices import Placement
 from mari_eval.files import atomic_write_json
+from mari_eval.judge.server import judge_identity
 from mari_eval.methods import load_bundle
 from repro import lm_eval_run
 from repro.cache_keys import DOCUMENTS_VERSION, config_key, tasks_fingerprint, with_placement
 from repro.documents import documents_disagree
+from repro.judged import judged_task
 from repro.profiles import Profile, describe
 
 CONTROL_SET_METHODS = ("mari",)  # the methods whose training reads D_ctrl (mari_eval.train.AttributeData.ctrl)
@@ -153,6 +155,8 @@ class Store:
                 self.placement, model)
             if task == divergence.TASK:  # measured by mari_eval/divergence.py, not by a task file
                 configs[task]["measure"] = divergence.VERSION
+            if judged_task(task):  # another judge's verdicts are another evaluation (repro/judged.py)
+                configs[task]["judge"] = judge_identity()
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
         return paths, configs
 

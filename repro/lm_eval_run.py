@@ -104,6 +104,8 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
                          "documents": scores,
                          "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
                          "diagnostics": diagnostics}
+        if isinstance(out["results"][task].get("judge,none"), str):  # the judge that read it (repro/judged.py)
+            results[task]["judge"] = out["results"][task]["judge,none"]
     return results
 
 

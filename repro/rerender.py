@@ -64,6 +64,11 @@ def _cells(record: dict, documents: dict, seeds_of: dict) -> dict:
                     "clusters": (found["clusters"] if found and any(found["clusters"]) else [None] * len(values)),
                     "cluster_unit": found["cluster_unit"] if found else None,
                     "seeds": seeds_of.get((model, row["row"], column), [None] * len(values))}
+                if column in (record.get("judge") or {}).get("columns", ()):  # repro/judged.py
+                    counted = row.get("verdicts", {}).get(column)
+                    cells[model][row["row"]][column].update(
+                        judged=True, judge=record["judge"]["judges"],
+                        verdicts=(counted["parsed"], counted["total"]) if counted else None)
     return cells
 
 

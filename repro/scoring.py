@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from repro.cache import Store
+from repro.judged import judged_column
 from repro.lm_eval_run import mari_lm, shared_pass_over
 from repro.profiles import PERCENT_COLUMNS, Profile
 
@@ -47,6 +48,8 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
         documents = {doc: None if v is None else v * scale for doc, v in result["documents"].get(metric, {}).items()}
         out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics"), "documents": documents,
                        "stderr": float(stderr) * scale if isinstance(stderr, (int, float)) else None}
+        if judged_column(profile.task(task), metric):  # repro/judged.py: its judge and unparseable verdicts
+            out[column].update(judged=True, judge=result.get("judge"))
     return out
 
 

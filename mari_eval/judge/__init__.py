@@ -72,6 +72,7 @@ from mari_eval.judge.prompt import (
     LABELS,
     OWN_PROMPT,
     OWN_PROMPT_FILE,
+    PARSER_VERSION,
     REFUSAL,
     REFUSAL_PHRASES,
     SORRY_PROMPT,
@@ -88,6 +89,7 @@ from mari_eval.judge.server import (
     EmbeddedServer,
     _free_port,  # for the tests
     judge_environment,
+    judge_identity,
     main,
     serve_embedded,
 )
@@ -96,9 +98,9 @@ from mari_eval.judge.summary import CATEGORIES_FILE, CATEGORIES_KEY, category_na
 __all__ = [
     "CATEGORIES_FILE", "CATEGORIES_KEY", "COMPLIANCE", "EMBEDDED_CONCURRENCY", "EMBEDDED_DEADLINE", "ENV_API_KEY",
     "ENV_API_KEY_FALLBACK", "ENV_BASE_URL", "ENV_CACHE", "ENV_DEADLINE", "ENV_MODEL", "ENV_PROMPT", "JUDGE_PROMPTS_FILE",
-    "LABELS", "MAX_RAW_CHARS", "MAX_REPLY_BYTES", "OWN_PROMPT", "OWN_PROMPT_FILE", "REFUSAL", "REFUSAL_PHRASES",
+    "LABELS", "MAX_RAW_CHARS", "MAX_REPLY_BYTES", "OWN_PROMPT", "OWN_PROMPT_FILE", "PARSER_VERSION", "REFUSAL", "REFUSAL_PHRASES",
     "SORRY_PROMPT", "TUNABLE", "UNPARSEABLE", "EmbeddedServer", "Judge", "JudgeCache", "JudgeConfig", "JudgeDeadline",
     "JudgeError", "JudgeNotConfigured", "JudgePrompt", "JudgeUnavailable", "Judgement", "cache_key",
-    "category_names", "default_cache_path", "judge_environment", "keyword_refusal", "load_prompt", "main",
+    "category_names", "default_cache_path", "judge_environment", "judge_identity", "keyword_refusal", "load_prompt", "main",
     "parse_verdict", "refusal_summary", "safe_url", "serve_embedded",
 ]

@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 
 from mari_eval.judge.config import (ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_URL, ENV_DEADLINE, ENV_MODEL,
                                     JudgeConfig, JudgeError)
+from mari_eval.judge.prompt import PARSER_VERSION, load_prompt
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,17 @@ def judge_environment(model: str | None = None) -> Iterator[dict[str, str]]:
     log.info("No judge configured (%s, %s): starting the embedded one", ENV_BASE_URL, ENV_MODEL)
     with serve_embedded(model) as server:
         yield server.env()
+
+
+def judge_identity() -> dict[str, object]:
+    """What makes a judged evaluation's verdicts what they are, without starting anything: the
+    model ``judge_environment`` would use (the configured ``MARI_JUDGE_MODEL``, else the embedded
+    one), the prompt (name and sha256; ``load_prompt``) and the verdict parser's version. Part of
+    every judged evaluation's cache key and recorded in its table (repro/judged.py)."""
+    configured = os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL)
+    prompt = load_prompt()
+    return {"model": os.environ[ENV_MODEL] if configured else f"{DEFAULT_MODEL} (embedded)",
+            "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": PARSER_VERSION}
 
 
 def _free_port() -> int:

@@ -1,0 +1,96 @@
+"""The judge in the tables (issue 56.2): part of every judged evaluation's cache key, named in the
+table, and its unparseable verdicts counted beside n, with a cell below the floor printed n/a."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mari_eval.devices import Placement
+from mari_eval.judge import OWN_PROMPT
+from repro import judged, tables
+from repro.cache import Store
+from repro.profiles import Profile
+
+JUDGE = "judge-model | prompt base-#thescore sha256:abc"
+
+
+def judged_cell(scores: list[float | None], prefix: str = "d") -> dict:
+    docs = {f"{prefix}{i}": s for i, s in enumerate(scores)}
+    parsed = [s for s in scores if s is not None]
+    return {"values": [sum(parsed) / len(parsed) if parsed else float("nan")], "n": len(scores), "documents": [docs],
+            "judged": True, "judge": [JUDGE]}
+
+
+def write(tmp_path, cells):
+    store = Store(tmp_path / "runs", placement=Placement(dtype="float32"))
+    profile = Profile(name="fixed", models=["m"], seeds=[0], max_train={}, max_ctrl=None, limits={})
+    return tables.write_tables(tmp_path, "t", "Table T", "Intro.", cells, ["sorry_refusal"], lambda model: ("P", {}),
+                               profile, "cmd", 1.0, store)
+
+
+def test_unparseable_verdicts_are_counted_and_a_cell_below_the_floor_is_na(tmp_path):
+    # The reported case: half the verdicts unparseable printed "1.000 [1.000, 1.000] (n=2)" from one verdict.
+    cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
+                   "Half": {"sorry_refusal": judged_cell([1.0, None])},
+                   "Most": {"sorry_refusal": judged_cell([1.0] * 40 + [0.0] * 18 + [None] * 2)}}}
+    record = write(tmp_path, cells)
+    vanilla, half, most = record["models"]["m"]["rows"]
+    assert half["verdicts"]["sorry_refusal"] == {"parsed": 1, "total": 2}
+    assert half["ours"]["sorry_refusal"]["mean"] != half["ours"]["sorry_refusal"]["mean"]  # withheld: NaN
+    written = json.loads((tmp_path / "t.json").read_text())["models"]["m"]["rows"][1]["ours"]["sorry_refusal"]
+    assert written["mean"] is None and written["ci"] is None  # strict JSON: null
+    assert half["ours"]["sorry_refusal"]["difference"] is None
+    assert most["verdicts"]["sorry_refusal"] == {"parsed": 58, "total": 60}
+    assert most["ours"]["sorry_refusal"]["difference"] is not None
+    assert record["judge"] == {"columns": ["sorry_refusal"], "judges": [JUDGE], "min_parsed": judged.MIN_PARSED}
+    md = (tmp_path / "t.md").read_text()
+    assert "| Half    | n/a (1 of 2 verdicts parsed)" in md
+    assert "(n=60; 58 of 60 verdicts parsed)" in md and "(n=60; 60 of 60 verdicts parsed)" in md
+    assert f"Judged columns (sorry_refusal): read by {JUDGE}" in md
+    assert "1.000 [1.000, 1.000] (n=2)" not in md
+
+
+def test_a_table_without_a_judged_column_names_no_judge(tmp_path):
+    cells = {"m": {"Vanilla": {"sorry_refusal": {"values": [0.5], "n": 2, "documents": [{"a": 1.0, "b": 0.0}]}}}}
+    record = write(tmp_path, cells)
+    assert "judge" not in record and "verdicts" not in record["models"]["m"]["rows"][0]
+    assert "Judged columns" not in (tmp_path / "t.md").read_text()
+
+
+@pytest.mark.needs_data
+def test_the_judge_is_part_of_a_judged_evaluations_key_only(tmp_path, monkeypatch):
+    store = Store(tmp_path / "runs", placement=Placement(dtype="float32"))
+
+    def paths():
+        found, configs = store._evaluation_paths("smollm2-135m-instruct", ["sorry_bench_heldout", "xstest_safe"], 10,
+                                                 None, "", 48, 0)
+        return found, configs
+
+    monkeypatch.setenv("MARI_JUDGE_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("MARI_JUDGE_MODEL", "judge-a")
+    first, configs = paths()
+    assert configs["sorry_bench_heldout"]["judge"]["model"] == "judge-a"
+    assert configs["sorry_bench_heldout"]["judge"]["parser"] >= 1 and "judge" not in configs["xstest_safe"]
+    monkeypatch.setenv("MARI_JUDGE_MODEL", "judge-b")
+    other_model, _ = paths()
+    assert other_model["sorry_bench_heldout"] != first["sorry_bench_heldout"]
+    assert other_model["xstest_safe"] == first["xstest_safe"]  # the keyword judge's task: no LLM judge in it
+    monkeypatch.setenv("MARI_JUDGE_MODEL", "judge-a")
+    monkeypatch.setenv("MARI_JUDGE_PROMPT", OWN_PROMPT)
+    other_prompt, _ = paths()
+    assert other_prompt["sorry_bench_heldout"] not in (first["sorry_bench_heldout"], other_model["sorry_bench_heldout"])
+    monkeypatch.delenv("MARI_JUDGE_PROMPT")
+    assert paths()[0] == first
+
+
+def test_a_rerendered_table_keeps_its_judge_and_withheld_cells(tmp_path):
+    from repro import rerender
+
+    cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
+                   "Half": {"sorry_refusal": judged_cell([1.0, None])}}}
+    write(tmp_path, cells)
+    again = rerender._cells(json.loads((tmp_path / "t.json").read_text()), {}, {})
+    assert again["m"]["Half"]["sorry_refusal"]["verdicts"] == (1, 2)
+    assert judged.judge_record(judged.withhold_below_floor(again))["judges"] == [JUDGE]
