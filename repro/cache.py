@@ -33,6 +33,8 @@ from mari_eval.methods import load_bundle
 from repro import lm_eval_run
 from repro.cache_keys import DOCUMENTS_VERSION, config_key, tasks_fingerprint, with_placement
 from repro.documents import documents_disagree
+from repro.cache_digests import (BUNDLE_FIELD, EVALUATION_FIELD, RECORD, bundle_digests, bundle_mismatch, evaluation_digest,
+                                 evaluation_mismatch, refuse_if_strict, unverified)
 from repro.judged import judged_task
 from repro.profiles import Profile, describe
 
@@ -44,8 +46,10 @@ log = logging.getLogger("repro")
 class Store:
     """Bundles and evaluation results under ``root``, keyed by configuration."""
 
-    def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None):
+    def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None,
+                 strict: bool = False):
         self.root, self.force = Path(root), force
+        self.strict = strict  # --strict-cache: a damaged or unverified step stops the run (repro/cache_digests.py)
         self.placement = placement or Placement()  # of every bundle trained and every evaluation run here
         self.max_memory = max_memory  # training's budget for the frozen model's work: not in keys (same results)
         self.computed: list[str] = []  # keys computed by this process (the rest were read back)
@@ -81,16 +85,19 @@ class Store:
 
     def is_stored(self, bundle: Path, config: dict) -> bool:
         """Whether ``bundle_target``'s bundle is stored (and this run, under --force, will not retrain it)."""
-        return _cached_bundle_config(bundle, config, warn=False) is not None and (not self.force or bundle.name in self.computed)
+        return _cached_bundle_config(bundle, config, warn=False, strict=self.strict) is not None and (not self.force or bundle.name in self.computed)
 
     def bundle(self, method: str, attribute: str, model: str, seed: int, profile: Profile,
                hyperparameters: dict[str, Any] | None = None) -> Path:
         """A trained bundle directory, trained now unless this configuration is stored."""
         final, config = self.bundle_target(method, attribute, model, seed, profile, hyperparameters)
         hp = config["hyperparameters"]
-        cached = _cached_bundle_config(final, config)
+        cached = _cached_bundle_config(final, config, strict=self.strict)
         if cached is not None and (not self.force or final.name in self.computed):
             return self._used_bundle(final, cached)
+        if final.exists() and not final.is_dir() or final.is_symlink():  # before hours of training, not after
+            raise SystemExit(f"{final} is not a bundle directory but a {'link' if final.is_symlink() else 'file'}: "
+                             "something other than mari-eval put it in the cache; move it away and run again")
         # Trained into a directory of this process's own, then renamed: a killed run leaves no
         # half bundle under the final name, and two runs training the same bundle never share
         # one. The per-epoch checkpoints are keyed by the configuration, so a killed run's
@@ -101,7 +108,8 @@ class Store:
         training.train(method, attribute, model, seed, tmp, max_train=config["max_train"], max_ctrl=config.get("max_ctrl"),
               max_pca=profile.max_pca, hyperparameters=hp, checkpoints=final.with_name(final.name + ".checkpoint"),
               placement=self.placement, max_memory=self.max_memory)
-        atomic_write_json(tmp / "repro_config.json", {**config, "placement_used": asdict(self.placement)})
+        atomic_write_json(tmp / RECORD, {**config, "placement_used": asdict(self.placement),
+                                         BUNDLE_FIELD: bundle_digests(tmp)})  # checked on every read back
         if self.force or _cached_bundle_config(final, config, warn=False) is None:  # a stale or damaged bundle is replaced
             shutil.rmtree(final, ignore_errors=True)
         try:
@@ -112,7 +120,7 @@ class Store:
             shutil.rmtree(tmp)  # another run finished the same bundle first; the same configuration gives the same bundle
         self.computed.append(final.name)
         self._fingerprints.pop(final, None)  # trained again: read its fingerprint afresh
-        return self._used_bundle(final, _cached_bundle_config(final, config) or {})
+        return self._used_bundle(final, _cached_bundle_config(final, config, strict=self.strict) or {})
 
     def imported(self, name: str, source: Path, copy: bool = True) -> tuple[Path, str]:
         """(the directory under bundles/, its method) of a bundle made elsewhere, a table's row by
@@ -167,7 +175,7 @@ class Store:
         if bundle is not None and not (bundle / "bundle.json").is_file():
             return list(tasks)
         paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
-        return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t], configs[t]))]
+        return [t for t in tasks if self._to_compute(paths[t], _cached_evaluation(paths[t], configs[t], warn=False))]
 
     def _to_compute(self, path: Path, stored: dict | None) -> bool:
         """Whether an evaluation is (re)computed: not stored, or --force and not yet computed by this run."""
@@ -180,7 +188,7 @@ class Store:
         "documents"}. The tasks not stored yet are evaluated together, in one lm-eval run on one loaded
         model (``lm``: a MariLM built for this bundle and model_args, e.g. joined to a shared pass)."""
         paths, configs = self._evaluation_paths(model, tasks, limit, bundle, model_args, gen_tokens, split_seed)
-        stored = {t: _cached_evaluation(paths[t], configs[t]) for t in tasks}
+        stored = {t: _cached_evaluation(paths[t], configs[t], strict=self.strict) for t in tasks}
         missing = [t for t in tasks if self._to_compute(paths[t], stored[t])]
         if missing:
             log.info("evaluating %s on %s (%s%s, %s)", model, ", ".join(missing), bundle.name if bundle else "no bundle",
@@ -188,6 +196,8 @@ class Store:
             for task, result in lm_eval_run.evaluate(model, missing, limit, bundle, model_args, gen_tokens, split_seed,
                                          self.placement, lm).items():
                 stored[task] = {"config": configs[task], "placement_used": asdict(self.placement), **result}
+                stored[task] = json.loads(json.dumps(stored[task]))  # as it reads back, then digested
+                stored[task][EVALUATION_FIELD] = evaluation_digest(stored[task])
                 atomic_write_json(paths[task], stored[task])
                 self.computed.append(paths[task].name)
         results = {t: json.loads(json.dumps(stored[t])) for t in tasks}  # as read back from the file
@@ -210,7 +220,7 @@ def _read_json_object(path: Path) -> tuple[dict | None, str]:
     return (found, "") if isinstance(found, dict) else (None, "not a JSON object")
 
 
-def _cached_bundle_config(final: Path, config: dict, warn: bool = True) -> dict | None:
+def _cached_bundle_config(final: Path, config: dict, warn: bool = True, strict: bool = False) -> dict | None:
     """bundle.json of a stored bundle, or None when there is none, it cannot be read, or the
     bundle's repro_config.json records another configuration than ``config`` (the one its
     directory name is the hash of: a directory copied or renamed from another step's). Then the
@@ -220,15 +230,20 @@ def _cached_bundle_config(final: Path, config: dict, warn: bool = True) -> dict 
         return None
     found, why = _read_json_object(path)
     if found is not None:
-        path = final / "repro_config.json"
+        path = final / RECORD
         recorded, why = _read_json_object(path)
         if recorded is not None:
+            digests = recorded.pop(BUNDLE_FIELD, None)
             recorded.pop("placement_used", None)
             other = _other_configuration(recorded, config)
-            if other is None:
+            mismatch = bundle_mismatch(final, {BUNDLE_FIELD: digests}) if other is None else None
+            if other is None and mismatch is None:
+                if digests is None and warn:
+                    unverified(final, strict)
                 return found
-            why = f"{final.name}/repro_config.json {other}"
+            why = f"{final.name}/{RECORD} {other}" if other else f"{final.name}/{mismatch}"
     if warn:
+        refuse_if_strict(final, why, strict)
         log.warning("%s is damaged (%s): the bundle is trained again and replaces it", path, why)
     return None
 
@@ -251,7 +266,7 @@ def _other_configuration(recorded: Any, config: dict) -> str | None:
 _EVALUATION_FIELDS = {"metrics": dict, "n": int, "seconds": (int, float), "documents": dict}
 
 
-def _cached_evaluation(path: Path, config: dict) -> dict | None:
+def _cached_evaluation(path: Path, config: dict, warn: bool = True, strict: bool = False) -> dict | None:
     """A stored evaluation, or None when there is none or it is damaged. Then it is evaluated
     again and replaced, with a warning naming the file and the fault: it is a cache of a
     computation this run can redo, and nothing in it can be trusted once part of it is wrong
@@ -272,10 +287,14 @@ def _cached_evaluation(path: Path, config: dict) -> dict | None:
         elif (other := _other_configuration(result.get("config"), config)) is not None:
             why = f"it {other}"
         else:
-            why = documents_disagree(result["documents"], result["metrics"], result["n"])
+            why = documents_disagree(result["documents"], result["metrics"], result["n"]) or evaluation_mismatch(result)
             if why is None:
+                if EVALUATION_FIELD not in result and warn:
+                    unverified(path, strict)
                 return result
-    log.warning("%s is damaged (%s): evaluating again, the new result replaces it", path, why)
+    if warn:
+        refuse_if_strict(path, why, strict)
+        log.warning("%s is damaged (%s): evaluating again, the new result replaces it", path, why)
     return None
 
 

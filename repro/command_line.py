@@ -65,6 +65,9 @@ def add_common_args(parser) -> None:
     parser.add_argument("--out", help="where tables and plots are written (default: results/ for the standard profile, "
                                       "whose tables are committed; results/profiles/NAME/ for the others)")
     parser.add_argument("--force", action="store_true", help="recompute cached steps")
+    parser.add_argument("--strict-cache", action="store_true",
+                        help="stop at a cached step whose files do not match the digests it recorded (or that records "
+                             "none), instead of recomputing it with a warning (repro/cache_digests.py)")
     parser.add_argument("--columns", help="comma-separated subset of the table's benchmark columns (e.g. tqa_mc1,bbq_acc)")
     placement = parser.add_argument_group("placement", PLACEMENT_HELP)
     add_placement_arguments(placement)
@@ -186,4 +189,5 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
         placement = placement_from_args(args, profile)
     except ValueError as e:
         parser.error(str(e))
-    return args, profile, Store(args.runs, force=args.force, placement=placement, max_memory=args.max_memory), command
+    store = Store(args.runs, force=args.force, placement=placement, max_memory=args.max_memory, strict=args.strict_cache)
+    return args, profile, store, command

@@ -46,7 +46,7 @@ SCHEMA = pa.schema([("model", pa.string()), ("row", pa.string()), ("column", pa.
 SUFFIX = "_documents.parquet"
 
 
-def _seeds(cell: dict, profile, column: str) -> list[int | None]:
+def cell_seeds(cell: dict, profile, column: str) -> list[int | None]:
     """The seed of each stratum: as tallied, else the profile's seeds of the column in sorted order
     (``Profile.seeded_columns``) when there are as many, else unknown (None)."""
     count = len(cell["values"])
@@ -70,7 +70,7 @@ def write_documents(path: Path, cells: dict, columns: list[str], reference: str 
                     continue
                 clusters = cell_clusters(cell) or [None] * len(documents)
                 unit = cell.get("cluster_unit") if clusters[0] is not None else None
-                for stratum, (seed, docs, found) in enumerate(zip(_seeds(cell, profile, column), documents, clusters)):
+                for stratum, (seed, docs, found) in enumerate(zip(cell_seeds(cell, profile, column), documents, clusters)):
                     for doc, score in docs.items():
                         for name, value in zip(SCHEMA.names, (model, label, column, stratum, seed, doc,
                                                               None if found is None else found[doc], unit,
@@ -121,9 +121,10 @@ def read_documents(path: Path) -> tuple[dict, dict[str, str | None], list[str]]:
     columns: list[str] = []
     for rec in frame.itertuples(index=False):
         cell = cells.setdefault(rec.model, {}).setdefault(rec.row, {}).setdefault(
-            rec.column, {"documents": [], "clusters": [], "cluster_unit": None})
+            rec.column, {"documents": [], "clusters": [], "cluster_unit": None, "seeds": []})
         while len(cell["documents"]) <= rec.stratum:
-            cell["documents"].append({}), cell["clusters"].append({})
+            cell["documents"].append({}), cell["clusters"].append({}), cell["seeds"].append(None)
+        cell["seeds"][rec.stratum] = None if _missing(rec.seed) else int(rec.seed)
         cell["documents"][rec.stratum][rec.document] = None if _missing(rec.score) else float(rec.score)
         if not _missing(rec.cluster):
             cell["clusters"][rec.stratum][rec.document] = rec.cluster

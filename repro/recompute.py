@@ -47,6 +47,20 @@ def _compare(where: str, expected, got, out: list[str], relative: float = RELATI
         out.append(f"{where}: {expected!r} in the JSON, {got!r} recomputed")
 
 
+def _header_disagreements(where: str, n: int | None, cell: dict, file: str) -> list[str]:
+    """What a cell's recorded n says that its per-document scores do not (each seed, a stratum,
+    scores n documents), and seeds the file names twice (two strata of one training run). The
+    number of seeds is checked with the figures (one per seed); the clusters with the interval."""
+    out = []
+    counts = [len(docs) for docs in cell["documents"]]
+    if n is not None and any(count != n for count in counts):
+        out.append(f"{where}.n: {n} in the JSON, {max(counts, key=lambda c: c != n)} documents in {file} (per seed: {counts})")
+    named = [s for s in cell["seeds"] if s is not None]
+    if len(set(named)) != len(named):
+        out.append(f"{where}.seeds: {file} names seeds {cell['seeds']}, one of them twice")
+    return out
+
+
 def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
     """(mismatches, cells compared, differences compared) of the table ``record`` (its JSON)
     against what ``documents`` (its Parquet) gives."""
@@ -65,6 +79,7 @@ def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
                         out.append(f"{where}: has an interval or difference in the JSON, no documents in {documents.name}")
                     continue
                 compared_cells += 1
+                out += _header_disagreements(where, row["n"].get(column), cell, documents.name)
                 scale = (100 if column in PERCENT_COLUMNS else 1) * TOLERANCE
                 _compare(f"{where}.values", ours["values"], cell["values"], out, TOLERANCE, scale)
                 if ours["mean"] is not None:

@@ -163,10 +163,10 @@ def test_a_bbq_column_without_contexts_is_refused():
 def test_the_seed_of_each_stratum_comes_from_the_profile_when_not_tallied():
     profile = Profile(name="p", models=["m"], seeds=[0], max_train={}, max_ctrl=None, limits={},
                       column_seeds={"tqa_mc1": [0, 1, 2]})
-    assert documents_file._seeds({"values": [1, 2, 3]}, profile, "tqa_mc1") == [0, 1, 2]
-    assert documents_file._seeds({"values": [1]}, profile, "bbq_acc") == [0]
-    assert documents_file._seeds({"values": [1, 2]}, profile, "bbq_acc") == [None, None]
-    assert documents_file._seeds({"values": [1, 2], "seeds": [5, 7]}, profile, "bbq_acc") == [5, 7]
+    assert documents_file.cell_seeds({"values": [1, 2, 3]}, profile, "tqa_mc1") == [0, 1, 2]
+    assert documents_file.cell_seeds({"values": [1]}, profile, "bbq_acc") == [0]
+    assert documents_file.cell_seeds({"values": [1, 2]}, profile, "bbq_acc") == [None, None]
+    assert documents_file.cell_seeds({"values": [1, 2], "seeds": [5, 7]}, profile, "bbq_acc") == [5, 7]
 
 
 def test_interval_and_tests_do_not_depend_on_the_order_documents_were_logged_in():
