@@ -273,3 +273,18 @@ def check_bundle_directory(directory: str | Path) -> None:
     """Refuse now (``FileExistsError``), before any training, a directory ``Intervention.save``
     would refuse: a file, or a directory holding files that are not a bundle's."""
     check_replaceable(directory, is_bundle_file)
+
+
+def check_bundle_out(directory: str | Path, force: bool, option: str = "--out ") -> None:
+    """Refuse now (``FileExistsError``) an output directory that already holds a bundle, unless ``force``:
+    writing there would replace a trained bundle without a word. Then what ``check_bundle_directory`` refuses."""
+    check_bundle_directory(directory)
+    directory = Path(directory)
+    held = [name for name in BUNDLE_FILES if (directory / name).is_file()] if directory.is_dir() else []
+    if held and not force:
+        try:
+            what = f"a {json.loads((directory / BUNDLE_JSON).read_text())['method']} bundle"
+        except (OSError, ValueError, KeyError, TypeError):
+            what = "a bundle"
+        raise FileExistsError(f"{option}{directory} already holds {what} ({', '.join(held)}): pass --force to replace "
+                              "it, or give another directory")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from mari_eval import options  # light: the seed's type
 
@@ -32,8 +31,9 @@ def _splits(args: argparse.Namespace) -> int:
     splits = make_splits(args.dataset, args.seed)
     text = json.dumps({**splits.to_json(), "fingerprint": splits.fingerprint()}, indent=2)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        from mari_eval.files import atomic_write  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+        atomic_write(args.out, text + "\n")  # whole or not at all; a failure names --out's path
         sizes = {k: len(getattr(splits, k)) for k in ("pca", "train", "ctrl", "ctrl_arc", "ctrl_mmlu", "test")}
         print(f"wrote {args.out}: {sizes}")
     else:
@@ -44,8 +44,11 @@ def _splits(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
+    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
     from mari_eval.devices import Placement  # deferred: keeps this module light (start-up, `mari-eval --help`)
     from mari_eval.train import train  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+    check_bundle_out(args.out, args.force)  # a trained bundle there is replaced only with --force
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho, "recipe": args.recipe}
@@ -115,8 +118,10 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _import_vector(args: argparse.Namespace) -> int:
+    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
     from mari_eval.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
+    check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
     path = import_gguf(args.file, args.model, args.out, scale=args.scale, allow_other_model=args.allow_other_model)
     print(f"bundle: {path}")
     print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path} (scale=S multiplies it)")
@@ -146,6 +151,9 @@ def _lora_peft():
 
 
 def _import_lora(args: argparse.Namespace) -> int:
+    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+
+    check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
     path = _lora_peft().import_peft(args.adapter, args.model, args.out, allow_other_model=args.allow_other_model)
     print(f"bundle: {path}")
     print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path}")
@@ -168,9 +176,10 @@ def _methods(args: argparse.Namespace) -> int:
 
 
 def _import_arguments(parser: argparse.ArgumentParser, what: str, other: str) -> None:
-    """--model, --out and --allow-other-model of the import commands."""
+    """--model, --out, --force and --allow-other-model of the import commands."""
     parser.add_argument("--model", required=True, help=f"the model {what}: embedded alias, Hub id or local directory")
     parser.add_argument("--out", required=True, help="bundle directory to write")
+    parser.add_argument("--force", action="store_true", help="replace the bundle already at --out")
     parser.add_argument("--allow-other-model", action="store_true", help=f"import {other} (a warning, not an error)")
 
 
@@ -214,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded alias, Hub id or local directory")
     p.add_argument("--seed", type=options.seed, default=0, help="split and initialisation seed")
     p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--force", action="store_true", help="replace the bundle already at --out")
     p.add_argument("--layer", type=int, help="injection layer l* (default: num_layers // 2)")
     p.add_argument("--K", type=int, help="number of experts (MARI; default 4)")
     p.add_argument("--rank", type=int, help="adapter rank (default 4)")

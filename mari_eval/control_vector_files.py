@@ -22,14 +22,14 @@ refuse (layer 0, different widths, non-finite values) are refused before anythin
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mari_eval.bundle_spec import BundleError
-from mari_eval.files import atomic_write, file_sha256
+from mari_eval.files import atomic_write_with, file_sha256
+from mari_eval.outputs import refuse_special
 
 ARCHITECTURE = "controlvector"
 GGUF_FORMAT = "gguf control vector"
@@ -136,7 +136,8 @@ def check_directions(directions: dict[int, torch.Tensor], where: str) -> None:
 
 def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint: str, force: bool = False) -> Path:
     """Write ``directions`` ({layer N: [d]}) as the GGUF control vector ``path`` (module docstring),
-    as float32, atomically (``files.atomic_write``). An existing ``path`` is refused unless ``force``."""
+    as float32, atomically (``files.atomic_write_with``). An existing ``path`` is refused unless ``force``;
+    anything but a regular file there (a device node such as /dev/null, a FIFO, a socket, a link) always."""
     import gguf  # deferred: only importing and exporting a vector need it
 
     path = Path(path)
@@ -144,12 +145,13 @@ def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint
     if not isinstance(model_hint, str) or not model_hint.strip():
         raise BundleError(f"{path}: the model hint is empty; give the Hugging Face model_type of the model the "
                           "vector steers, e.g. --model-hint llama")
+    refuse_special(path)  # /dev/null, a FIFO, a link: never replaced, even with --force
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory: give the file to write, e.g. {path / 'vector.gguf'}")
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists: pass --force to replace it, or give another file name")
-    with tempfile.TemporaryDirectory() as scratch:  # a control vector is kilobytes: written here, then moved whole
-        draft = Path(scratch) / path.name
+
+    def fill(draft: Path) -> None:  # the hidden file beside ``path`` that then takes its place whole
         writer = gguf.GGUFWriter(draft, ARCHITECTURE)
         writer.add_string(f"{ARCHITECTURE}.model_hint", model_hint.strip())
         writer.add_uint32(f"{ARCHITECTURE}.layer_count", len(directions))
@@ -159,5 +161,5 @@ def write_gguf(path: str | Path, directions: dict[int, torch.Tensor], model_hint
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        return atomic_write(path, draft.read_bytes())
 
+    return atomic_write_with(path, fill)  # checked non-empty; a failure names ``path``, not the hidden file

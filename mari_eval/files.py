@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from mari_eval.outputs import SpecialFileError, check_size, output_error, refuse_special, special_kind
+
 log = logging.getLogger(__name__)
 
 
@@ -37,6 +39,10 @@ def check_writable_file(path: Path, option: str, example_name: str) -> None:
     user gave it (``--out``, ``diagnostics=``), ``example_name`` a file name to suggest inside a directory."""
     if path.is_dir():
         raise ValueError(f"{option}{path} is a directory: give a file name, e.g. {option}{path / example_name}")
+    try:
+        refuse_special(path, option)  # /dev/null, a FIFO, a link: never replaced at the end
+    except SpecialFileError as e:
+        raise ValueError(str(e)) from None
     _check_creatable(path.parent, f"{option}{path}")
 
 
@@ -44,8 +50,16 @@ def check_writable_dir(path: Path, option: str) -> None:
     """Refuse (ValueError), before the work it will hold, an output directory that cannot be created
     or written in (``push --to-dir``). An existing file there is refused too."""
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{option}{path} is a file, not a directory: give a new directory")
+        what = special_kind(path, links=False) or "a file"
+        raise ValueError(f"{option}{path} is {what}, not a directory: give a new directory")
     _check_creatable(path, f"{option}{path}")
+
+
+def check_replaceable_place(path: Path, option: str) -> None:
+    """Refuse (ValueError), before the work, an output directory that ``replace_directory`` could not put
+    in place at the end: its parent (the link's target's, for a link) must take new entries."""
+    target = path.resolve() if path.is_symlink() else path
+    _check_creatable(target.parent, f"{option}{path}")
 
 
 def _check_creatable(folder: Path, named: str) -> None:
@@ -58,8 +72,20 @@ def _check_creatable(folder: Path, named: str) -> None:
     except OSError as e:
         raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
     finally:
-        if first_missing is not None and first_missing.is_dir():
-            shutil.rmtree(first_missing, ignore_errors=True)  # only folders this check made, now empty
+        if first_missing is not None:
+            _remove_empty(folder, first_missing)
+
+
+def _remove_empty(folder: Path, top: Path) -> None:
+    """Remove ``folder`` and its parents up to ``top``, while empty: the folders a check made. One that
+    another process has put something in meanwhile (parallel runs sharing --runs) is left as it is."""
+    for path in (folder, *folder.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == top:
+            return
 
 
 @contextlib.contextmanager
@@ -89,20 +115,45 @@ def writing_alone(target: Path, option: str) -> Iterator[None]:
 
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
     """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, flushed to disk,
-    then renamed into place. The file gets an ordinary file's permissions (0666 less the umask),
-    not the temporary file's private 0600."""
+    checked to hold every byte, then renamed into place. The file gets an ordinary file's permissions
+    (0666 less the umask), not the temporary file's private 0600. A failure names ``path``, never the
+    temporary file (``outputs.output_error``); a device node, FIFO, socket or link at ``path`` is refused."""
+    blob = data.encode() if isinstance(data, str) else data
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(blob)
+
+    return atomic_write_with(path, fill, len(blob))
+
+
+def atomic_write_with(path: str | Path, fill: Callable[[Path], None], size: int | None = None) -> Path:
+    """``atomic_write`` for a writer that takes a file name (gguf's ``GGUFWriter``): ``fill(tmp)`` writes
+    the hidden temporary file beside ``path``, which must then hold ``size`` bytes (None: any but none)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    refuse_special(path)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise output_error(e, path) from None
+    tmp = Path(name)
+    try:
+        os.close(fd)
+        fill(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a full disk may answer only here
+            check_size(fd, size, path)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())
+        refuse_special(path)  # again: made meanwhile?
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, SpecialFileError):
+            raise output_error(e, path) from None
         raise
     return path
 
@@ -219,33 +270,50 @@ def replace_directory(target: str | Path, fill: Callable[[Path], None],
     crash at any point leaves the old directory or the new one at ``target``, never a mix.
 
     An existing ``target`` is replaced only when ``replaceable(name)`` holds for every file in
-    it (default: any), so that a directory holding other things is never deleted with it."""
-    target = Path(target)
+    it (default: any), so that a directory holding other things is never deleted with it. A failed
+    write names ``target`` as given (``outputs.output_error``), never the temporary sibling."""
+    given = target = Path(target)
     if target.is_symlink():
         target = target.resolve()  # replace what the link points to, keep the link
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise output_error(e, given) from None
     recover_directory(target)
     check_replaceable(target, replaceable)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{_SAVING}{_host()}-{os.getpid()}-", dir=target.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{_SAVING}{_host()}-{os.getpid()}-", dir=target.parent))
+    except OSError as e:
+        raise output_error(e, given) from None
     try:
         fill(tmp)
         _fsync_directory(tmp)
         _put_in_place(tmp, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, SpecialFileError):
+            raise output_error(e, given) from None
         raise
     _fsync_directory(target.parent)
     return target
 
 
 def check_replaceable(target: str | Path, replaceable: Callable[[str], bool] | None = None) -> None:
-    """Refuse (``FileExistsError``) a ``target`` that ``replace_directory`` would not replace: a file,
-    or a directory holding a file for which ``replaceable(name)`` is false. Nothing there is fine."""
+    """Refuse (``FileExistsError``) a ``target`` that ``replace_directory`` would not replace: a file (or a
+    device node, FIFO, socket), a directory holding anything but regular files (a link, a folder: not
+    what this tool writes), or a file for which ``replaceable(name)`` is false. Nothing there is fine."""
     target = Path(target)
     if not os.path.lexists(target):
         return
     if not target.is_dir():
-        raise FileExistsError(f"{target} exists and is not a directory; remove it or write elsewhere")
+        what = special_kind(target, links=False) or "a file"
+        raise SpecialFileError(f"{target} exists and is {what}, not a directory; remove it or write elsewhere")
+    odd = [f"{p.name} ({special_kind(p) or 'a folder'})" for p in sorted(target.iterdir())
+           if p.is_symlink() or not p.is_file()]
+    if odd:
+        raise SpecialFileError(f"{target} holds {', '.join(odd[:5])}{', ...' if len(odd) > 5 else ''}, not files this "
+                               "tool wrote, which replacing the directory would delete: move them away or write to "
+                               "another directory")
     if replaceable is not None:
         others = sorted(p.name for p in target.iterdir() if not replaceable(p.name))
         if others:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mari_eval import data, data_splits, options
+from mari_eval import data, data_splits, lm_outputs, options
 from mari_eval.files import check_writable_dir, check_writable_file
 from mari_eval.plan import VariantRun
 
@@ -62,20 +62,17 @@ def is_lm_eval_command(argv: list[str]) -> bool:
 
 
 def lm_eval_output_path(argv: list[str]) -> str | None:
-    """The ``--output_path`` (``-o``) of an ``lm_eval`` command line, or None."""
-    for i, arg in enumerate(argv):
-        if arg in ("--output_path", "-o") and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--output_path="):
-            return arg.split("=", 1)[1]
-    return None
+    """The output path of an ``lm_eval`` command line (``argv`` without the program), as lm-eval's own
+    parser reads it, or None (``lm_outputs.output_path_given``: repeats that disagree are refused)."""
+    return lm_outputs.output_path_given(argv)
 
 
 def check_lm_eval_output(argv: list[str]) -> None:
     """Refuse, before the model is loaded, an ``lm_eval --output_path`` that cannot be written:
     lm-eval writes results and samples after the whole evaluation and, when that fails, logs a
     warning and exits 0 (its writer catches the error). A path ending in .json is a file, any
-    other a directory, as lm-eval reads it."""
+    other a directory, as lm-eval reads it. Then have lm-eval's writers checked once they have
+    written (``lm_outputs.guard_result_writes``): a full disk at the end is an error too."""
     given = lm_eval_output_path(argv)
     if given is None:
         return
@@ -84,6 +81,7 @@ def check_lm_eval_output(argv: list[str]) -> None:
         check_writable_file(path, "lm_eval --output_path ", "results.json")
     else:
         check_writable_dir(path, "lm_eval --output_path ")
+    lm_outputs.guard_result_writes()
 
 
 def check_writable(path: Path) -> None:

@@ -33,7 +33,8 @@ from mari_eval.devices import Placement
 # The examples live in mari_eval.examples and the Session in mari_eval.session; these names are read as train.X
 # too (and tests replace train.Session, which ``train`` looks up here).
 from mari_eval.examples import ATTRIBUTE_TASKS, AttributeData, Example, attribute_data  # noqa: F401
-from mari_eval.files import writing_alone
+from mari_eval.files import check_replaceable_place, writing_alone
+from mari_eval.outputs import OutputError, unsaved_place
 from mari_eval.session import Session
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
     cls = methods.method_class(method)
     check_arguments(cls, hyperparameters or {}, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
     methods.check_bundle_directory(out)  # an --out holding other files is refused now, not after training
+    check_replaceable_place(Path(out), "--out ")  # and one that could not be saved at the end (a read-only place)
     with writing_alone(Path(out), "--out "):  # a second training into the same --out meanwhile is refused
         torch.manual_seed(seed)
         t0 = time.time()
@@ -100,7 +102,25 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
                                                    hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
             intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
         intervention.config["train_seconds"] = round(time.time() - t0, 1)
-        path = intervention.save(out)
+        path = save_or_keep(intervention, Path(out))
         session.checkpoints.clear()
         log.info("saved %s bundle to %s (%.0fs)", method, path, time.time() - t0)
         return path
+
+
+def save_or_keep(intervention: methods.Intervention, out: Path) -> Path:
+    """Save the trained bundle to ``out``. When that fails (the disk filled up, the place became
+    read-only during training), the training is not thrown away: the bundle is saved to an
+    ``outputs.unsaved_place`` instead, and the error names ``out``, the reason and where it is kept.
+    (The per-epoch checkpoints are kept too: the same command resumes from them.)"""
+    try:
+        return intervention.save(out)
+    except OSError as e:
+        kept = unsaved_place(out.name)
+        try:
+            intervention.save(kept)
+            where = f"the trained bundle is kept in {kept}: move it to {out} once there is room"
+        except OSError as again:
+            where = (f"it could not be kept in {kept} either ({again}); the same command resumes from the last "
+                     "training checkpoint, if the method keeps any")
+        raise OutputError(e.errno, f"{e}; {where}") from None
