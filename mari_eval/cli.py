@@ -167,6 +167,24 @@ def _export_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from mari_eval import side_by_side  # deferred: keeps this module light (start-up, `mari-eval --help`)
+
+    settings = side_by_side.GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    given = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or key in given:
+            raise ValueError(f"--set {item!r}: give KEY=VALUE, each key once (e.g. --set T_ent=3)")
+        given[key] = value
+    if args.scale is not None:
+        if "scale" in given:
+            raise ValueError("scale given twice (--scale and --set scale=): give it once")
+        given["scale"] = args.scale
+    side_by_side.run(args.bundle, args.prompt, args.model, given, settings, args.compare, args.dtype, args.device)
+    return 0
+
+
 def _methods(args: argparse.Namespace) -> int:
     from mari_eval import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
@@ -304,6 +322,25 @@ def build_parser() -> argparse.ArgumentParser:
                                         "the bundle's base model, or an imported vector's own hint)")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.set_defaults(run=_export_vector)
+
+    p = sub.add_parser("generate", help="a bundle's answer to a prompt, streamed (--compare: beside the base model's)",
+                       description="Decode PROMPT with BUNDLE's method as lm-eval's generation does (one user turn of the "
+                                   "chat template where the model has one; MARI's gate and routing; the gate's verdict "
+                                   "and the chosen expert printed after the answer). --compare first decodes the untouched "
+                                   "model's answer from the same loaded model. Greedy unless --temperature > 0.")
+    p.add_argument("bundle", help="a bundle directory or a Hub repository (hf://...)")
+    p.add_argument("prompt", help="the user's message")
+    p.add_argument("--model", help="the model to steer (default: the one the bundle was trained on)")
+    p.add_argument("--compare", action="store_true", help="the untouched model's answer first, then the bundle's")
+    p.add_argument("--scale", help="the method's scale= option (vector methods: the multiplier; 0 is the plain model)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="another evaluation option (T_ent=3, gate=false)")
+    p.add_argument("--max-new-tokens", type=options.positive_int, default=64, help="answer length in tokens (64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p, with --temperature")
+    p.add_argument("--seed", type=options.seed, default=0, help="the sampling seed")
+    p.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.set_defaults(run=_generate)
 
     p = sub.add_parser("import-lora", help="import a peft LoRA adapter directory as a lora bundle",
                        description="Write the peft LoRA adapter in ADAPTER_DIR (adapter_config.json and "

@@ -90,6 +90,13 @@ def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any]
     return {name: fields[name].parse(name, value) for name, value in values.items()}
 
 
+def positive_int(text: Any) -> int:
+    """A command line's count of at least 1 (argparse's type): "invalid positive_int value" otherwise."""
+    if not re.fullmatch(r"\s*\+?[0-9]+\s*", str(text)) or int(text) < 1:
+        raise ValueError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 # The seeds every part of the code can take: scikit-learn's and NumPy's legacy random_state hold 0 .. 2**32 - 1.
 MAX_SEED = 2**32 - 1
 

@@ -1,0 +1,84 @@
+"""``mari-eval generate`` (mari_eval/side_by_side.py, issue 57.1) on a random Llama over bytes: the
+streamed answer is lm-eval's own generation of the same request, the untouched answer is the base
+model's whatever the bundle, and MARI's routing is shown."""
+
+import io
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from mari_eval import side_by_side
+from mari_eval.lm_generation import CHAT_TURN_FIELD
+
+from .test_batching import bundles, model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
+
+PROMPT = "Tell me about the sea."
+SETTINGS = side_by_side.GenerationSettings(max_new_tokens=12)
+
+
+def _lm(model, tokenizer, bundle=None):
+    from mari_eval.lm import MariLM
+
+    return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
+                  allow_other_model=True if bundle else None)
+
+
+def _lm_eval_answer(lm, prompt: str, tokens: int) -> str:
+    """What lm-eval's generate_until answers for a SORRY-Bench-like request (a chat turn)."""
+    request = Instance("generate_until", {CHAT_TURN_FIELD: prompt}, (prompt, {"until": [], "max_gen_toks": tokens,
+                                                                              "do_sample": False}), 0)
+    return lm.generate_until([request])[0]
+
+
+@pytest.mark.parametrize("name", ["caa", "iti", "reft", "mari"])
+def test_the_streamed_answer_is_lm_evals_generation_and_the_base_answer_the_untouched_models(model, tokenizer,
+                                                                                             bundles, name):
+    lm = _lm(model, tokenizer, bundles[name])
+    shown = io.StringIO()
+    steered = side_by_side.answer(lm, PROMPT, SETTINGS, out=shown)
+    assert shown.getvalue() == steered + "\n"  # streamed piece by piece, then a newline
+    assert steered == _lm_eval_answer(lm, PROMPT, SETTINGS.max_new_tokens)
+    base = side_by_side.answer(lm, PROMPT, SETTINGS, steered=False)
+    assert base == side_by_side.answer(_lm(model, tokenizer), PROMPT, SETTINGS, steered=False)
+    ids = side_by_side.prompt_ids(lm, PROMPT, steered=False)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SETTINGS.max_new_tokens,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert base == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+    assert lm.plan is not side_by_side.plans.VANILLA  # the method's plan restored after the base answer
+
+
+def test_maris_routing_is_shown_after_its_answer(model, tokenizer, bundles):
+    lm = _lm(model, tokenizer, bundles["mari"])
+    side_by_side.answer(lm, PROMPT, SETTINGS)
+    line = side_by_side.routing_line(lm)
+    assert line.startswith("gate ") and "energy" in line and "threshold" in line
+    assert side_by_side.routing_line(_lm(model, tokenizer, bundles["caa"])) is None
+
+
+def test_sampling_is_seeded(model, tokenizer):
+    lm = _lm(model, tokenizer)
+    sampled = side_by_side.GenerationSettings(max_new_tokens=12, temperature=1.0, seed=3)
+    assert side_by_side.answer(lm, PROMPT, sampled) == side_by_side.answer(lm, PROMPT, sampled)
+
+
+def test_a_missing_local_bundle_is_named_before_anything_loads(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"bundle '{tmp_path}/none': no such local directory"):
+        side_by_side.load(str(tmp_path / "none"), None, {})
+
+
+def test_the_command_passes_its_options_on_and_refuses_them_given_twice(monkeypatch, capsys, tmp_path):
+    from mari_eval import cli
+
+    seen = {}
+    monkeypatch.setattr(side_by_side, "run", lambda *args: seen.update(args=args))
+    assert cli.main(["generate", "b", "hi", "--scale", "2", "--set", "T_ent=3", "--compare", "--temperature", "0.7",
+                     "--max-new-tokens", "5"]) == 0
+    bundle, prompt, model, given, settings, compare, dtype, device = seen["args"]
+    assert (bundle, prompt, model, given, compare) == ("b", "hi", None, {"scale": "2", "T_ent": "3"}, True)
+    assert settings == side_by_side.GenerationSettings(5, 0.7, 1.0, 0)
+    assert cli.main(["generate", "b", "hi", "--scale", "2", "--set", "scale=3"]) == 1
+    assert "scale given twice" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(["generate", str(tmp_path / "none"), "hi"]) == 1
+    assert "no such local directory" in capsys.readouterr().err
