@@ -122,7 +122,15 @@ def _import_vector(args: argparse.Namespace) -> int:
     from mari_eval.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
-    path = import_gguf(args.file, args.model, args.out, scale=args.scale, allow_other_model=args.allow_other_model)
+    if args.file.endswith((".pt", ".pth")):  # lm-eval's --model steered config (mari_eval/steer_config.py)
+        from mari_eval.steer_config import import_steer_file  # deferred: keeps this module light
+
+        if args.scale != 1.0 or args.allow_other_model:
+            raise ValueError("--scale and --allow-other-model apply to GGUF vectors: an lm-eval steering config keeps its "
+                             "own steering_coefficient (scale=S at evaluation multiplies it)")
+        path = import_steer_file(args.file, args.model, args.out)
+    else:
+        path = import_gguf(args.file, args.model, args.out, scale=args.scale, allow_other_model=args.allow_other_model)
     print(f"bundle: {path}")
     print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path} (scale=S multiplies it)")
     return 0
@@ -294,13 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
 
-    p = sub.add_parser("import-vector", help="a GGUF control vector (repeng, llama.cpp) as a bundle",
+    p = sub.add_parser("import-vector", help="a GGUF control vector (repeng, llama.cpp) or an lm-eval steering .pt as a bundle",
                        description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
                                    "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
                                    "added to the output of decoder layer N (model.model.layers[N]) at every position, "
                                    "as llama.cpp applies it. Evaluate it with --model_args bundle=OUT (scale=S "
-                                   "multiplies it); docs/methods.md.")
-    p.add_argument("file", help="the control vector .gguf")
+                                   "multiplies it); docs/methods.md. A FILE.pt (or .pth) is read as lm-eval's "
+                                   "--model steered config ({hookpoint: steering_vector, steering_coefficient, action "
+                                   "add or clamp, bias}), with torch.load(weights_only=True), as a steered_config bundle "
+                                   "that edits what lm-eval's steered model edits (mari_eval/steer_config.py).")
+    p.add_argument("file", help="the control vector .gguf, or lm-eval's steering config .pt")
     _import_arguments(p, "it steers", "a vector whose model hint names another architecture")
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")

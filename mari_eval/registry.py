@@ -38,6 +38,7 @@ BUILTIN_METHODS = {
     "prompting": "{baselines}.prompting:Prompting",
     "lora": "{baselines}.lora:LoRA",
     "control_vector": "mari_eval.control_vector:ControlVector",
+    "steered_config": "mari_eval.steer_config:SteeredConfig",
 }
 _METHODS: dict[str, type] = {}
 ENTRY_POINT_GROUP = "mari_eval.methods"  # where installed packages declare their methods
