@@ -59,6 +59,8 @@ import torch
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, validation_loss,
                      validation_record, validation_split)
 from mari_eval import layer_spans, site
+from mari_eval.edit_positions import EditPositions, parse_layers
+from mari_eval.options import Option
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.intervention import Intervention
@@ -151,9 +153,32 @@ class CAA(ScaledVector):
         (float32), what ``mari-eval export-vector`` writes as llama.cpp's direction.N (N: the layer)."""
         return {self.layer: float(self.config["hyperparameters"]["multiplier"]) * self.tensors["vector"].float()}
 
+    # Where it edits, chosen at evaluation (mari_eval/edit_positions.py): by default its published place,
+    # p* and every later token after its own layer.
+    option_fields: ClassVar[dict[str, Option]] = {
+        **ScaledVector.option_fields, "positions": Option(str, "positions=all (or last, from_last, from:4)"),
+        "layers": Option(str, "layers=10-14 (its vector added after each)")}
+    where: EditPositions = EditPositions("from_last")
+    edit_layers: tuple[int, ...] = ()
+
+    def configure(self, scale: float = 1.0, positions: str | None = None, layers: str | None = None) -> None:
+        super().configure(scale)
+        self.where = EditPositions.parse(positions) if positions is not None else EditPositions("from_last")
+        n = int(self.config["base_model"]["num_layers"])
+        self.edit_layers = tuple(parse_layers(layers, n)) if layers is not None else (self.layer,)
+
     def applied(self, model: torch.nn.Module, positions: Positions,
                 variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
-        return site.edit_from_site(model, self.layer, self.edit, positions)
+        return self.where.applied(model, list(self.edit_layers or (self.layer,)), lambda layer: self.edit, positions)
+
+    def plan(self, model: torch.nn.Module) -> Plan:
+        """One edit; the prompt positions before p* the chosen ``positions=`` covers are encoded under it."""
+        return Plan((0,), lambda variant_ids, positions: self.applied(model, positions, variant_ids), self.choose,
+                    prompt_sites=self.where.prompt_sites)
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**super().summarize(records), "positions": str(self.where),
+                "layers": list(self.edit_layers or (self.layer,))}
 
     @classmethod
     def training_source(cls) -> str:

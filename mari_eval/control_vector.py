@@ -46,7 +46,6 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,6 +56,7 @@ from mari_eval import site
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec, check_bundle_directory
 from mari_eval.bundles import load_bundle
 from mari_eval.control_vector_files import GGUF_FORMAT, read_gguf, write_gguf
+from mari_eval.edit_positions import EditPositions, parse_layers
 from mari_eval.intervention import Intervention
 from mari_eval.options import Option
 from mari_eval.plan import Plan
@@ -83,8 +83,12 @@ class ControlVector(Intervention):
     config_fields = {"source": Obj({"format": Str(choices=(GGUF_FORMAT, STEERING_VECTOR_FORMAT)), "sha256": Str(),
                                     "file": Str(optional=True), "model_hint": Str(optional=True)})}
     option_fields: ClassVar[dict[str, Option]] = {
-        "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True)}
+        "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True),
+        "positions": Option(str, "positions=from_last (or all, last, from:4)"),  # mari_eval/edit_positions.py
+        "layers": Option(str, "layers=10-14 (only its directions there)")}
     scale: float = 1.0
+    where: EditPositions = EditPositions("all")  # llama.cpp's; positions= at evaluation
+    kept_layers: tuple[int, ...] | None = None  # layers= at evaluation: the layers whose directions are applied
     added_positions: ClassVar[str] = EVERY_POSITION  # where ``added_directions`` are added (``export_gguf``)
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False):
@@ -104,41 +108,51 @@ class ControlVector(Intervention):
     def layers(self) -> list[int]:
         return [int(layer) for layer in self.config["hyperparameters"]["layers"]]
 
-    def configure(self, scale: float = 1.0) -> None:
+    def configure(self, scale: float = 1.0, positions: str | None = None, layers: str | None = None) -> None:
         self.scale = float(scale)
+        self.where = EditPositions.parse(positions) if positions is not None else EditPositions("all")
+        self.kept_layers = None
+        if layers is not None:
+            wanted = set(parse_layers(layers, int(self.config["base_model"]["num_layers"])))
+            self.kept_layers = tuple(layer for layer in self.layers if layer in wanted)
+            if not self.kept_layers:
+                raise ValueError(f"layers={layers} in --model_args: this bundle has directions at layers {self.layers} "
+                                 "only; give a range that holds some of them")
+
+    def applied_layers(self) -> list[tuple[int, int]]:
+        """(row of the tensors, layer) of every direction applied (``layers=`` keeps a range of them)."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if self.kept_layers is None or layer in self.kept_layers]
 
     def strength(self) -> float:
         """What the directions are multiplied by: the imported strength times ``scale=``."""
         return float(self.config["hyperparameters"]["strength"]) * self.scale
 
     def added_directions(self) -> dict[int, torch.Tensor]:
-        """{layer: what is added to its output at ``scale=1``}: each direction times the strength, as ``_adding``
-        computes it (float32)."""
+        """{layer: what is added to its output at ``scale=1``}: each direction times the strength, as ``applied``
+        adds it (float32)."""
         strength = float(self.config["hyperparameters"]["strength"])
         return {layer: strength * self.tensors["directions"][i].float() for i, layer in enumerate(self.layers)}
 
     def applied(self, model: torch.nn.Module, positions=None, variant_ids: torch.Tensor | None = None):
-        """Every direction added after its layer at every position (``positions`` and ``variant_ids``
-        are not read: the plan's one variant edits every row and every token)."""
-        return self._adding(model, self.strength())
+        """Every direction added after its layer where ``positions=`` says (by default at every position;
+        ``variant_ids`` is not read: the plan's one variant edits every row)."""
+        return self.edits(model, lambda i: (lambda h: h + self.strength() * self.tensors_like(h)["directions"][i]),
+                          positions)
 
-    @contextlib.contextmanager
-    def _adding(self, model: torch.nn.Module, strength: float) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for i, layer in enumerate(self.layers):
-                add = lambda h, i=i: h + strength * self.tensors_like(h)["directions"][i]  # noqa: E731
-                stack.enter_context(site.edit_every_position(model, layer, add))
-            yield
+    def edits(self, model: torch.nn.Module, edit_of_row, positions=None) -> contextlib.AbstractContextManager:
+        """``edit_of_row(i)`` after the layer of each applied row i: at every position of every pass
+        (llama.cpp's way) unless ``positions=`` chose another rule (mari_eval/edit_positions.py)."""
+        rows = dict((layer, i) for i, layer in self.applied_layers())
+        return self.where.applied(model, list(rows), lambda layer: edit_of_row(rows[layer]), positions)
 
     def plan(self, model: torch.nn.Module) -> Plan:
-        """One edit that also replaces every prompt position before p* (``prompt_sites``): the runner
-        encodes each prompt under it instead of sharing the frozen model's prefix."""
+        """One edit that also replaces the prompt positions before p* its rule covers (``prompt_sites``;
+        by default all of them): the runner encodes each prompt under it instead of sharing the frozen prefix."""
         return Plan((0,), lambda variant_ids, positions: self.applied(model, positions, variant_ids), self.choose,
                     prompt_sites=self.prompt_sites)
 
-    @staticmethod
-    def prompt_sites(length: int) -> list[int]:
-        return list(range(length - 1))
+    def prompt_sites(self, length: int) -> list[int]:
+        return self.where.prompt_sites(length)
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         return {**super().summarize(records), "scale": self.scale,

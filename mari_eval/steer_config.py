@@ -21,17 +21,14 @@ outputs in that [batch, position, head, dim] shape. The file is read with
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from mari_eval import site
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec, check_bundle_directory
 from mari_eval.control_vector import ControlVector, _model_description
 from mari_eval.registry import register_method
@@ -65,17 +62,15 @@ class SteeredConfig(ControlVector):
         return sizes, {"vectors": TensorSpec(("layers", "hidden_size")), "biases": TensorSpec(("layers", "hidden_size"))}
 
     def applied(self, model: torch.nn.Module, positions=None, variant_ids: torch.Tensor | None = None):
-        return self._steering(model)
-
-    @contextlib.contextmanager
-    def _steering(self, model: torch.nn.Module) -> Iterator[None]:
+        """Each hookpoint's add or clamp after its layer, where ``positions=`` says (by default at every
+        position, as lm-eval's hooks), only the layers ``layers=`` keeps."""
         hp = self.config["hyperparameters"]
-        with contextlib.ExitStack() as stack:
-            for i, (layer, action, coefficient) in enumerate(zip(self.layers, hp["actions"], hp["coefficients"])):
-                edit = _add if action == "add" else _clamp
-                stack.enter_context(site.edit_every_position(
-                    model, layer, lambda h, i=i, edit=edit, c=coefficient: edit(h, self.tensors_like(h), i, c * self.scale)))
-            yield
+
+        def edit_of_row(i: int):
+            edit, coefficient = (_add if hp["actions"][i] == "add" else _clamp), float(hp["coefficients"][i])
+            return lambda h: edit(h, self.tensors_like(h), i, coefficient * self.scale)
+
+        return self.edits(model, edit_of_row, positions)
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         hp = self.config["hyperparameters"]
