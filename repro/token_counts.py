@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 from mari_eval.lm_generation import CHAT_TURN_FIELD
-from repro.profiles import BENCHMARKS, REPO, TQA_GENERATION, XSTEST
+from repro.profiles import BBQ_AMBIGUOUS, BENCHMARKS, GENERAL_TEXT, REPO, TQA_GENERATION, XSTEST
 
 OUT = REPO / "repro" / "token_counts.json"
 SAMPLE = 40
 MMLU_SAMPLE = 2
 FEWSHOT_SEED = 1234  # simple_evaluate's fewshot_random_seed default: the same shots as an evaluation
-TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION + XSTEST}
+TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION + XSTEST + BBQ_AMBIGUOUS + GENERAL_TEXT}
                | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1_heldout", "bbq": "bbq_disambig_heldout",
                    "sorry_bench": "sorry_bench_heldout"}
@@ -90,6 +90,19 @@ def measure_sorry(tokenizer) -> dict:
             "requests_per_document": 0.0, "option_tokens": 0.0, "generation": True}
 
 
+def measure_general_text(tokenizer) -> dict:
+    """The KL and cross-entropy columns' documents (mari_eval/divergence.py): one teacher-forced pass
+    over context and continuation per document, priced as one log-likelihood request."""
+    from mari_eval.data import load_general_text  # deferred: reads the data files
+
+    documents = load_general_text()
+    sampled = documents[:SAMPLE]
+    prompt = [len(tokenizer(d["context"]).input_ids) for d in sampled]
+    option = [len(tokenizer(d["continuation"], add_special_tokens=False).input_ids) for d in sampled]
+    return {"documents": len(documents), "sampled": len(sampled), "prompt_tokens": round(sum(prompt) / len(prompt), 1),
+            "requests_per_document": 1.0, "option_tokens": round(sum(option) / len(option), 2), "generation": False}
+
+
 def measure() -> dict:
     from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only measuring needs it
     from transformers import AutoTokenizer  # deferred: as above
@@ -99,7 +112,8 @@ def measure() -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     task_manager = TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": 0})
-    tasks = {name: measure_sorry(tokenizer) if name == "sorry_bench_heldout" else measure_task(name, tokenizer, task_manager)
+    special = {"sorry_bench_heldout": measure_sorry, "general_text": measure_general_text}
+    tasks = {name: special[name](tokenizer) if name in special else measure_task(name, tokenizer, task_manager)
              for name in TASKS}
     splits = {}
     for attribute in ATTRIBUTE_TASKS:

@@ -109,6 +109,18 @@ def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
     assert not (tmp_path / "runs" / "bundles").exists() and not (tmp_path / "out" / "main_table.json").exists()
 
 
+def test_every_optional_column_of_the_main_table_is_priced(tmp_path, capsys):
+    # The budget profile's default columns (BBQ's ambiguous contexts, XSTest, KL and cross-entropy) and the
+    # others: --plan failed on general_text and bbq_ambig_heldout, which repro/token_counts.json lacked.
+    from repro import profiles
+
+    optional = profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+    assert main_table.main(["--profile", "budget", "--plan", "--methods", "vanilla,caa", "--seeds", "0", "--columns",
+                            ",".join(c[0] for c in optional), "--runs", str(tmp_path / "runs"),
+                            "--out", str(tmp_path / "out")]) == 0
+    assert "main table, profile budget" in capsys.readouterr().out
+
+
 def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(tmp_path):
     profile = profiles.PROFILES["smoke"]
     store = cache.Store(tmp_path / "runs")
