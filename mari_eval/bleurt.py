@@ -22,8 +22,17 @@ from typing import Callable
 
 import torch
 
+from mari_eval.models import check_local
+
 Scorer = Callable[[list[str], list[str]], list[float]]  # (references, candidates) -> a score per pair
 BATCH = 16
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """Refuse, before any answer is generated, a checkpoint written as a local path that does not
+    exist (else transformers reads it as a Hub id and answers with the Hub's message, after every
+    answer was generated); a Hub id is checked when it loads."""
+    check_local(checkpoint, "BLEURT checkpoint (--metadata '{\"bleurt\": ...}')")
 
 
 @functools.lru_cache(maxsize=2)
@@ -31,6 +40,7 @@ def scorer(checkpoint: str) -> Scorer:
     """The scoring function of ``checkpoint`` (a Hub id or a local folder), loaded once."""
     import transformers  # deferred: only a run that names a checkpoint needs it here
 
+    check_checkpoint(checkpoint)
     try:
         importlib.import_module("bleurt_pytorch")  # registers BLEURT-20's model class where installed
     except ImportError:

@@ -126,6 +126,10 @@ def extend_task_manager(task_manager_cls: type) -> None:
 
     @functools.wraps(original)
     def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None) -> None:
+        if isinstance(metadata, dict) and metadata.get("bleurt"):  # a missing local checkpoint: now, not after generating
+            from mari_eval.bleurt import check_checkpoint  # deferred: only a run naming one needs it
+
+            check_checkpoint(str(metadata["bleurt"]))
         chosen = index_paths(include_path, include_defaults, builtin)
         if chosen is None:
             original(self, verbosity=verbosity, include_path=include_path, include_defaults=include_defaults,

@@ -81,3 +81,15 @@ def test_the_loaders_carry_the_named_checkpoint_to_every_document():
     plain = utils.load_truthfulqa_generation_heldout(split_seed=0)["validation"]
     assert set(named["bleurt"]) == {"some/checkpoint"} and set(plain["bleurt"]) == {""}
     assert named["id"] == plain["id"]
+
+
+def test_a_missing_local_checkpoint_is_refused_when_the_tasks_are_indexed_before_any_answer(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    import mari_eval  # noqa: F401 (wraps TaskManager, as `lm_eval --model mari` does)
+
+    missing = str(tmp_path / "bleurt-base-512")
+    with pytest.raises(FileNotFoundError, match=rf"BLEURT checkpoint .*'{missing}': no such local directory"):
+        TaskManager(metadata={"bleurt": missing})
+    with pytest.raises(FileNotFoundError, match="no such local directory"):
+        bleurt.scorer(missing)
