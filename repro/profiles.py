@@ -233,10 +233,9 @@ PROFILES = {
     # 200 of its 882, the most its MARI and ReFT trainings allow on 2 CPU cores), every column under seeds 0, 1
     # and 2 (the unit of training variance: repro/seed_level.py), the standard profile's test documents; the
     # baselines selected on held-out data as their authors select: ITI's and NL-ITI's heads by cross-validated
-    # probe accuracy over all of D_train (honest_llama), published ReFT's epoch by its validation loss. The one
-    # labelled-data budget (every baseline fitted on all of D_train and selected on D_ctrl's 40 attribute
-    # hold-outs, MARI's gate's pool: ``--set validation=ctrl``, baselines/common.py) joins this profile with
-    # the regeneration of its tables: results/xstest_budget, its one table so far, was computed without it.
+    # probe accuracy over all of D_train (honest_llama), published ReFT's epoch by its validation loss; one
+    # labelled-data budget: every baseline fits on all of D_train and selects on D_ctrl's attribute examples,
+    # the 40 labelled hold-outs MARI's gate is calibrated on (``validation=ctrl``, baselines/common.py).
     "budget": Profile("budget", ["smollm2-135m-instruct"], [0, 1, 2], {"truthfulqa": None, "bbq": 200, "sorry_bench": None},
                       STANDARD_CTRL,
                       {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
@@ -244,8 +243,10 @@ PROFILES = {
                        "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None, "bbq_ambig_heldout": 504},
                       max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128, "xstest_safe": 48, "xstest_unsafe": 48},
                       tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
-                      published={"reft": {"min_steps": STANDARD_REFT_STEPS, "epoch_selection": "best"},
-                                 "iti": {"head_selection": "cv"}, "nl_iti": {"head_selection": "cv"}},
+                      published={"reft": {"min_steps": STANDARD_REFT_STEPS, "epoch_selection": "best", "validation": "ctrl"},
+                                 "iti": {"head_selection": "cv", "validation": "ctrl"},
+                                 "nl_iti": {"head_selection": "cv", "validation": "ctrl"}, "caa": {"validation": "ctrl"}},
+                      settings={"lora": {"validation": "ctrl"}},
                       more_columns=tuple(c[0] for c in BBQ_AMBIGUOUS + XSTEST + GENERAL_TEXT)),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
