@@ -146,7 +146,8 @@ def _export_vector(args: argparse.Namespace) -> int:
     if exported.positions != EVERY_POSITION:
         print(f"note: the {exported.method} bundle adds it at {exported.positions}; llama.cpp adds a control vector at "
               "every position of every token (the whole prompt too), so its outputs differ from this bundle's scores")
-    print(f"load it with llama.cpp: --control-vector {exported.path} (or --control-vector-scaled {exported.path} S)")
+    print(f"load it with llama.cpp: --control-vector {exported.path} (or --control-vector-scaled {exported.path}:S, "
+          "S the strength; older builds took FILE S)")
     return 0
 
 

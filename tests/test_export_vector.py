@@ -190,6 +190,7 @@ def test_export_vector_command_writes_the_file_and_refuses_with_an_error(model, 
     out = capsys.readouterr().out
     assert f"control vector: {target} (direction.2; model hint 'llama')" in out
     assert "note: the caa bundle adds it at the last prompt token and every later token" in out
+    assert f"--control-vector-scaled {target}:S" in out  # today's llama.cpp syntax (issue 57.6)
     fields, tensors = read(target)
     assert fields["controlvector.model_hint"] == "llama"
     assert np.array_equal(tensors["direction.2"], (3.0 * bundle.tensors["vector"]).numpy())
