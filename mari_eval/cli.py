@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
 
-    p = sub.add_parser("import-vector", help="a GGUF control vector (repeng, llama.cpp) or an lm-eval steering .pt as a bundle",
+    p = sub.add_parser("import-vector", help="a GGUF control vector or lm-eval .pt as a bundle",
                        description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
                                    "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
                                    "added to the output of decoder layer N (model.model.layers[N]) at every position, "
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.set_defaults(run=_export_vector)
 
-    p = sub.add_parser("generate", help="a bundle's answer to a prompt, streamed (--compare: beside the base model's)",
+    p = sub.add_parser("generate", help="stream a bundle's answer to a prompt (--compare)",
                        description="Decode PROMPT with BUNDLE's method as lm-eval's generation does (one user turn of the "
                                    "chat template where the model has one; MARI's gate and routing; the gate's verdict "
                                    "and the chosen expert printed after the answer). --compare first decodes the untouched "

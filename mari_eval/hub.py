@@ -147,8 +147,10 @@ def _download(hub: HubRef, reference: str) -> Resolved:
 
     at = f" at revision {hub.revision!r}" if hub.revision else ""
     where = f"bundle={reference}: Hub repository {hub.repo_id}{at}"
-    if not reference.startswith(HF_PREFIX):  # a bare org/name: the user may have meant a local directory
-        where += f" (no local directory {reference} in {Path.cwd()})"
+    if not reference.startswith(HF_PREFIX):  # a bare org/name: most often a local directory not made yet
+        where = (f"bundle={reference}: no local directory {reference} in {Path.cwd()} (train it first, e.g. `mari-eval "
+                 f"train ... --out {reference}`, or give its path); read as the Hub repository {hub.repo_id}{at} "
+                 "(bundle=hf://org/name names one unambiguously), it")
     prefix = f"{hub.path}/" if hub.path else ""
     try:
         snapshot = Path(snapshot_download(hub.repo_id, repo_type=hub.repo_type, revision=hub.revision,

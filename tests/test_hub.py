@@ -122,8 +122,11 @@ def test_bundle_in_a_folder_of_the_repository(tmp_path, cache):
 
 
 def test_hub_refusals_name_the_fix(tmp_path, cache):
-    with pytest.raises(BundleError, match=r"Hub repository org/none \(no local directory org/none in .*\) is not in the "
-                                          r"Hugging Face cache .* and HF_HUB_OFFLINE is set"):
+    # A bare org/name that is no local directory: that comes first (the README's bundles/NAME before training it).
+    with pytest.raises(BundleError, match=r"^bundle=org/none: no local directory org/none in .* \(train it first, e\.g\. "
+                                          r"`mari-eval train \.\.\. --out org/none`, or give its path\); read as the Hub "
+                                          r"repository org/none \(.*\), it is not in the Hugging Face cache .* and "
+                                          r"HF_HUB_OFFLINE is set"):
         hub.load_bundle("org/none")
     cache_repo(cache, "org/name", _saved(tmp_path / "b"))
     with pytest.raises(BundleError, match="at revision 'v9' is not in the Hugging Face cache"):
