@@ -110,6 +110,23 @@ class _QuietOverrides(logging.Filter):
         return {_root(new, self.roots), _root(old, self.roots)} != set(self.roots)
 
 
+class _QuietLoaderHint(logging.Filter):
+    """Drops lm-eval's per-task hint that a ``custom_dataset`` loader takes ``--metadata`` kwargs, for
+    our tasks: every one of them has such a loader (the held-out splits), and its YAML says which
+    ``--metadata`` it reads (split_seed; bleurt). A task of anyone else's keeps the hint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not ("Custom kwargs can be passed to `--metadata`" in message and message.split(":", 1)[0] in self.ours)
+
+
+_LOADER_HINT = _QuietLoaderHint()
+
+
 def _root(path: str, roots: tuple[str, ...]) -> str | None:
     return next((r for r in roots if path == r or path.startswith(r + os.sep)), None)
 
@@ -145,8 +162,10 @@ def extend_task_manager(task_manager_cls: type) -> None:
             index_logger.removeFilter(quiet)
         self.include_path = include_path  # what the caller gave, as lm-eval keeps it
         root = (str(ours.resolve()),)
-        kept = sum(e.yaml_path is not None and _root(str(Path(e.yaml_path).resolve()), root) is not None
-                   for e in self.task_index.values())
+        names = [name for name, e in self.task_index.items()
+                 if e.yaml_path is not None and _root(str(Path(e.yaml_path).resolve()), root) is not None]
+        kept = len(names)
+        _LOADER_HINT.ours.update(names)
         if defaults:
             log.info("mari-eval: %d task names from %s, built-in names included (%s is set: they read "
                      "the local copy)", kept, ours, DATA_ENV)
@@ -156,3 +175,4 @@ def extend_task_manager(task_manager_cls: type) -> None:
 
     setattr(__init__, _WRAPPED, True)
     task_manager_cls.__init__ = __init__
+    logging.getLogger("lm_eval.api.task").addFilter(_LOADER_HINT)

@@ -108,3 +108,17 @@ def test_lm_eval_command_runs_the_builtin_name_offline_from_anywhere(tmp_path):
     results = json.loads(results_file.read_text())
     assert results["n-samples"]["truthfulqa_mc1"] == {"original": 817, "effective": 1}
     assert results["config"]["model"] == "mari"
+
+
+def test_lm_evals_metadata_hint_is_dropped_for_our_tasks_and_kept_for_others(caplog):
+    import logging
+
+    TaskManager()  # indexes our folder: its names are known to the filter
+    task_logger = logging.getLogger("lm_eval.api.task")
+    hint = "Custom kwargs can be passed to `--metadata` in console (as json string) or to the TaskManager."
+    with caplog.at_level(logging.WARNING, logger="lm_eval.api.task"):
+        task_logger.warning(f"truthfulqa_mc1_heldout: {hint}")  # every one of our tasks has such a loader
+        task_logger.warning(f"someone_elses_task: {hint}")
+        task_logger.warning("truthfulqa_mc1_heldout: another warning")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"someone_elses_task: {hint}", "truthfulqa_mc1_heldout: another warning"]
