@@ -41,6 +41,21 @@ def _splits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_values(items: list[str] | None) -> dict[str, str]:
+    """``--set KEY=VALUE`` items as {KEY: VALUE}; an item without "=" or a key given twice is refused
+    (never the last one kept silently)."""
+    found: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        if key in found:
+            raise ValueError(f"--set {key}= given twice ({found[key]!r} and {value!r}): give each key once")
+        found[key] = value
+    return found
+
+
 def _train(args: argparse.Namespace) -> int:
     import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
@@ -52,10 +67,9 @@ def _train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho, "recipe": args.recipe}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+    for key, value in _key_values(args.set).items():
+        if hp.get(key) is not None:
+            raise ValueError(f"{key} given twice (--{key} and --set {key}=): give it once")
         try:
             hp[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -180,12 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
     from mari_eval import side_by_side  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     settings = side_by_side.GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    given = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key or key in given:
-            raise ValueError(f"--set {item!r}: give KEY=VALUE, each key once (e.g. --set T_ent=3)")
-        given[key] = value
+    given = _key_values(args.set)
     if args.scale is not None:
         if "scale" in given:
             raise ValueError("scale given twice (--scale and --set scale=): give it once")

@@ -80,7 +80,8 @@ def method_class(name: str) -> type:
                                   f"{ENTRY_POINT_GROUP} entry point")
     if name not in _METHODS and name in BUILTIN_METHODS:
         module, cls = BUILTIN_METHODS[name].format(baselines=_baselines_package()).split(":")
-        getattr(importlib.import_module(module), cls)  # registers itself on import
+        found = getattr(importlib.import_module(module), cls)  # registers itself on import
+        _METHODS.setdefault(name, found)  # imported before the registry was reset (tests): registered again
     if name not in _METHODS and name in plugins:
         _METHODS[name] = _load_plugin(plugins[name])
     if name not in _METHODS:

@@ -82,3 +82,16 @@ def test_the_command_passes_its_options_on_and_refuses_them_given_twice(monkeypa
     monkeypatch.undo()
     assert cli.main(["generate", str(tmp_path / "none"), "hi"]) == 1
     assert "no such local directory" in capsys.readouterr().err
+
+
+def test_set_refuses_a_key_given_twice_in_train_and_generate(capsys):
+    from mari_eval import cli
+
+    assert cli.main(["train", "--method", "caa", "--attribute", "truthfulqa", "--out", "/tmp/never-written",
+                     "--set", "layers=[3]", "--set", "layers=[4]"]) == 1
+    assert "--set layers= given twice ('[3]' and '[4]')" in capsys.readouterr().err
+    assert cli.main(["train", "--method", "mari", "--attribute", "truthfulqa", "--out", "/tmp/never-written",
+                     "--K", "3", "--set", "K=4"]) == 1
+    assert "K given twice (--K and --set K=)" in capsys.readouterr().err
+    assert cli.main(["generate", "b", "hi", "--set", "T_ent=3", "--set", "T_ent=4"]) == 1
+    assert "--set T_ent= given twice" in capsys.readouterr().err
