@@ -134,6 +134,7 @@ class CAA(ScaledVector):
         "vector_normalization": Str(optional=True, choices=("none",)), **VALIDATION_FIELDS,
     }
     label = "CAA"
+    command_line_recipe = "published"  # what the tables score (repro/recipes.py MAIN_TABLE_RECIPE)
     # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
     training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True),
                        "recipe": RECIPE_FIELD, "validation": VALIDATION_FIELD}

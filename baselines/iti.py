@@ -284,7 +284,7 @@ class ITI(ScaledVector):
     }
     # The record of the chosen heads (iti_heads.choice_record); other diagnostics are not checked.
     config_fields = {"diagnostics": Obj(RECORD_FIELDS, optional=True)}
-    label = "ITI"
+    label, command_line_recipe = "ITI", "published"  # `mari-eval train`'s default recipe: the one the tables score
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
                        "recipe": RECIPE_FIELD, "head_selection": Str(optional=True, choices=HEAD_SELECTIONS),
                        "validation": VALIDATION_FIELD}

@@ -104,6 +104,7 @@ class ReFT(Baseline):
     }
 
     label = "ReFT"
+    command_line_recipe = "published"  # what the tables score (repro/recipes.py MAIN_TABLE_RECIPE)
     training_fields = {k: v for k, v in hyperparameter_fields.items()
                        if k in DEFAULTS or k in PUBLISHED_ONLY or k in ("recipe", "validation")}
     training_defaults = DEFAULTS

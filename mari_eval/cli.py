@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from mari_eval import options  # light: the seed's type
+from mari_eval import cli_generate, options  # light: the seed's type; the generate command
+from mari_eval.cli_generate import key_values
 
 
 def _materialize(args: argparse.Namespace) -> int:
@@ -41,21 +42,6 @@ def _splits(args: argparse.Namespace) -> int:
     return 0
 
 
-def _key_values(items: list[str] | None) -> dict[str, str]:
-    """``--set KEY=VALUE`` items as {KEY: VALUE}; an item without "=" or a key given twice is refused
-    (never the last one kept silently)."""
-    found: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        if key in found:
-            raise ValueError(f"--set {key}= given twice ({found[key]!r} and {value!r}): give each key once")
-        found[key] = value
-    return found
-
-
 def _train(args: argparse.Namespace) -> int:
     import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
@@ -67,7 +53,7 @@ def _train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     hp = {"K": args.K, "rank": args.rank, "epochs": args.epochs, "lr": args.lr, "rho": args.rho, "recipe": args.recipe}
-    for key, value in _key_values(args.set).items():
+    for key, value in key_values(args.set).items():
         if hp.get(key) is not None:
             raise ValueError(f"{key} given twice (--{key} and --set {key}=): give it once")
         try:
@@ -76,6 +62,14 @@ def _train(args: argparse.Namespace) -> int:
             hp[key] = value
     if args.single:
         hp["single"] = True
+    if args.recipe is None:  # a baseline's recipe: the tables' unless --recipe says otherwise
+        from mari_eval.methods import method_class  # deferred: keeps this module light
+
+        cls = method_class(args.method)
+        if cls.command_line_recipe:
+            hp["recipe"] = cls.command_line_recipe
+            print(f"training {cls.label}'s {cls.command_line_recipe} recipe, the one the tables score (--recipe adapted: "
+                  "this suite's validated grid; docs/baselines.md)", file=sys.stderr)
     hp = {k: v for k, v in hp.items() if v is not None}
     placement = Placement(dtype=args.dtype, device=args.device, device_map=args.device_map,
                           max_memory_per_gpu=args.max_memory_per_gpu, max_cpu_memory=args.max_cpu_memory)
@@ -190,19 +184,6 @@ def _export_lora(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from mari_eval import side_by_side  # deferred: keeps this module light (start-up, `mari-eval --help`)
-
-    settings = side_by_side.GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    given = _key_values(args.set)
-    if args.scale is not None:
-        if "scale" in given:
-            raise ValueError("scale given twice (--scale and --set scale=): give it once")
-        given["scale"] = args.scale
-    side_by_side.run(args.bundle, args.prompt, args.model, given, settings, args.compare, args.dtype, args.device)
-    return 0
-
-
 def _methods(args: argparse.Namespace) -> int:
     from mari_eval import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
@@ -272,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--recipe", choices=["adapted", "published"],
-                   help="baselines: adapted (default; this suite's setting) or published (the authors' recipe); docs/baselines.md")
+                   help="CAA, ITI, NL-ITI, ReFT: published (default: their authors' recipe, the one the tables score) "
+                        "or adapted (this suite's validated grid); docs/baselines.md")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other hyperparameter, e.g. --set lambda_bal=0.5")
     add_placement_arguments(p)
     p.add_argument("--max-memory", help="what training may keep of the frozen model's work, e.g. 40GiB (default: half "
@@ -344,24 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.set_defaults(run=_export_vector)
 
-    p = sub.add_parser("generate", help="stream a bundle's answer to a prompt (--compare)",
-                       description="Decode PROMPT with BUNDLE's method as lm-eval's generation does (one user turn of the "
-                                   "chat template where the model has one; MARI's gate and routing; the gate's verdict "
-                                   "and the chosen expert printed after the answer). --compare first decodes the untouched "
-                                   "model's answer from the same loaded model. Greedy unless --temperature > 0.")
-    p.add_argument("bundle", help="a bundle directory or a Hub repository (hf://...)")
-    p.add_argument("prompt", help="the user's message")
-    p.add_argument("--model", help="the model to steer (default: the one the bundle was trained on)")
-    p.add_argument("--compare", action="store_true", help="the untouched model's answer first, then the bundle's")
-    p.add_argument("--scale", help="the method's scale= option (vector methods: the multiplier; 0 is the plain model)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="another evaluation option (T_ent=3, gate=false)")
-    p.add_argument("--max-new-tokens", type=options.positive_int, default=64, help="answer length in tokens (64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p, with --temperature")
-    p.add_argument("--seed", type=options.seed, default=0, help="the sampling seed")
-    p.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.set_defaults(run=_generate)
+    cli_generate.add_parser(sub)
 
     p = sub.add_parser("import-lora", help="import a peft LoRA adapter directory as a lora bundle",
                        description="Write the peft LoRA adapter in ADAPTER_DIR (adapter_config.json and "

@@ -165,6 +165,9 @@ class Intervention(ABC):
     label: ClassVar[str] = "abstract"  # how tables and errors name the method
     training_fields: ClassVar[dict[str, Field]] = {}
     training_defaults: ClassVar[dict[str, Any]] = {}
+    # The recipe `mari-eval train` trains when --recipe is not given (a baseline with two): the one the
+    # repro tables score, so that a first bundle is the tables' bundle. None: the method has no recipes.
+    command_line_recipe: ClassVar[str | None] = None
 
     @classmethod
     def training_source(cls) -> str:

@@ -95,3 +95,18 @@ def test_set_refuses_a_key_given_twice_in_train_and_generate(capsys):
     assert "K given twice (--K and --set K=)" in capsys.readouterr().err
     assert cli.main(["generate", "b", "hi", "--set", "T_ent=3", "--set", "T_ent=4"]) == 1
     assert "--set T_ent= given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, given, expected", [("caa", [], "published"), ("reft", [], "published"),
+                                                     ("nl_iti", [], "published"),
+                                                     ("caa", ["--recipe", "adapted"], "adapted"), ("mari", [], None)])
+def test_train_defaults_to_the_recipe_the_tables_score_and_says_so(monkeypatch, capsys, tmp_path, method, given,
+                                                                     expected):
+    from mari_eval import cli
+
+    seen = {}
+    monkeypatch.setattr("mari_eval.train.train", lambda *a, **k: seen.update(k) or tmp_path / "b")
+    assert cli.main(["train", "--method", method, "--attribute", "truthfulqa", "--out", str(tmp_path / "b"), *given]) == 0
+    assert seen["hyperparameters"].get("recipe") == expected
+    said = capsys.readouterr().err
+    assert ("the one the tables score (--recipe adapted" in said) == (expected == "published" and not given)
