@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from repro import intervals
 from repro.documents_file import cell_clusters, cell_documents
-from repro.profiles import PERCENT_COLUMNS
+from repro.profiles import PERCENT_COLUMNS, continuous_column
 
 
 def _pair_clusters(mine: dict, theirs: dict) -> list | None:
@@ -44,7 +44,7 @@ def paired_family(rows: dict, columns: list[str], pairs: list[tuple[str, str]]) 
         if cell_documents(mine) is None or cell_documents(theirs) is None:
             return None
         return intervals.paired(cell_documents(mine), cell_documents(theirs), _pair_clusters(mine, theirs), draws=draws,
-                                unit=100.0 if key[2] in PERCENT_COLUMNS else 1.0)
+                                unit=100.0 if key[2] in PERCENT_COLUMNS else 1.0, continuous=continuous_column(key[2]))
 
     for label, against in pairs:
         if label not in rows or against not in rows:

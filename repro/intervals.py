@@ -153,14 +153,16 @@ def interval(documents: Documents, clusters: Clusters = None, seed: int = SEED) 
 
 
 def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed: int = SEED,
-           draws: int | None = None, unit: float | None = None) -> Difference | None:
+           draws: int | None = None, unit: float | None = None, continuous: bool = False) -> Difference | None:
     """``row`` minus ``reference`` on the documents both scored, per stratum; None when none are shared.
 
     Strata pair by position (seed i of the row with seed i of the reference); ``clusters``
     (per stratum {document: cluster}) makes the units clusters (their summed differences);
     ``draws``: Monte Carlo sign vectors (default ``PERMUTATIONS``). The score of a right answer is the
     largest score seen (100 in a percent column, else 1); ``unit`` gives it where every score is 0,
-    so that the interval of a column of zeros is in the column's units (None there: 1)."""
+    so that the interval of a column of zeros is in the column's units (None there: 1). ``continuous``:
+    the column's scores are not 0/1 outcomes even where these all are 0 or 1 (a KL of exactly 0):
+    the sign-flip test, never McNemar's."""
     if len(row) != len(reference):
         raise ValueError(f"{len(row)} seeds against {len(reference)} in the reference row: "
                          "a row and its reference must be scored under the same seeds")
@@ -176,7 +178,7 @@ def paired(row: Documents, reference: Documents, clusters: Clusters = None, seed
     mean = float(np.mean([np.mean([a - b for a, b in s.values()]) for s, _ in strata]))
     scores = np.array([v for s, _ in strata for v in s.values()])
     scale = float(np.abs(scores).max()) or unit or 1.0  # a percent column holds 0 and 100; a column of zeros: ``unit``
-    binary = set(np.unique(scores / scale)) <= {0.0, 1.0}
+    binary = not continuous and set(np.unique(scores / scale)) <= {0.0, 1.0}
     if binary and clusters is None and len({len(s) for s, _ in strata}) == 1:
         better = sum(a > b for s, _ in strata for a, b in s.values())
         worse = sum(a < b for s, _ in strata for a, b in s.values())

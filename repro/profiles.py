@@ -75,6 +75,16 @@ GENERAL_TEXT = [(f"{name}{'' if attribute == 'truthfulqa' else '@' + ATTRIBUTE_T
                  f"{name},none", attribute) for attribute in ATTRIBUTE_TAGS for name in ("kl", "ce")]
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
+# Columns whose per-document scores are not 0/1 outcomes, though a row's may all be 0 or 1 (a closed MARI gate's
+# KL of exactly 0, a bias of 0 or +1 on every context): their differences are always sign-flip tests, never
+# McNemar's, whose interval is a 0/1 rate's (repro/intervals.py ``paired``, ``continuous``).
+CONTINUOUS_COLUMNS = {"tqa_mc2", "kl", "ce", "bbq_amb_bias", "tqa_gen_bleu_diff", "tqa_gen_rouge1_diff"}
+
+
+def continuous_column(column: str) -> bool:
+    return column.split("@")[0] in CONTINUOUS_COLUMNS
+
+
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
                  "val_loss": 3, "bbq_amb_acc": 3, "bbq_amb_bias": 3, "xstest_safe_refusal": 3, "xstest_unsafe_compliance": 3,
                  **{c[0]: 3 for c in GENERAL_TEXT}}

@@ -144,3 +144,21 @@ def test_a_difference_prints_a_small_p_in_two_digits_and_a_monte_carlo_floor_as_
     assert _difference_text({**tiny, "p": 0.0125, "significant_holm": False}, 2).endswith("p=0.013*")
     floor = 1 / (intervals.PERMUTATIONS + 1)
     assert _difference_text({**tiny, "p": floor, "p_bound": True}, 2) == "+4.67 [2.33, 7.33] p<1e-05†"
+
+
+def test_a_continuous_column_of_zeros_is_not_read_as_a_zero_one_outcome():
+    # A closed MARI gate's KL is exactly 0 on every document, as is Vanilla's: McNemar's test would give the
+    # interval of a 0/1 rate (about +-0.019 for 200 pairs); a KL difference of exactly 0 everywhere is 0.
+    zeros = [as_docs([0.0] * 200)]
+    binary = intervals.paired(zeros, zeros)
+    continuous = intervals.paired(zeros, zeros, continuous=True)
+    assert binary.test == "mcnemar" and binary.interval.low < -0.01
+    assert continuous.test == "sign-flip" and (continuous.interval.low, continuous.interval.high) == (0.0, 0.0)
+    assert continuous.p == 1.0
+
+
+def test_the_tables_read_kl_ce_mc2_and_the_bias_score_as_continuous():
+    from repro.profiles import continuous_column
+
+    assert all(map(continuous_column, ["kl", "ce@sorry", "kl@bbq", "tqa_mc2", "bbq_amb_bias"]))
+    assert not any(map(continuous_column, ["tqa_mc1", "bbq_acc", "sorry_refusal", "xstest_safe_refusal", "mmlu@sorry"]))
