@@ -127,6 +127,13 @@ class _QuietLoaderHint(logging.Filter):
 _LOADER_HINT = _QuietLoaderHint()
 
 
+def _names_under(manager, folder: Path) -> list[str]:
+    """The task names ``manager`` indexed from YAMLs under ``folder``."""
+    root = (str(folder.resolve()),)
+    return [name for name, e in manager.task_index.items()
+            if e.yaml_path is not None and _root(str(Path(e.yaml_path).resolve()), root) is not None]
+
+
 def _root(path: str, roots: tuple[str, ...]) -> str | None:
     return next((r for r in roots if path == r or path.startswith(r + os.sep)), None)
 
@@ -151,6 +158,7 @@ def extend_task_manager(task_manager_cls: type) -> None:
         if chosen is None:
             original(self, verbosity=verbosity, include_path=include_path, include_defaults=include_defaults,
                      metadata=metadata)
+            _LOADER_HINT.ours.update(_names_under(self, tasks_dir()))
             return
         paths, defaults = chosen
         ours = paths[0]
@@ -161,9 +169,7 @@ def extend_task_manager(task_manager_cls: type) -> None:
         finally:
             index_logger.removeFilter(quiet)
         self.include_path = include_path  # what the caller gave, as lm-eval keeps it
-        root = (str(ours.resolve()),)
-        names = [name for name, e in self.task_index.items()
-                 if e.yaml_path is not None and _root(str(Path(e.yaml_path).resolve()), root) is not None]
+        names = _names_under(self, ours)
         kept = len(names)
         _LOADER_HINT.ours.update(names)
         if defaults:

@@ -122,3 +122,12 @@ def test_lm_evals_metadata_hint_is_dropped_for_our_tasks_and_kept_for_others(cap
         task_logger.warning("truthfulqa_mc1_heldout: another warning")
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"someone_elses_task: {hint}", "truthfulqa_mc1_heldout: another warning"]
+
+
+def test_a_manager_given_our_folder_itself_also_quiets_the_hint():
+    # What training does (the session's TaskManager names our folder): the early path registers our names too.
+    from mari_eval import tasks
+
+    tasks._LOADER_HINT.ours.clear()
+    TaskManager(include_path=str(tasks_dir()))
+    assert {"truthfulqa_mc1_heldout", "sorry_bench_heldout"} <= tasks._LOADER_HINT.ours
