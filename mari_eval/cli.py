@@ -144,6 +144,16 @@ def _import_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _combine(args: argparse.Namespace) -> int:
+    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+    from mari_eval.combine import combine  # deferred: as above
+
+    check_bundle_out(args.out, args.force)
+    path = combine(args.terms, args.out, args.model)
+    print(f"bundle: {path} (a control vector: every position; positions=from_last at evaluation for CAA's place)")
+    return 0
+
+
 def _export_vector(args: argparse.Namespace) -> int:
     from mari_eval.control_vector import (  # deferred: keeps this module light (start-up, `mari-eval --help`)
         EVERY_POSITION, export_gguf)
@@ -308,6 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
     p.set_defaults(run=_import_vector)
+
+    p = sub.add_parser("combine", help="sum steering vectors, with weights, into one bundle",
+                       description="Write the weighted sum of TERMs (PATH[:WEIGHT]: a .gguf control vector or a bundle "
+                                   "that adds fixed directions, CAA or a control vector; weight 1 by default) as one "
+                                   "control_vector bundle: after each layer any term names, the sum of weight x its "
+                                   "direction, at every position (mari_eval/combine.py).")
+    p.add_argument("terms", nargs="+", metavar="TERM", help="PATH[:WEIGHT], e.g. happy.gguf:1 bundles/caa-tqa-s0:-0.5")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--model", help="the model (default: the first bundle term's base model; GGUF terms alone need it)")
+    p.add_argument("--force", action="store_true", help="replace the bundle already at --out")
+    p.set_defaults(run=_combine)
 
     p = sub.add_parser("export-vector", help="a CAA bundle as a GGUF control vector (llama.cpp)",
                        description="Write BUNDLE as the GGUF control vector FILE.gguf that llama.cpp loads "

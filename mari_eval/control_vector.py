@@ -65,6 +65,7 @@ from mari_eval.registry import register_method
 log = logging.getLogger(__name__)
 
 STEERING_VECTOR_FORMAT = "steering_vectors.SteeringVector"
+COMBINED_FORMAT = "combined"  # `mari-eval combine`: a weighted sum of vectors (mari_eval/combine.py)
 EVERY_POSITION = "every position"  # llama.cpp's: the prompt's tokens, the options' and the generated ones
 # The built-in methods whose class defines ``added_directions`` (a test checks the list): what
 # ``export_gguf`` can write. A plugin's method is exportable when its class defines it too.
@@ -80,7 +81,8 @@ class ControlVector(Intervention):
 
     label = "Control vector"
     hyperparameter_fields = {"layers": List(Int(0)), "strength": Float()}
-    config_fields = {"source": Obj({"format": Str(choices=(GGUF_FORMAT, STEERING_VECTOR_FORMAT)), "sha256": Str(),
+    config_fields = {"source": Obj({"format": Str(choices=(GGUF_FORMAT, STEERING_VECTOR_FORMAT, COMBINED_FORMAT)),
+                                    "sha256": Str(),
                                     "file": Str(optional=True), "model_hint": Str(optional=True)})}
     option_fields: ClassVar[dict[str, Option]] = {
         "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True),
