@@ -41,6 +41,11 @@ from repro import token_counts
 from repro.profiles import PAPER_MODELS, REPO, Profile
 
 EFFECTIVE_FLOPS = 1.3e14  # FLOP/s of --model mari on one GPU (module docstring)
+# How many times longer the same steps take on 2 CPU cores (this suite's test machine), measured on two
+# main tables run from an empty runs/ there (README, 2026-11-28): the quick profile's, priced at 4.83
+# GPU-seconds, took 4,088 s (x 846); the standard profile's, 16.24 GPU-seconds, 12,540 s (x 772). Their
+# mean; the estimate of a run on such a machine is its GPU-seconds times this, one step after another.
+CPU_SLOWDOWN = 809.0
 GPU_GIB = 80.0  # one H100 / A100-80GB
 HEADROOM = 1.2  # weights x this when evaluating (activations, caches, CUDA's own)
 DEFAULT_GENERATION = 256  # the generation tasks' max_gen_toks when the profile does not shorten them

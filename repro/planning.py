@@ -95,7 +95,7 @@ def before_the_table(args, graph: Callable[[], steps.Graph], title: str, store: 
         if _collected is not None:
             _collected.append((graph(), store, profile))
         else:
-            print(steps.render(graph(), title))
+            print(steps.render(graph(), title, on_cpu=not profile.cuda_placement))  # the paper's grid is a GPU one
         return True
     if args.ray_address and args.executor != "ray":
         raise SystemExit("--ray-address is read by --executor ray only: add --executor ray, or drop --ray-address")

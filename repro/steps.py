@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro import scoring
+from repro import costs, scoring
 from repro.cache import Store
 from repro.profiles import Profile
 
@@ -197,15 +197,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def render(graph: Graph, title: str, gpu_counts: tuple[int, ...] = (1, 8, 32), listed: int = 12) -> str:
-    """The plan as text: the totals, then the costliest steps left (repro/costs.py's estimates)."""
+def render(graph: Graph, title: str, gpu_counts: tuple[int, ...] = (1, 8, 32), listed: int = 12,
+           on_cpu: bool = True) -> str:
+    """The plan as text: the totals, then the costliest steps left (repro/costs.py's estimates);
+    ``on_cpu``: with the time on 2 CPU cores too (not for a profile made for GPUs)."""
     s = graph.summary(gpu_counts)
     lines = [f"{title}: {s['steps']} steps, {s['cached']} cached"]
     for kind, part in s["by_kind"].items():
         lines.append(f"  {kind:8} {part['steps']:5} steps, {part['cached']:5} cached, {part['gpu_hours']:.2f} GPU-hours left")
     lines.append(f"  left: {s['gpu_hours']:.2f} GPU-hours; critical path {_duration(s['critical_path_hours'] * 3600)}")
     lines.append("  ideal wall time: " + ", ".join(f"{n} GPU{'s' if int(n) > 1 else ''} {_duration(h * 3600)}"
-                                                for n, h in s["wall_hours"].items()))
+                                                for n, h in s["wall_hours"].items())
+                 + (f"; on 2 CPU cores about {_duration(s['gpu_hours'] * 3600 * costs.CPU_SLOWDOWN)} "
+                    "(repro/costs.py CPU_SLOWDOWN, from two measured tables)" if on_cpu else ""))
     todo = sorted((x for x in graph.steps.values() if not x.cached), key=lambda x: -x.cost)
     if todo:
         lines.append(f"  costliest steps left ({min(listed, len(todo))} of {len(todo)}):")

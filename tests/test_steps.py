@@ -106,6 +106,7 @@ def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
                             "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert "main table, profile smoke" in printed and "0 cached" in printed and "ideal wall time: 1 GPU" in printed
+    assert "on 2 CPU cores about " in printed  # a CPU user's time, not only a GPU's (issue 57.6)
     assert not (tmp_path / "runs" / "bundles").exists() and not (tmp_path / "out" / "main_table.json").exists()
 
 
