@@ -336,7 +336,22 @@ class MariLM(GenerationMixin, HFLM):
         info["mari_intervention"] = None if self.intervention is None else self.intervention.describe()
         if self.intervention is not None:
             info["mari_diagnostics"] = self.diagnostics_summary()
+            _shown.info("%s diagnostics (in full: the results JSON's config.mari_diagnostics): %s",
+                        self.intervention.label, diagnostics_line(info["mari_diagnostics"]))
         return info
+
+
+_shown = logging.getLogger("lm_eval.mari_eval")  # a child of lm-eval's logger: shown at its level (INFO)
+
+
+def diagnostics_line(summary: dict, width: int = 400) -> str:
+    """The summary's numbers, strings and short lists on one line (MARI: gate_rate, expert usage...),
+    shortened to ``width`` characters; the nested records stay in the JSON."""
+    def shown(value) -> bool:
+        return isinstance(value, (int, float, str, bool)) or (isinstance(value, (list, dict)) and len(str(value)) <= 80)
+
+    text = ", ".join(f"{k}={round(v, 4) if isinstance(v, float) else v}" for k, v in summary.items() if shown(v))
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _cpu_ranks_under_a_launcher() -> None:

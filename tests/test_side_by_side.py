@@ -110,3 +110,17 @@ def test_train_defaults_to_the_recipe_the_tables_score_and_says_so(monkeypatch, 
     assert seen["hyperparameters"].get("recipe") == expected
     said = capsys.readouterr().err
     assert ("the one the tables score (--recipe adapted" in said) == (expected == "published" and not given)
+
+
+def test_a_runs_diagnostics_are_logged_on_one_line(model, tokenizer, bundles, caplog):
+    import logging
+
+    from mari_eval.lm import diagnostics_line
+
+    lm = _lm(model, tokenizer, bundles["mari"])
+    _lm_eval_answer(lm, PROMPT, 4)
+    with caplog.at_level(logging.INFO, logger="lm_eval.mari_eval"):
+        info = lm.get_model_info()
+    line = [r.getMessage() for r in caplog.records if "diagnostics (in full" in r.getMessage()]
+    assert len(line) == 1 and "gate_rate=" in line[0] and "gate_rate" in info["mari_diagnostics"]
+    assert diagnostics_line({"a": 0.123456, "nested": {"x": list(range(100))}, "b": "s"}) == "a=0.1235, b=s"
