@@ -46,7 +46,8 @@ def test_the_wheel_installs_the_baselines_under_mari_eval_and_finds_every_method
     assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("control_vector", "mari_eval.control_vector"),
                                       ("iti", "mari_eval.baselines.iti"), ("lora", "mari_eval.baselines.lora"),
                                       ("mari", "mari_eval.mari.method"), ("nl_iti", "mari_eval.baselines.iti"),
-                                      ("prompting", "mari_eval.baselines.prompting"), ("reft", "mari_eval.baselines.reft")])
+                                      ("prompting", "mari_eval.baselines.prompting"), ("reft", "mari_eval.baselines.reft"),
+                                      ("steered_config", "mari_eval.steer_config")])
 
 
 def test_the_wheel_ships_every_task_file_under_mari_eval(wheel):
