@@ -94,3 +94,21 @@ def test_a_rerendered_table_keeps_its_judge_and_withheld_cells(tmp_path):
     again = rerender._cells(json.loads((tmp_path / "t.json").read_text()), {}, {})
     assert again["m"]["Half"]["sorry_refusal"]["verdicts"] == (1, 2)
     assert judged.judge_record(judged.withhold_below_floor(again))["judges"] == [JUDGE]
+
+
+@pytest.mark.needs_data
+def test_the_embedded_judge_has_one_identity_before_and_after_it_starts(monkeypatch):
+    # repro starts the embedded judge in the middle of a table (lm_eval_run._ensure_judge), which sets
+    # MARI_JUDGE_*: a key computed after that must be the one computed before, or the next run recomputes.
+    from mari_eval.judge import server
+
+    for name in ("MARI_JUDGE_BASE_URL", "MARI_JUDGE_MODEL", server.ENV_EMBEDDED):
+        monkeypatch.delenv(name, raising=False)
+    before = server.judge_identity()
+    embedded = server.EmbeddedServer.__new__(server.EmbeddedServer)
+    embedded.alias, embedded.model, embedded.host, embedded.port = "smollm2-135m-instruct", "/some/dir", "127.0.0.1", 9
+    for name, value in embedded.env().items():
+        monkeypatch.setenv(name, value)
+    assert server.judge_identity() == before
+    monkeypatch.delenv(server.ENV_EMBEDDED)  # a judge the user configured: named by its model
+    assert server.judge_identity()["model"] == "/some/dir"

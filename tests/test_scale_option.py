@@ -116,7 +116,7 @@ def test_scale_is_recorded_in_the_results(tmp_path, vanilla, harness_task_manage
 @pytest.mark.parametrize("method", ["reft", "mari"])
 def test_scale_is_refused_by_a_method_without_a_vector_naming_the_methods_that_take_it(tmp_path, vanilla, method):
     path = saved_mari_bundle(tmp_path, vanilla.model) if method == "mari" else saved_baseline_bundle(tmp_path, vanilla.model, "reft")
-    message = rf"scale in --model_args: not an option of {method} bundles .*scale is an option of caa, control_vector, iti, nl_iti bundles only"
+    message = rf"scale in --model_args: not an option of {method} bundles .*scale is an option of caa, control_vector, iti, nl_iti, steered_config bundles only"
     with pytest.raises(ValueError, match=message):
         methods.load_bundle(path).configure_from({"scale": "2"})
     with pytest.raises(ValueError, match=message):  # through lm-eval, before the model is loaded

@@ -84,7 +84,8 @@ class EmbeddedServer:
 
     def env(self) -> dict[str, str]:
         """The environment variables that point the SORRY-Bench tasks at this server."""
-        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
+        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, ENV_EMBEDDED: self.alias,
+                "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
                 "MARI_JUDGE_MAX_TOKENS": os.environ.get("MARI_JUDGE_MAX_TOKENS") or str(EMBEDDED_MAX_TOKENS),
                 ENV_DEADLINE: os.environ.get(ENV_DEADLINE) or str(EMBEDDED_DEADLINE)}
 
@@ -178,14 +179,20 @@ def judge_environment(model: str | None = None) -> Iterator[dict[str, str]]:
         yield server.env()
 
 
+# Set beside MARI_JUDGE_MODEL when the embedded judge was started by this process (``judge_environment``):
+# its model is then named by its alias, as before it started, so a cache key is the same either side.
+ENV_EMBEDDED = "MARI_JUDGE_EMBEDDED"
+
+
 def judge_identity() -> dict[str, object]:
     """What makes a judged evaluation's verdicts what they are, without starting anything: the
     model ``judge_environment`` would use (the configured ``MARI_JUDGE_MODEL``, else the embedded
     one), the prompt (name and sha256; ``load_prompt``) and the verdict parser's version. Part of
     every judged evaluation's cache key and recorded in its table (repro/judged.py)."""
     configured = os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL)
+    embedded = os.environ.get(ENV_EMBEDDED) if configured else DEFAULT_MODEL  # started here, or to be
     prompt = load_prompt()
-    return {"model": os.environ[ENV_MODEL] if configured else f"{DEFAULT_MODEL} (embedded)",
+    return {"model": f"{embedded} (embedded)" if embedded else os.environ[ENV_MODEL],
             "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": PARSER_VERSION}
 
 
