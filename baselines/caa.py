@@ -59,7 +59,7 @@ import torch
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, validation_loss,
                      validation_record, validation_split)
 from mari_eval import layer_spans, site
-from mari_eval.edit_positions import EditPositions, parse_layers
+from mari_eval.edit_positions import POSITIONS_OPTION, EditPositions, parse_layers
 from mari_eval.options import Option
 from mari_eval.plan import Plan, Positions
 from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
@@ -157,20 +157,24 @@ class CAA(ScaledVector):
     # Where it edits, chosen at evaluation (mari_eval/edit_positions.py): by default its published place,
     # p* and every later token after its own layer.
     option_fields: ClassVar[dict[str, Option]] = {
-        **ScaledVector.option_fields, "positions": Option(str, "positions=all (or last, from_last, from:4)"),
+        **ScaledVector.option_fields, "positions": POSITIONS_OPTION,
         "layers": Option(str, "layers=10-14 (its vector added after each)")}
     where: EditPositions = EditPositions("from_last")
-    edit_layers: tuple[int, ...] = ()
+    edit_layers: tuple[int, ...] | None = None  # layers= at evaluation (None: its own layer)
 
     def configure(self, scale: float = 1.0, positions: str | None = None, layers: str | None = None) -> None:
         super().configure(scale)
         self.where = EditPositions.parse(positions) if positions is not None else EditPositions("from_last")
         n = int(self.config["base_model"]["num_layers"])
-        self.edit_layers = tuple(parse_layers(layers, n)) if layers is not None else (self.layer,)
+        self.edit_layers = tuple(parse_layers(layers, n)) if layers is not None else None
 
     def applied(self, model: torch.nn.Module, positions: Positions,
                 variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
-        return self.where.applied(model, list(self.edit_layers or (self.layer,)), lambda layer: self.edit, positions)
+        return self.where.applied(model, self.steered_layers(), lambda layer: self.edit, positions)
+
+    def steered_layers(self) -> list[int]:
+        """The layers its vector is added after: ``layers=``'s range, else its own."""
+        return list(self.edit_layers or (self.layer,))
 
     def plan(self, model: torch.nn.Module) -> Plan:
         """One edit; the prompt positions before p* the chosen ``positions=`` covers are encoded under it."""
@@ -179,7 +183,7 @@ class CAA(ScaledVector):
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         return {**super().summarize(records), "positions": str(self.where),
-                "layers": list(self.edit_layers or (self.layer,))}
+                "layers": self.steered_layers()}
 
     @classmethod
     def training_source(cls) -> str:

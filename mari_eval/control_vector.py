@@ -56,7 +56,7 @@ from mari_eval import site
 from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec, check_bundle_directory
 from mari_eval.bundles import load_bundle
 from mari_eval.control_vector_files import GGUF_FORMAT, read_gguf, write_gguf
-from mari_eval.edit_positions import EditPositions, parse_layers
+from mari_eval.edit_positions import POSITIONS_OPTION, EditPositions, parse_layers
 from mari_eval.intervention import Intervention
 from mari_eval.options import Option
 from mari_eval.plan import Plan
@@ -86,7 +86,7 @@ class ControlVector(Intervention):
                                     "file": Str(optional=True), "model_hint": Str(optional=True)})}
     option_fields: ClassVar[dict[str, Option]] = {
         "scale": Option(float, "scale=2 (0: no edit, -1: the vector reversed)", finite=True),
-        "positions": Option(str, "positions=from_last (or all, last, from:4)"),  # mari_eval/edit_positions.py
+        "positions": POSITIONS_OPTION,
         "layers": Option(str, "layers=10-14 (only its directions there)")}
     scale: float = 1.0
     where: EditPositions = EditPositions("all")  # llama.cpp's; positions= at evaluation

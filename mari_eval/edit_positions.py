@@ -29,8 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from mari_eval import site
+from mari_eval.options import Option
 
 RULES = ("all", "from_last", "last", "from:N")
+# The ``positions=`` evaluation option of every method that takes it (``EditPositions.parse`` reads it).
+POSITIONS_OPTION = Option(str, "positions=all (or from_last, last, from:4)")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ then on).
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,20 +117,12 @@ def untouched(lm) -> Iterator[None]:
 def answer(lm, user: str, settings: GenerationSettings, steered: bool = True, out: TextIO | None = None) -> str:
     """One answer to ``user``, streamed to ``out`` (None: not shown), decoded as lm-eval decodes it."""
     ids = prompt_ids(lm, user, steered)
-    printer = _Printer(lm.tokenizer, out or _Null())
+    printer = _Printer(lm.tokenizer, out or io.StringIO())  # not shown: written nowhere anyone reads
     torch.manual_seed(settings.seed)
     kwargs = dict(attention_mask=torch.ones_like(ids), streamer=printer, **settings.kwargs())
     with torch.no_grad(), (contextlib.nullcontext() if steered else untouched(lm)):
         lm._model_generate(ids, ids.shape[1] + settings.max_new_tokens, [], **kwargs)
     return printer.text
-
-
-class _Null:
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def routing_line(lm) -> str | None:
