@@ -154,17 +154,19 @@ class Store:
                 self._fingerprints[bundle] = load_bundle(bundle).fingerprint()
             fingerprint = self._fingerprints[bundle]
         paths, configs = {}, {}
+        task_files = tasks_fingerprint()  # read once per evaluation, not once per task
+        judge = judge_identity() if any(map(judged_task, tasks)) else None  # reads the judge prompt file
         for task in tasks:
             configs[task] = with_placement(
                 {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
                  "model_args": model_args, "gen_tokens": gen_tokens, "documents": DOCUMENTS_VERSION,
-                 "tasks": tasks_fingerprint(),
+                 "tasks": task_files,
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
             if task == divergence.TASK:  # measured by mari_eval/divergence.py, not by a task file
                 configs[task]["measure"] = divergence.VERSION
             if judged_task(task):  # another judge's verdicts are another evaluation (repro/judged.py)
-                configs[task]["judge"] = judge_identity()
+                configs[task]["judge"] = judge
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"
         return paths, configs
 
@@ -236,7 +238,7 @@ def _cached_bundle_config(final: Path, config: dict, warn: bool = True, strict: 
             digests = recorded.pop(BUNDLE_FIELD, None)
             recorded.pop("placement_used", None)
             other = _other_configuration(recorded, config)
-            mismatch = bundle_mismatch(final, {BUNDLE_FIELD: digests}) if other is None else None
+            mismatch = bundle_mismatch(final, digests) if other is None else None
             if other is None and mismatch is None:
                 if digests is None and warn:
                     unverified(final, strict)

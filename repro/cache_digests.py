@@ -41,11 +41,10 @@ def bundle_digests(folder: Path) -> dict[str, str]:
             if p.is_file() and not p.is_symlink() and p.name != RECORD}
 
 
-def bundle_mismatch(folder: Path, recorded: dict[str, Any]) -> str | None:
-    """What in ``folder`` differs from the digests its record holds (None: all the same; a
-    sentence naming the file otherwise). A record without digests is not checked here
-    (``unverified``)."""
-    expected = recorded.get(BUNDLE_FIELD)
+def bundle_mismatch(folder: Path, expected: Any) -> str | None:
+    """What in ``folder`` differs from ``expected``, the digests its record holds (its BUNDLE_FIELD;
+    None: all the same; a sentence naming the file otherwise). A record without digests is not
+    checked here (``unverified``)."""
     if not isinstance(expected, dict):
         return None
     found = bundle_digests(folder)

@@ -170,7 +170,7 @@ def test_digests_are_of_the_files_written(tmp_path):
     bundle = tiny_mari().save(tmp_path / "b")
     digests = cache_digests.bundle_digests(bundle)
     assert sorted(digests) == ["bundle.json", "weights.safetensors"]
-    assert cache_digests.bundle_mismatch(bundle, {"files": digests}) is None
+    assert cache_digests.bundle_mismatch(bundle, digests) is None
     (bundle / "extra.txt").write_text("x")
-    assert cache_digests.bundle_mismatch(bundle, {"files": digests}) == "extra.txt was not there at training"
+    assert cache_digests.bundle_mismatch(bundle, digests) == "extra.txt was not there at training"
     assert torch.is_tensor(load_file(bundle / "weights.safetensors")["expert_U"])
