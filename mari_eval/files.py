@@ -62,18 +62,27 @@ def check_replaceable_place(path: Path, option: str) -> None:
     _check_creatable(target.parent, f"{option}{path}")
 
 
+_CHECK_ATTEMPTS = 5  # a folder made and removed by another process's check meanwhile is checked again
+
+
 def _check_creatable(folder: Path, named: str) -> None:
     """Create a file in ``folder`` (and the folders missing above it), then remove what was created."""
-    first_missing = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".check-", suffix=".tmp"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
-    finally:
-        if first_missing is not None:
-            _remove_empty(folder, first_missing)
+    for attempt in range(_CHECK_ATTEMPTS):
+        first_missing = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".check-", suffix=".tmp"):
+                return
+        except FileNotFoundError as e:
+            # Another process's check (a second torchrun rank, a parallel run) removed the folder it made
+            # between our mkdir and our file: check again, and refuse only a folder that stays missing.
+            if attempt + 1 == _CHECK_ATTEMPTS:
+                raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
+        except OSError as e:
+            raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
+        finally:
+            if first_missing is not None:
+                _remove_empty(folder, first_missing)
 
 
 def _remove_empty(folder: Path, top: Path) -> None:

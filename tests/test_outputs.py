@@ -396,3 +396,29 @@ def test_a_file_that_reaches_the_disk_short_or_empty_is_an_error_naming_it(tmp_p
     with pytest.raises(OSError, match=rf"cannot write {tmp_path / 'v.gguf'}: the file written was empty \(0 bytes\)"):
         write_gguf(tmp_path / "v.gguf", {1: torch.ones(HIDDEN)}, "llama")
     assert not (tmp_path / "v.gguf").exists()
+
+
+def test_a_folder_another_process_checks_and_removes_meanwhile_is_checked_again(tmp_path, monkeypatch):
+    # Two torchrun ranks check one new --output_path: the first removes the folder its check made
+    # between the second's mkdir and its test file. The second must check again, not refuse.
+    target = tmp_path / "new" / "out"
+    real = tempfile.NamedTemporaryFile
+    calls = []
+
+    def other_rank_removed_it(*args, **kwargs):
+        calls.append(kwargs["dir"])
+        if len(calls) == 1:
+            Path(kwargs["dir"]).rmdir()
+            Path(kwargs["dir"]).parent.rmdir()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "NamedTemporaryFile", other_rank_removed_it)
+    files.check_writable_dir(target, "lm_eval --output_path ")
+    assert len(calls) == 2 and not (tmp_path / "new").exists()  # checked again; nothing left behind
+
+    def always_missing(*args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(files.tempfile, "NamedTemporaryFile", always_missing)
+    with pytest.raises(ValueError, match="cannot be written .No such file or directory.: choose a writable path"):
+        files.check_writable_dir(target, "lm_eval --output_path ")
