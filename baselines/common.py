@@ -43,7 +43,10 @@ VALIDATION_FIELDS = {"validation": VALIDATION_FIELD, "validation_examples": Int(
 # loss on the validation slice of the configuration it keeps, fitted on the other 80% only, the
 # one number repro/ compares the recipes by (never a test split).
 RECIPES = ("adapted", "published")
-RECIPE_FIELD = Str(optional=True, choices=RECIPES)
+# A bundle's recipe field also says "imported": trained elsewhere and brought in (a pyreft save,
+# mari_eval/pyreft_save.py), scored as its source library applies it, never labelled as trained here.
+IMPORTED = "imported"
+RECIPE_FIELD = Str(optional=True, choices=(*RECIPES, IMPORTED))
 SELECTION_KEY = "validation_loss_selected"
 
 

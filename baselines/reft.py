@@ -67,7 +67,7 @@ from mari_eval.plan import Plan, Positions
 from mari_eval.prefix_cache import encode_prefix
 from mari_eval.registry import register_method
 
-from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELDS, Baseline, recipe_of, shuffled_batches,
+from .common import (IMPORTED, RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELDS, Baseline, recipe_of, shuffled_batches,
                      validation_loss, validation_split,
                      prepare_validation, validation_record)
 from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
@@ -155,7 +155,8 @@ class ReFT(Baseline):
     def prompt_sites(self, length: int) -> list[int]:
         """The first ``first`` and last ``last`` positions of a prompt of ``length`` tokens, p* excluded."""
         hp = self.config["hyperparameters"]
-        positions = pyreft_positions if recipe_of(hp) == "published" else first_and_last
+        # pyreft's rule for its authors' recipe and for a pyreft save brought in (IMPORTED)
+        positions = pyreft_positions if recipe_of(hp) in ("published", IMPORTED) else first_and_last
         return positions(length, int(hp["first"]), int(hp["last"]))
 
     @classmethod
