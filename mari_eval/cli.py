@@ -130,7 +130,12 @@ def _import_vector(args: argparse.Namespace) -> int:
     from mari_eval.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
-    if args.file.endswith((".pt", ".pth")):  # lm-eval's --model steered config (mari_eval/steer_config.py)
+    from mari_eval.pyreft_save import is_pyreft_save, run_import  # deferred: keeps this module light
+    if args.positions is not None or is_pyreft_save(args.file):  # a pyreft save folder (mari_eval/pyreft_save.py)
+        return run_import(args)
+    from mari_eval.vector_sign import SignCheck  # deferred: as above
+    check = SignCheck(args.model, args.sign_check) if args.sign_check else None  # measured before anything is written
+    if args.file.endswith((".pt", ".pth", ".csv")):  # lm-eval's --model steered config or SAE CSV (mari_eval/steer_config.py)
         from mari_eval.steer_config import import_steer_file  # deferred: keeps this module light
 
         if args.scale != 1.0 or args.allow_other_model:
@@ -140,6 +145,8 @@ def _import_vector(args: argparse.Namespace) -> int:
     else:
         path = import_gguf(args.file, args.model, args.out, scale=args.scale, allow_other_model=args.allow_other_model)
     print(f"bundle: {path}")
+    if check is not None:
+        print(check.apply(path))
     print(f"evaluate it with --model mari --model_args pretrained={args.model},bundle={path} (scale=S multiplies it)")
     return 0
 
@@ -304,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
 
-    p = sub.add_parser("import-vector", help="a GGUF control vector or lm-eval .pt as a bundle",
+    p = sub.add_parser("import-vector", help="a GGUF control vector, lm-eval .pt or pyreft save as a bundle",
                        description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
                                    "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
                                    "added to the output of decoder layer N (model.model.layers[N]) at every position, "
@@ -312,11 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "multiplies it); docs/methods.md. A FILE.pt (or .pth) is read as lm-eval's "
                                    "--model steered config ({hookpoint: steering_vector, steering_coefficient, action "
                                    "add or clamp, bias}), with torch.load(weights_only=True), as a steered_config bundle "
-                                   "that edits what lm-eval's steered model edits (mari_eval/steer_config.py).")
-    p.add_argument("file", help="the control vector .gguf, or lm-eval's steering config .pt")
+                                   "that edits what lm-eval's steered model edits (mari_eval/steer_config.py); a "
+                                   "FILE.csv as its SAE-feature CSV, from local safetensors (mari_eval/sae_features.py).")
+    p.add_argument("file", help="the control vector .gguf, lm-eval's steering config .pt, or the folder of pyreft's "
+                                "ReftModel.save (LoReFT/NoReFT, as a reft bundle: mari_eval/pyreft_save.py)")
+    p.add_argument("--positions", help="pyreft folder: the prompt tokens edited, fN+lM (default f7+l7)")
     _import_arguments(p, "it steers", "a vector whose model hint names another architecture")
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
+    p.add_argument("--sign-check", nargs=2, action="append", metavar=("POSITIVE", "NEGATIVE"), help="flip each added "
+                   "direction the prompts' states say points away from POSITIVE (repeatable; mari_eval/vector_sign.py)")
     p.set_defaults(run=_import_vector)
 
     p = sub.add_parser("combine", help="sum steering vectors, with weights, into one bundle",

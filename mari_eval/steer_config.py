@@ -17,6 +17,11 @@ reason: hookpoints other than a decoder layer's output (``layers.N``), and ``hea
 lm-eval applies as ``acts[:, :, head_index, :]`` and which no module of a Hugging Face decoder
 outputs in that [batch, position, head, dim] shape. The file is read with
 ``torch.load(weights_only=True)``: tensors, numbers and strings only, never pickled code.
+
+``FILE.csv`` is lm-eval's other input, a list of SAE features (``derive_steer_config``): each
+row's steering_vector is the SAE decoder's row ``W_dec[feature_index]``, read from the SAE's
+local safetensors by ``mari_eval.sae_features`` (which says how it matches lm-eval and where it
+differs); the config it builds is imported as above, the SAE files' digests recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from mari_eval.control_vector import ControlVector, _model_description
 from mari_eval.registry import register_method
 
 FORMAT = "lm_eval.steered"
+CSV_FORMAT = "lm_eval.steered.csv"  # SAE features (mari_eval/sae_features.py)
 ACTIONS = ("add", "clamp")
 HOOKPOINT = re.compile(r"(?:model\.)?layers\.([0-9]+)")  # a decoder layer's output, as named under base_model
 
@@ -46,7 +52,8 @@ class SteeredConfig(ControlVector):
 
     label = "lm-eval steered config"
     hyperparameter_fields = {"layers": List(Int(0)), "actions": List(Str(choices=ACTIONS)), "coefficients": List(Float())}
-    config_fields = {"source": Obj({"format": Str(choices=(FORMAT,)), "sha256": Str(), "file": Str(optional=True)})}
+    config_fields = {"source": Obj({"format": Str(choices=(FORMAT, CSV_FORMAT)), "sha256": Str(), "file": Str(optional=True),
+                                    "sae_files": List(Obj({"file": Str(), "sha256": Str()}), optional=True)})}
     added_directions = None  # a clamp is not a direction to add: not written as a GGUF control vector
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False):
@@ -148,12 +155,19 @@ def _entry(path: Path, hookpoint: Any, entry: Any, n_layers: int) -> tuple[int, 
 
 
 def import_steer_file(path: str | Path, model: str | torch.nn.Module, out: str | Path) -> Path:
-    """``mari-eval import-vector FILE.pt``: lm-eval's steering config at ``path`` as a bundle for
-    ``model``, saved to ``out``."""
+    """``mari-eval import-vector FILE.pt`` (or ``FILE.csv``, SAE features): lm-eval's steering config
+    at ``path`` as a bundle for ``model``, saved to ``out``."""
     check_bundle_directory(out)
     path = Path(path)
-    config = read_steer_file(path)
     name, hidden, n_layers, _ = _model_description(model)
+    source: dict[str, Any] = {"format": FORMAT}
+    if path.suffix.lower() == ".csv":
+        from mari_eval.sae_features import read_sae_csv  # deferred: only an SAE CSV needs it
+
+        config, sae_files = read_sae_csv(path, hidden)
+        source = {"format": CSV_FORMAT, "sae_files": sae_files}
+    else:
+        config = read_steer_file(path)
     entries = sorted((_entry(path, hookpoint, entry, n_layers) for hookpoint, entry in config.items()), key=lambda e: e[0])
     layers = [e[0] for e in entries]
     if len(set(layers)) != len(layers):
@@ -169,7 +183,6 @@ def import_steer_file(path: str | Path, model: str | torch.nn.Module, out: str |
                      "site": {"layer": layers[0], "position": "every position (prompt, options, generated tokens) after each layer"},
                      "hyperparameters": {"layers": layers, "actions": [e[1] for e in entries],
                                          "coefficients": [e[3] for e in entries]},
-                     "source": {"format": FORMAT, "file": path.name,
-                                "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
+                     "source": {**source, "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return SteeredConfig(bundle_config, {"vectors": vectors, "biases": biases}).save(out)

@@ -1,0 +1,104 @@
+"""The optional sign check of imported vectors (mari_eval/vector_sign.py, issue 57.3): a direction whose
+sign was reversed (as PCA may return it) comes back flipped, a right one is kept, split pairs are
+inconclusive, and a clamp is not touched. The expected directions are the pairs' own hidden-state
+differences, read here by hooks on the decoder layers of a random byte Llama."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from mari_eval import cli, methods, steer_config
+from mari_eval.vector_sign import SignCheck
+
+from .test_control_vector import write_gguf
+from .tiny import byte_llama, byte_tokenizer
+
+POSITIVE, NEGATIVE = "I love this, what a wonderful day!", "I hate this, what an awful day."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return byte_llama(tokenizer, layers=4, hidden=64)  # a random byte Llama, float32 on the CPU
+
+
+def difference(model, tokenizer, positive=POSITIVE, negative=NEGATIVE) -> dict[int, torch.Tensor]:
+    """{layer: its output at the last token for ``positive`` minus that for ``negative``}."""
+    def states(prompt):
+        seen = []
+        handles = [layer.register_forward_hook(lambda m, a, out: seen.append(out[0][0, -1] if isinstance(out, tuple)
+                                                                              else out[0, -1]))
+                   for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                model(torch.tensor([tokenizer(prompt).input_ids]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen
+
+    return {i: (p - n).float() for i, (p, n) in enumerate(zip(states(positive), states(negative)))}
+
+
+def test_a_reversed_direction_comes_back_flipped_and_a_right_one_is_kept(model, tokenizer, tmp_path, capsys):
+    right = {layer: 3.0 * d / d.norm() for layer, d in difference(model, tokenizer).items()}
+    gguf = write_gguf(tmp_path / "pca.gguf", {1: (-right[1]).numpy(), 3: right[3].numpy()})  # layer 1 reversed
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert cli.main(["import-vector", str(gguf), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "b"),
+                     "--sign-check", POSITIVE, NEGATIVE]) == 0
+    out = capsys.readouterr().out
+    bundle = methods.load_bundle(tmp_path / "b")
+    assert torch.equal(bundle.tensors["directions"], torch.stack([right[1], right[3]]))  # the original, exactly
+    assert "flipped layers 1" in out and "(0 of 1 pairs positive): flipped" in out and "(1 of 1 pairs positive): kept" in out
+    record = bundle.config["source"]["sign_check"]
+    assert record["pairs"] == [[POSITIVE, NEGATIVE]] and [r["verdict"] for r in record["layers"]] == ["flipped", "kept"]
+    # without the check the file's sign stays, as before
+    assert cli.main(["import-vector", str(gguf), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "c")]) == 0
+    assert np.allclose(methods.load_bundle(tmp_path / "c").tensors["directions"][0].numpy(), -right[1].numpy())
+
+
+def test_pairs_that_disagree_are_inconclusive_and_change_nothing(model, tokenizer, tmp_path, caplog):
+    right = difference(model, tokenizer)
+    bundle = write_gguf(tmp_path / "v.gguf", {2: (-right[2]).numpy()})
+    from mari_eval import control_vector
+
+    path = control_vector.import_gguf(bundle, model, tmp_path / "b")
+    check = SignCheck(model, [(POSITIVE, NEGATIVE), (NEGATIVE, POSITIVE)], tokenizer=tokenizer)
+    with caplog.at_level(logging.WARNING):
+        report = check.apply(path)
+    assert "(1 of 2 pairs positive): inconclusive" in report and "nothing flipped" in report
+    assert "inconclusive at layer 2" in caplog.text and "add pairs" in caplog.text
+    assert torch.equal(methods.load_bundle(path).tensors["directions"][0], -right[2])
+
+
+def test_a_steering_configs_add_rows_are_checked_by_what_they_add_and_a_clamp_is_skipped(model, tokenizer, tmp_path):
+    right = difference(model, tokenizer)
+    config = {"layers.1": {"steering_vector": right[1].clone(), "steering_coefficient": -2.0, "action": "add"},
+              "layers.2": {"steering_vector": -right[2], "steering_coefficient": 1.0, "action": "clamp",
+                           "bias": torch.zeros(64)},
+              "layers.3": {"steering_vector": -right[3], "steering_coefficient": 0.5, "action": "add"}}
+    torch.save(config, tmp_path / "steer.pt")
+    path = steer_config.import_steer_file(tmp_path / "steer.pt", model, tmp_path / "b")
+    report = SignCheck(model, [(POSITIVE, NEGATIVE)], tokenizer=tokenizer).apply(path)
+    vectors = methods.load_bundle(path).tensors["vectors"]
+    # layer 1 adds -2 x (a right direction): what it adds points away from POSITIVE, so its vector is negated
+    assert torch.equal(vectors[0], -right[1]) and torch.equal(vectors[2], right[3])
+    assert torch.equal(vectors[1], -right[2]) and "layer 2: skipped: a clamp" in report
+    assert "flipped layers 1, 3" in report
+
+
+def test_bad_pairs_are_refused_before_anything_is_written(model, tmp_path, capsys):
+    gguf = write_gguf(tmp_path / "v.gguf", {1: np.ones(64, dtype=np.float32)})
+    model.save_pretrained(tmp_path / "model")
+    assert cli.main(["import-vector", str(gguf), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "b"),
+                     "--sign-check", "same", "same"]) == 1
+    assert "both prompts are 'same'" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="two non-empty prompts"):
+        SignCheck(model, [(POSITIVE, " ")])
