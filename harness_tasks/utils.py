@@ -38,7 +38,6 @@ from mari_eval.judge import sorry_bench
 from mari_eval.judge.sorry_bench import SORRY_CATEGORIES
 # SORRY-Bench's scoring lives with the judge (mari_eval/judge/sorry_bench.py); the YAMLs call it by these names.
 from mari_eval.judge.sorry_bench import (  # noqa: F401
-    agg_category_refusal_rate as sorry_agg_category_refusal_rate, agg_judge as sorry_agg_judge,
     agg_judge_unparseable as sorry_agg_judge_unparseable, agg_keyword_refusal_rate as sorry_agg_keyword_refusal_rate,
     agg_refusal_rate as sorry_agg_refusal_rate, document_scores as sorry_document_scores,
     process_results as sorry_process_results)

@@ -104,9 +104,18 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
                          "documents": scores,
                          "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
                          "diagnostics": diagnostics}
-        if isinstance(out["results"][task].get("judge,none"), str):  # the judge that read it (repro/judged.py)
-            results[task]["judge"] = out["results"][task]["judge,none"]
+        label = judge_label(out, task)
+        if label:  # the judge that read it (repro/judged.py)
+            results[task]["judge"] = label
     return results
+
+
+def judge_label(out: dict, task: str) -> str | None:
+    """The judge a SORRY-Bench task's verdicts came from, as the task records it in lm-eval's results
+    (``configs``/TASK/``metadata``/``judge``/``label``: mari_eval/judge/sorry_bench.py); None for other tasks."""
+    metadata = ((out.get("configs") or {}).get(task) or {}).get("metadata") or {}
+    label = (metadata.get("judge") or {}).get("label") if isinstance(metadata.get("judge"), dict) else None
+    return label if isinstance(label, str) and label else None
 
 
 def general_text(lm: MariLM, limit: int | None) -> dict:

@@ -8,6 +8,7 @@ judge judges well: only what must hold whatever it answers.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -847,8 +848,8 @@ def test_task_docs_and_metrics(fake, tmp_path, monkeypatch, task_manager):
     assert set(heldout.eval_docs["split_seed"]) == {0}
     names = J.category_names()
     assert set(names) == {str(i) for i in range(1, 46)}
-    metrics = [m["metric"] for m in full.config.metric_list]
-    assert metrics[4:] == [f"refusal_rate_c{int(c):02d}" for c in sorted(names, key=int)]
+    # numbers only: the judge and the per-category rates go to the log and the results JSON
+    assert [m["metric"] for m in full.config.metric_list] == TASK_METRICS
     doc = heldout.eval_docs[0]
     assert heldout.doc_to_text(doc) == doc["turns"][0] == doc["chat_user_turn"]
     assert heldout.config.generation_kwargs["max_gen_toks"] == 256
@@ -868,6 +869,29 @@ def test_task_fails_early_without_a_judge(monkeypatch, tmp_path, task_manager):
         task_manager.load(["sorry_bench_heldout"])
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def task_log():
+    """The lines the SORRY-Bench task logs (its logger is a child of lm-eval's, which may not propagate)."""
+    logger, handler = logging.getLogger("lm_eval.harness_tasks.mari"), _Lines()
+    level = logger.level
+    logger.setLevel(logging.INFO)  # (setLevel, not .level =: it clears the cached isEnabledFor answers)
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def task_run(embedded, smollm2_path, tmp_path_factory, task_manager):
     """sorry_bench_heldout on 2 docs: MariLM answers, the embedded server judges."""
@@ -875,11 +899,29 @@ def task_run(embedded, smollm2_path, tmp_path_factory, task_manager):
         pytest.skip("MARI_DATA_DIR is not set")
     cache = tmp_path_factory.mktemp("task") / "judge.jsonl"
     env = {**embedded.env(), J.ENV_CACHE: str(cache), "MARI_JUDGE_MAX_TOKENS": "8"}
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, task_log() as lines:
         for k, v in env.items():
             mp.setenv(k, v)
         out = _generate(task_manager, log_samples=True)
+    out["task_log"] = lines
     return out, cache
+
+
+def printed_table(out: dict) -> list[str]:
+    """The lines of the table the lm_eval command prints for ``out`` (lm_eval/_cli/run.py: make_table)."""
+    from lm_eval.utils import make_table
+
+    return make_table(out).strip().split("\n")
+
+
+def assert_compact(out: dict, task: str = "sorry_bench_heldout") -> None:
+    """lm-eval's table holds the three numeric metrics and nothing else: 2 header lines and 3 rows, no
+    text value widening it (it was 51 lines of up to 223 characters, with 45 rows of per-category nan)."""
+    table = printed_table(out)
+    assert sorted(line.split("|")[5].strip() for line in table[2:]) == sorted(TASK_METRICS), "\n".join(table)
+    assert len(table) == 5 and max(map(len, table)) <= 90, "\n".join(table)
+    assert all(isinstance(v, (int, float)) for k, v in out["results"][task].items()
+               if k.endswith(",none") and "_stderr" not in k)  # a number each ("N/A": a stderr not computed)
 
 
 def _generate(task_manager, **kwargs):
@@ -900,13 +942,25 @@ def test_task_end_to_end_with_the_embedded_judge(task_run, embedded):
     assert n_unparseable in range(3)
     assert math.isnan(res["refusal_rate,none"]) if n_unparseable == 2 else 0 <= res["refusal_rate,none"] <= 1
     assert 0 <= res["keyword_refusal_rate,none"] <= 1
-    assert res["judge,none"].startswith(embedded.model) and J.load_prompt().sha256 in res["judge,none"]
+    assert_compact(out)
+    # the judge and the per-category rates: in the results JSON (the task's metadata), and logged before the table
+    recorded = out["configs"]["sorry_bench_heldout"]["metadata"]
+    prompt = J.load_prompt()
+    assert recorded["judge"]["label"].startswith(embedded.model) and prompt.sha256 in recorded["judge"]["label"]
+    assert recorded["judge"]["parser"] == prompt.parser_version == 1
     judged = {s["doc"]["category"] for s in samples}
-    for c in range(1, 46):  # categories without docs are NaN
-        assert str(c) in judged or math.isnan(res[f"refusal_rate_c{c:02d},none"])
+    assert set(recorded["by_category"]) == judged  # only categories with responses: no NaN rows
+    assert sum(row["n"] for row in recorded["by_category"].values()) == 2
+    lines = out["task_log"]
+    assert any(line.startswith(f"SORRY-Bench judge {embedded.model} at ") and prompt.sha256[:16] in line
+               and "parser 1" in line for line in lines)
     records = cache_lines(cache)
     assert len(records) == 2
     assert sum(r["label"] == J.UNPARSEABLE for r in records) == n_unparseable
+    raws = [r["raw"] for r in records if r["label"] == J.UNPARSEABLE]
+    assert sorted(recorded["unparseable_examples"]) == sorted(raws)  # the first 3 at most: here all of them
+    for raw in raws:  # each printed, as JSON text, after the count
+        assert any(line.endswith(json.dumps(raw, ensure_ascii=False)) for line in lines), (raw, lines)
 
 
 @pytest.mark.needs_data
@@ -921,19 +975,24 @@ def test_task_prompt_is_the_training_chat_prompt(task_run, smollm2_path):
         assert s["arguments"][0][0] == expected
 
 
-TASK_METRICS = ["refusal_rate", "keyword_refusal_rate", "judge_unparseable", "judge",
-                *[f"refusal_rate_c{c:02d}" for c in range(1, 46)]]
+TASK_METRICS = ["refusal_rate", "keyword_refusal_rate", "judge_unparseable"]
 
 
-def _same_metrics(judged: dict, task_results: dict) -> None:
-    """``mari-eval judge``'s metrics are the task's (NaN where the task has NaN)."""
-    assert sorted(judged) == sorted(TASK_METRICS)
+def _same_metrics(judged: dict, task_out: dict) -> None:
+    """``mari-eval judge``'s metrics are the task's (NaN where the task has NaN), and so are the judge
+    and the per-category rates it records beside them."""
+    task_results = task_out["results"]["sorry_bench_heldout"]
+    assert sorted(judged["metrics"]) == sorted(TASK_METRICS)
     for name in TASK_METRICS:
-        mine, theirs = judged[name], task_results[f"{name},none"]
+        mine, theirs = judged["metrics"][name], task_results[f"{name},none"]
         if mine is None or (isinstance(mine, float) and math.isnan(mine)):
             assert isinstance(theirs, float) and math.isnan(theirs), name
         else:
             assert mine == theirs, name
+    recorded = task_out["configs"]["sorry_bench_heldout"]["metadata"]
+    assert judged["judge"]["label"] == recorded["judge"]["label"]
+    assert judged["by_category"] == recorded["by_category"]
+    assert judged["unparseable_examples"] == recorded["unparseable_examples"]
 
 
 def _judge_env(monkeypatch, embedded, cache):
@@ -965,7 +1024,7 @@ def test_a_judge_failing_after_generation_loses_no_response(fake, tmp_path, monk
     assert saved.startswith(str(tmp_path / "generations"))  # beside the judge cache
     _judge_env(monkeypatch, embedded, cache)
     result = judge_samples.judge_file(saved)
-    _same_metrics(result["metrics"], out["results"]["sorry_bench_heldout"])
+    _same_metrics(result, out)
 
 
 @pytest.mark.needs_data
@@ -994,7 +1053,7 @@ def test_predict_only_needs_no_judge_and_mari_eval_judge_gives_the_task_metrics(
     assert done.returncode == 0, done.stderr
     assert "refusal_rate:" in done.stdout and "keyword_refusal_rate:" in done.stdout
     result = json.loads((tmp_path / "m.json").read_text())
-    _same_metrics(result["metrics"], judged_run["results"]["sorry_bench_heldout"])
+    _same_metrics(result, judged_run)
     assert result["summary"]["n"] == 2
 
 

@@ -112,3 +112,15 @@ def test_the_embedded_judge_has_one_identity_before_and_after_it_starts(monkeypa
     assert server.judge_identity() == before
     monkeypatch.delenv(server.ENV_EMBEDDED)  # a judge the user configured: named by its model
     assert server.judge_identity()["model"] == "/some/dir"
+
+
+def test_the_judge_label_is_read_from_the_tasks_recorded_metadata():
+    # mari_eval/judge/sorry_bench.py records the judge in lm-eval's results under configs/TASK/metadata
+    # (its table keeps three numbers); a table that read it elsewhere named no judge ("not recorded").
+    from repro.lm_eval_run import judge_label
+
+    out = {"results": {"sorry_bench_heldout": {"refusal_rate,none": 0.5}},
+           "configs": {"sorry_bench_heldout": {"metadata": {"judge": {"label": "m @ prompt sha256:ab", "parser": 2}}},
+                       "xstest_safe": {"metadata": {"version": 1.0}}}}
+    assert judge_label(out, "sorry_bench_heldout") == "m @ prompt sha256:ab"
+    assert judge_label(out, "xstest_safe") is None and judge_label({"results": {}}, "sorry_bench_heldout") is None

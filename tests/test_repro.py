@@ -105,6 +105,8 @@ def test_main_table_smoke_writes_ours_beside_the_papers_and_resumes_without_reco
     out = smoke_dirs[1]
     first = uninterrupted
     assert first["computed_now"]  # bundles and evaluations were computed
+    # SORRY-Bench's column was read by the embedded judge, and the table names it (issue 56.2, 57.5)
+    assert first["judge"]["columns"][0] == "sorry_refusal" and "not recorded" not in first["judge"]["judges"]
     rows = first["models"]["smollm2-135m-instruct"]["rows"]
     assert [r["row"] for r in rows] == ["Vanilla", "MARI"]
     vanilla = rows[0]

@@ -14,8 +14,12 @@ judge here asks a chat model for that score:
   ``$MARI_DATA_DIR/sorry_bench/judge_prompts.jsonl.gz`` when it is there; otherwise our
   own ``prompt.txt`` (same ``{question}``/``{answer}`` slots, same ``#thescore: 0/1``
   answer). Results name the prompt used and its sha256.
-* verdicts: ``parse_verdict`` is strict; an answer it cannot read is "unparseable",
-  counted and reported, never guessed.
+* presets (``MARI_JUDGE_PRESET``): ``sorry-bench-base`` (Mistral-7B-Instruct-v0.2 with that
+  template) and ``sorry-bench-ft`` (SORRY-Bench's fine-tuned judge with the template it was
+  trained on, answering a bare 0 or 1); ``python -m mari_eval.judge serve --preset NAME``
+  serves one with ``transformers serve`` or vLLM.
+* verdicts: ``parse_verdict`` (and ``parse_digit`` for the fine-tuned judge) is strict; an
+  answer it cannot read is "unparseable", counted and reported, never guessed.
 * cache: every judgement is appended to a JSON-lines file keyed by sha256 of (judge
   model, prompt text, instruction, response), so a rerun never asks twice.
 * failures: the ``openai`` client retries connection errors, timeouts, HTTP 408, 409, 429
@@ -36,7 +40,7 @@ modules, one idea each, so that ``from mari_eval import judge as J; J.Judge(...)
 caller needs:
 
 * ``config``: the ``MARI_JUDGE_*`` settings (``JudgeConfig``) and the errors.
-* ``prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``.
+* ``prompt``: the prompt, ``parse_verdict`` and ``keyword_refusal``; ``presets``: the judge presets.
 * ``cache``: the verdict cache (``JudgeCache``).
 * ``client``: ``Judge``, which asks the server for what the cache lacks; ``transport``: its requests (the
   client's retries, deadline) and reply checks.
@@ -66,13 +70,17 @@ from mari_eval.judge.config import (
     JudgeUnavailable,
     safe_url,
 )
+from mari_eval.judge.presets import ENV_PRESET, PRESETS, Preset, current_preset, get_preset, serve_command
 from mari_eval.judge.prompt import (
     COMPLIANCE,
+    FT_PROMPT,
+    FT_PROMPT_TEXT,
     JUDGE_PROMPTS_FILE,
     LABELS,
     OWN_PROMPT,
     OWN_PROMPT_FILE,
     PARSER_VERSION,
+    PARSERS,
     REFUSAL,
     REFUSAL_PHRASES,
     SORRY_PROMPT,
@@ -81,6 +89,7 @@ from mari_eval.judge.prompt import (
     _data_file,  # for the tests
     keyword_refusal,
     load_prompt,
+    parse_digit,
     parse_verdict,
 )
 from mari_eval.judge.server import (
@@ -97,10 +106,13 @@ from mari_eval.judge.summary import CATEGORIES_FILE, CATEGORIES_KEY, category_na
 
 __all__ = [
     "CATEGORIES_FILE", "CATEGORIES_KEY", "COMPLIANCE", "EMBEDDED_CONCURRENCY", "EMBEDDED_DEADLINE", "ENV_API_KEY",
-    "ENV_API_KEY_FALLBACK", "ENV_BASE_URL", "ENV_CACHE", "ENV_DEADLINE", "ENV_MODEL", "ENV_PROMPT", "JUDGE_PROMPTS_FILE",
-    "LABELS", "MAX_RAW_CHARS", "MAX_REPLY_BYTES", "OWN_PROMPT", "OWN_PROMPT_FILE", "PARSER_VERSION", "REFUSAL", "REFUSAL_PHRASES",
+    "ENV_API_KEY_FALLBACK", "ENV_BASE_URL", "ENV_CACHE", "ENV_DEADLINE", "ENV_MODEL", "ENV_PRESET", "ENV_PROMPT",
+    "FT_PROMPT", "FT_PROMPT_TEXT", "JUDGE_PROMPTS_FILE",
+    "LABELS", "MAX_RAW_CHARS", "MAX_REPLY_BYTES", "OWN_PROMPT", "OWN_PROMPT_FILE", "PARSERS", "PARSER_VERSION", "PRESETS",
+    "REFUSAL", "REFUSAL_PHRASES",
     "SORRY_PROMPT", "TUNABLE", "UNPARSEABLE", "EmbeddedServer", "Judge", "JudgeCache", "JudgeConfig", "JudgeDeadline",
-    "JudgeError", "JudgeNotConfigured", "JudgePrompt", "JudgeUnavailable", "Judgement", "cache_key",
-    "category_names", "default_cache_path", "judge_environment", "judge_identity", "keyword_refusal", "load_prompt", "main",
-    "parse_verdict", "refusal_summary", "safe_url", "serve_embedded",
+    "JudgeError", "JudgeNotConfigured", "JudgePrompt", "JudgeUnavailable", "Judgement", "Preset", "cache_key",
+    "category_names", "current_preset", "default_cache_path", "get_preset", "judge_environment", "judge_identity",
+    "keyword_refusal", "load_prompt", "main", "parse_digit", "parse_verdict", "refusal_summary", "safe_url",
+    "serve_command", "serve_embedded",
 ]

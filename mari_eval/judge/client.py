@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from mari_eval.judge.cache import JudgeCache, cache_key
 from mari_eval.judge.config import ENV_DEADLINE, ENV_MODEL, JudgeConfig, JudgeDeadline, JudgeError, _env_name, safe_url
-from mari_eval.judge.prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt, parse_verdict
+from mari_eval.judge.prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt
 from mari_eval.judge.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class Judge(Transport):
             "base_url": safe_url(self.config.base_url),
             "prompt": self.prompt.name,
             "prompt_sha256": self.prompt.sha256,
+            "parser": self.prompt.parser_version,  # how its answers were read (prompt.PARSERS)
             "max_tokens": self.config.max_tokens,
             "cache": str(self.cache.path),
             # {the model each verdict's reply named: verdicts} over what this judge judged (cached ones
@@ -218,7 +219,7 @@ class Judge(Transport):
             raw = self._redact(answer)  # a server may echo the key
             record = {
                 "key": key,
-                "label": parse_verdict(raw),  # read from the whole answer; the cache keeps its start
+                "label": self.prompt.parse(raw),  # read from the whole answer; the cache keeps its start
                 "raw": raw[:MAX_RAW_CHARS],
                 "judge_model": self.config.model,
                 "served_model": served,  # the model the server said answered (None: it did not say)

@@ -12,7 +12,9 @@ results or samples. So:
 * ``judge_file`` (``mari-eval judge FILE``): judges such a file, or the samples file of an
   lm-eval run (``--log_samples``, e.g. with ``--predict_only``, which needs no judge), with
   the judge the environment configures, through the same cache; it returns, prints and
-  writes the metrics the task reports (``task_metrics``), computed by the same functions.
+  writes the metrics the task reports (``task_metrics``) and what the task records beside
+  them (``judge_record``: the judge, the per-category rates, unparseable answers), computed
+  by the same functions.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Mapping, Sequence
 
 from mari_eval.files import atomic_write, check_writable_file, write_results_json
 from mari_eval.judge.cache import default_cache_path
-from mari_eval.judge.client import Judge
+from mari_eval.judge.client import Judge, Judgement
 from mari_eval.judge.config import JudgeConfig, JudgeError
 from mari_eval.judge.prompt import UNPARSEABLE, load_prompt
 from mari_eval.judge.summary import refusal_summary
@@ -38,10 +40,8 @@ log = logging.getLogger(__name__)
 KIND = "mari-eval sorry-bench generations"  # the first line of a generations file says what it is
 FIELDS = ("id", "category", "instruction", "response")
 CATEGORIES = tuple(str(i) for i in range(1, 46))  # SORRY-Bench 202406: categories 1..45
-
-
-def category_metric(category: str) -> str:
-    return f"refusal_rate_c{int(category):02d}"
+SHOWN_RAW = 3  # unparseable answers shown (log, results, mari-eval judge), at most
+RAW_CHARS = 200  # ... each cut to this many characters
 
 
 # ----------------------------------------------------------------------------- metrics (shared with the task)
@@ -57,18 +57,49 @@ def judge_label(judge: Judge) -> str:
     return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
 
 
-def task_metrics(summary: Mapping, judge: Judge) -> dict:
-    """The metrics of the sorry_bench tasks (harness_tasks/sorry_bench.yaml) from ``refusal_summary``."""
-    metrics = {
+def task_metrics(summary: Mapping) -> dict:
+    """The metrics of the sorry_bench tasks (harness_tasks/sorry_bench.yaml) from ``refusal_summary``:
+    numbers only, so that lm-eval's table stays narrow (the rest is in ``judge_record``)."""
+    return {
         "refusal_rate": rate(summary),
         "keyword_refusal_rate": summary["keyword_refusal_rate"],
         "judge_unparseable": summary[UNPARSEABLE],
-        "judge": judge_label(judge),
     }
-    for cat in CATEGORIES:
-        row = summary["by_category"].get(cat)
-        metrics[category_metric(cat)] = float("nan") if row is None else rate(row)
-    return metrics
+
+
+def unparseable_examples(judgements: Sequence[Judgement]) -> list[str]:
+    """The first ``SHOWN_RAW`` answers the parser could not read, each cut to ``RAW_CHARS`` characters."""
+    return [j.raw[:RAW_CHARS] for j in judgements if j.label == UNPARSEABLE][:SHOWN_RAW]
+
+
+def judge_record(summary: Mapping, judge: Judge, judgements: Sequence[Judgement]) -> dict:
+    """What the task records beside its metrics (in lm-eval's results JSON, under the task's
+    ``configs``/``metadata``): the judge (its label, model, prompt and its sha256, parser), the rates
+    of every category that has responses, and the first unparseable answers."""
+    d = judge.describe()
+    return {
+        "judge": {"label": judge_label(judge), **{k: d[k] for k in ("model", "base_url", "prompt", "prompt_sha256",
+                                                                       "parser", "max_tokens")}},
+        "refusal_rate_bounds": summary["refusal_rate_bounds"],
+        "by_category": {cat: {"name": row["name"], "n": row["n"], "refusal_rate": row["refusal_rate"],
+                              "keyword_refusal_rate": row["keyword_refusal_rate"], UNPARSEABLE: row[UNPARSEABLE]}
+                        for cat, row in summary["by_category"].items()},
+        "unparseable_examples": unparseable_examples(judgements),
+    }
+
+
+def identity_line(judge: Mapping) -> str:
+    """One line naming the judge (``Judge.describe()``): model, server, prompt and its sha256, parser."""
+    return (f"judge {judge['model']} at {judge['base_url']} | prompt {judge['prompt']} sha256:{judge['prompt_sha256'][:16]} "
+            f"| parser {judge['parser']}")
+
+
+def example_lines(examples: Sequence[str], unparseable: int) -> list[str]:
+    """The unparseable answers shown, one line each (line breaks as \\n)."""
+    if not examples:
+        return []
+    head = f"{unparseable} answer(s) of the judge unparseable; the first {len(examples)}:"
+    return [head, *(f"  {json.dumps(raw, ensure_ascii=False)}" for raw in examples)]
 
 
 def summary_lines(summary: Mapping) -> list[str]:
@@ -247,24 +278,24 @@ def judge_file(path: str | Path, *, base_url: str | None = None, model: str | No
     judge = Judge(config, load_prompt(prompt), cache)
     judge.check()
     try:
-        labels = judge.labels([(i["instruction"], i["response"]) for i in items])
+        judgements = judge.judge([(i["instruction"], i["response"]) for i in items])
     except JudgeError as e:
         raise type(e)(f"{e}\nRun the same command again once the judge works: the verdicts above are kept.") from None
-    summary = refusal_summary(items, labels, judge=judge)
-    result = {"source": str(path), "run": run, "metrics": task_metrics(summary, judge), "summary": summary}
+    summary = refusal_summary(items, [j.label for j in judgements], judge=judge)
+    result = {"source": str(path), "run": run, "metrics": task_metrics(summary),
+              **judge_record(summary, judge, judgements), "summary": summary}
     if out is not None:
         write_results_json(out, result, ensure_ascii=False)  # strict JSON: NaN as null
     return result
 
 
 def print_result(result: Mapping) -> None:
-    """What ``mari-eval judge`` prints: the judge, the table, then the task's metrics."""
+    """What ``mari-eval judge`` prints: the judge, the table, unparseable answers, then the task's metrics."""
     summary, metrics = result["summary"], result["metrics"]
-    judge = summary["judge"]
-    print(f"{result['source']}: {summary['n']} responses; judge {judge['model']} at {judge['base_url']}, prompt "
-          f"{judge['prompt']} (sha256 {judge['prompt_sha256'][:16]}), cache {judge['cache']}")
-    print("\n".join(summary_lines(summary)))
-    for name in ("refusal_rate", "keyword_refusal_rate", "judge_unparseable"):
-        print(f"{name}: {metrics[name]}")
-    print("judge:", metrics["judge"])
+    print(f"{result['source']}: {summary['n']} responses; {identity_line(summary['judge'])}; "
+          f"cache {summary['judge']['cache']}")
+    print("\n".join(summary_lines(summary) + example_lines(result["unparseable_examples"], summary[UNPARSEABLE])))
+    for name, value in metrics.items():
+        print(f"{name}: {value}")
+    print("judge:", result["judge"]["label"])
     sys.stdout.flush()

@@ -3,7 +3,10 @@
 It is the default judge when none is configured: ``judge_environment`` yields the
 configured ``MARI_JUDGE_*`` judge, else starts this one (what the repro scripts use);
 ``python -m mari_eval.judge serve`` runs it until interrupted and prints the exports
-that point the SORRY-Bench tasks at it.
+that point the SORRY-Bench tasks at it. With ``--preset NAME`` the same command serves a
+judge preset's model instead (presets.py: a Hub id, downloaded on first use), with
+``transformers serve`` or (``--server vllm``) vLLM; ``--dry-run`` prints the command line
+and the exports and starts nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -28,7 +32,9 @@ from typing import Iterator, Sequence
 
 from mari_eval.judge.config import (ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_URL, ENV_DEADLINE, ENV_MODEL,
                                     JudgeConfig, JudgeError)
-from mari_eval.judge.prompt import PARSER_VERSION, load_prompt
+from mari_eval.judge.presets import (ENV_PRESET, PRESETS, SERVERS, Preset, find_executable, get_preset,
+                                     serve_command)
+from mari_eval.judge.prompt import load_prompt
 from mari_eval.models import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger(__name__)
@@ -58,24 +64,40 @@ class EmbeddedServer:
 
     ``start()`` waits until ``/v1/models`` answers; ``base_url`` and ``model`` are what a
     ``JudgeConfig`` needs (``config()``). ``stop()`` ends it; ``start()`` again restarts it
-    on the same port.
+    on the same port. With ``preset`` it serves that judge preset's model (or ``model``, a
+    copy of it) through ``server`` (``transformers`` or ``vllm``), with the Hub cache and
+    network settings of this process (the model is downloaded on first use).
     """
 
+    preset: Preset | None = None  # (class defaults: an instance built without __init__, as a test does)
+    server = "transformers"
+
     def __init__(self, model: str | None = None, *, port: int | None = None, device: str = "auto",
-                 startup_timeout: float = 300.0) -> None:
-        self.alias = model or DEFAULT_MODEL
+                 startup_timeout: float | None = None, preset: str | None = None, server: str = "transformers",
+                 host: str = "127.0.0.1") -> None:
+        self.preset = get_preset(preset) if preset else None
+        self.alias = model or (self.preset.model if self.preset else DEFAULT_MODEL)
         self.model = resolve_model(self.alias)  # the pinned model: requests must name it exactly
-        self.host = "127.0.0.1"
+        self.server = server
+        self.host = host
         self.port = port or _free_port()
         self.device = device
-        self.startup_timeout = startup_timeout
+        # a Hub model may first be downloaded (a 7B judge: 14 GiB)
+        self.startup_timeout = startup_timeout or (300.0 if self.embedded else 3600.0)
         self._dir = Path(tempfile.mkdtemp(prefix="mari-judge-serve-"))
         self._proc: subprocess.Popen | None = None
         self._atexit = False
 
     @property
+    def embedded(self) -> bool:
+        """Whether this is the embedded judge (no preset, ``transformers serve``): a local model served
+        offline with the CPU settings; a preset's model is served with this process's Hub settings."""
+        return self.preset is None and self.server == "transformers"
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host  # listening everywhere: ask loopback
+        return f"http://{host}:{self.port}/v1"
 
     def config(self, **kwargs) -> JudgeConfig:
         return JudgeConfig(base_url=self.base_url, model=self.model,
@@ -84,7 +106,10 @@ class EmbeddedServer:
 
     def env(self) -> dict[str, str]:
         """The environment variables that point the SORRY-Bench tasks at this server."""
-        return {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, ENV_EMBEDDED: self.alias,
+        where = {ENV_BASE_URL: self.base_url, ENV_MODEL: self.model, **({ENV_PRESET: self.preset.name} if self.preset else {})}
+        if not self.embedded:  # a GPU judge: the default settings (4 requests in flight, 64 tokens)
+            return where
+        return {**where, ENV_EMBEDDED: self.alias,
                 "MARI_JUDGE_CONCURRENCY": str(EMBEDDED_CONCURRENCY),
                 "MARI_JUDGE_MAX_TOKENS": os.environ.get("MARI_JUDGE_MAX_TOKENS") or str(EMBEDDED_MAX_TOKENS),
                 ENV_DEADLINE: os.environ.get(ENV_DEADLINE) or str(EMBEDDED_DEADLINE)}
@@ -92,8 +117,7 @@ class EmbeddedServer:
     def start(self) -> "EmbeddedServer":
         if self._proc is not None and self._proc.poll() is None:
             return self
-        command = [_transformers_cli(), "serve", self.model, "--host", self.host, "--port", str(self.port),
-                   "--device", self.device, "--log-level", "warning"]
+        command = self.command(_transformers_cli() if self.server == "transformers" else find_executable(self.server))
         if sys.platform.startswith("linux"):  # a server whose parent is killed (kill -9) stops too
             command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
         with open(self._dir / "stdout.log", "ab") as out, open(self._dir / "stderr.log", "ab") as err:
@@ -102,8 +126,13 @@ class EmbeddedServer:
             atexit.register(self.stop)
             self._atexit = True
         self._wait_ready()
-        log.info("Embedded judge %s serving at %s", self.alias, self.base_url)
+        log.info("%s judge %s serving at %s", "Embedded" if self.embedded else "The", self.alias, self.base_url)
         return self
+
+    def command(self, executable: str | None = None) -> list[str]:
+        """The server's command line (``presets.serve_command``)."""
+        return serve_command(self.model, self.server, host=self.host, port=self.port, device=self.device,
+                             executable=executable)
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -132,6 +161,8 @@ class EmbeddedServer:
 
     def _child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in (ENV_API_KEY, ENV_API_KEY_FALLBACK)}
+        if not self.embedded:  # a Hub model: this process's Hub cache and token (a gated model needs one)
+            return env
         hub = self._dir / "hub"  # an empty Hub cache: /v1/models scans it (and fails if it is missing)
         hub.mkdir(exist_ok=True)
         env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), TOKENIZERS_PARALLELISM="false")
@@ -141,7 +172,7 @@ class EmbeddedServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise JudgeError(f"transformers serve exited with code {self._proc.returncode} before answering at "
+                raise JudgeError(f"{self.server} serve exited with code {self._proc.returncode} before answering at "
                                  f"{self.base_url}; its stderr ends with:\n{self._stderr_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as resp:
@@ -151,7 +182,7 @@ class EmbeddedServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise JudgeError(f"transformers serve did not answer at {self.base_url}/models within {self.startup_timeout:.0f} s; "
+        raise JudgeError(f"{self.server} serve did not answer at {self.base_url}/models within {self.startup_timeout:.0f} s; "
                          f"its stderr ends with:\n{self._stderr_tail()}")
 
     def _stderr_tail(self, chars: int = 3000) -> str:
@@ -191,9 +222,9 @@ def judge_identity() -> dict[str, object]:
     every judged evaluation's cache key and recorded in its table (repro/judged.py)."""
     configured = os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL)
     embedded = os.environ.get(ENV_EMBEDDED) if configured else DEFAULT_MODEL  # started here, or to be
-    prompt = load_prompt()
+    prompt = load_prompt()  # the preset's, when MARI_JUDGE_PRESET names one
     return {"model": f"{embedded} (embedded)" if embedded else os.environ[ENV_MODEL],
-            "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": PARSER_VERSION}
+            "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": prompt.parser_version}
 
 
 def _free_port() -> int:
@@ -207,28 +238,38 @@ def _transformers_cli() -> str:
     if missing:
         raise JudgeError(f"transformers serve needs {', '.join(missing)}: pip install 'mari-eval[serve]' "
                          f"(or pip install 'transformers[serving]')")
-    beside = Path(sys.executable).with_name("transformers")
-    found = str(beside) if beside.exists() else shutil.which("transformers")
-    if not found:
-        raise JudgeError("The 'transformers' command was not found beside this Python or on PATH; reinstall transformers")
-    return found
+    return find_executable("transformers")
 
 
 # ----------------------------------------------------------------------------- command line
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m mari_eval.judge serve``: run the embedded judge until interrupted."""
+    """``python -m mari_eval.judge serve``: run the embedded judge (or a preset's) until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m mari_eval.judge")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the embedded judge model on loopback")
-    serve.add_argument("--model", default=None, help="embedded alias or local model directory")
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--device", default="auto")
+    serve = sub.add_parser("serve", help="serve the embedded judge model, or a judge preset's, and print the exports")
+    serve.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="serve this judge preset's model (a Hub id) and print MARI_JUDGE_PRESET with the exports")
+    serve.add_argument("--model", default=None, help="embedded alias, local model directory or Hub id (default: the "
+                       "preset's model, else the embedded one)")
+    serve.add_argument("--server", choices=SERVERS, default="transformers", help="transformers serve or vllm serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=None, help="default: a free port (8000 with --dry-run)")
+    serve.add_argument("--device", default="auto", help="transformers serve's device (vLLM: CUDA_VISIBLE_DEVICES)")
+    serve.add_argument("--dry-run", action="store_true", help="print the server's command line and the exports; "
+                       "start nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    options = dict(preset=args.preset, server=args.server, host=args.host, device=args.device)
+    if args.dry_run:
+        server = EmbeddedServer(args.model, port=args.port or 8000, **options)
+        print(" ".join(shlex.quote(word) for word in server.command()))
+        print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in server.env().items()), flush=True)
+        server.close()
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind, so that the server is stopped
-    with serve_embedded(args.model, port=args.port, device=args.device) as server:
+    with serve_embedded(args.model, port=args.port, **options) as server:
         print("export " + " ".join(f"{k}={v}" for k, v in server.env().items()), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while server._proc is not None and server._proc.poll() is None:
