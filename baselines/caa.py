@@ -58,18 +58,18 @@ import torch
 
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, validation_loss,
                      validation_record, validation_split)
-from mari_eval import layer_spans, site
-from mari_eval.edit_positions import POSITIONS_OPTION, EditPositions, parse_layers
-from mari_eval.options import Option
-from mari_eval.plan import Plan, Positions
-from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
-from mari_eval.intervention import Intervention
-from mari_eval.registry import register_method
-from mari_eval.objectives import COMPLIANCE_TARGET as COMPLIANCE
+from mari_eval.injection import layer_spans, site
+from mari_eval.vectors.edit_positions import POSITIONS_OPTION, EditPositions, parse_layers
+from mari_eval.methods.options import Option
+from mari_eval.injection.plan import Plan, Positions
+from mari_eval.methods.bundle_spec import Float, Int, List, Str, TensorSpec
+from mari_eval.methods.intervention import Intervention
+from mari_eval.methods.registry import register_method
+from mari_eval.training.objectives import COMPLIANCE_TARGET as COMPLIANCE
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class CAA(ScaledVector):
         "vector_normalization": Str(optional=True, choices=("none",)), **VALIDATION_FIELDS,
     }
     label = "CAA"
-    command_line_recipe = "published"  # what the tables score (repro/recipes.py MAIN_TABLE_RECIPE)
+    command_line_recipe = "published"  # what the tables score (repro/engine/recipes.py MAIN_TABLE_RECIPE)
     # What `mari-eval train --set` may give CAA's fit: the grid it chooses from (default: fit's own).
     training_fields = {"layers": List(Int(0), optional=True), "multipliers": List(Float(), optional=True),
                        "recipe": RECIPE_FIELD, "validation": VALIDATION_FIELD}
@@ -154,7 +154,7 @@ class CAA(ScaledVector):
         (float32), what ``mari-eval export-vector`` writes as llama.cpp's direction.N (N: the layer)."""
         return {self.layer: float(self.config["hyperparameters"]["multiplier"]) * self.tensors["vector"].float()}
 
-    # Where it edits, chosen at evaluation (mari_eval/edit_positions.py): by default its published place,
+    # Where it edits, chosen at evaluation (mari_eval/vectors/edit_positions.py): by default its published place,
     # p* and every later token after its own layer.
     option_fields: ClassVar[dict[str, Option]] = {
         **ScaledVector.option_fields, "positions": POSITIONS_OPTION,

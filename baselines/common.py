@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from mari_eval import runner
-from mari_eval.bundle_spec import Int, Str
-from mari_eval.intervention import Intervention
-from mari_eval.objectives import task_losses
-from mari_eval.options import Option
-from mari_eval.plan import VANILLA, Plan
+from mari_eval.evaluation import runner
+from mari_eval.methods.bundle_spec import Int, Str
+from mari_eval.methods.intervention import Intervention
+from mari_eval.training.objectives import task_losses
+from mari_eval.methods.options import Option
+from mari_eval.injection.plan import VANILLA, Plan
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 VALIDATION_FRACTION = 0.2
 # Where a baseline's selection examples come from (the training setting ``validation``, issue 55.2):
@@ -44,7 +44,7 @@ VALIDATION_FIELDS = {"validation": VALIDATION_FIELD, "validation_examples": Int(
 # one number repro/ compares the recipes by (never a test split).
 RECIPES = ("adapted", "published")
 # A bundle's recipe field also says "imported": trained elsewhere and brought in (a pyreft save,
-# mari_eval/pyreft_save.py), scored as its source library applies it, never labelled as trained here.
+# mari_eval/vectors/pyreft_save.py), scored as its source library applies it, never labelled as trained here.
 IMPORTED = "imported"
 RECIPE_FIELD = Str(optional=True, choices=(*RECIPES, IMPORTED))
 SELECTION_KEY = "validation_loss_selected"

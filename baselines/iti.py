@@ -58,12 +58,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from mari_eval import devices, site
-from mari_eval.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
-from mari_eval.intervention import Intervention
-from mari_eval.plan import BASE, Plan, Positions
-from mari_eval.prefix_cache import broadcast_cache, with_cache
-from mari_eval.registry import register_method
+from mari_eval.injection import devices, site
+from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec
+from mari_eval.methods.intervention import Intervention
+from mari_eval.injection.plan import BASE, Plan, Positions
+from mari_eval.evaluation.prefix_cache import broadcast_cache, with_cache
+from mari_eval.methods.registry import register_method
 
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, prepare_validation,
                      validation_losses, validation_record, validation_split)
@@ -71,8 +71,8 @@ from .iti_heads import HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summ
 from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from mari_eval.bundle_spec import Float, Int, List, Obj, Str
+from mari_eval.methods.bundle_spec import Float, Int, List, Obj, Str
 
 TIE_RULE = "seeded random order among equal accuracies (seed: the training seed)"
 HEAD_SELECTIONS = ("validation", "cv")

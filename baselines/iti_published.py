@@ -82,18 +82,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from mari_eval import site
-from mari_eval.data import load_truthfulqa_mc
-from mari_eval.objectives import COMPLIANCE_TARGET
-from mari_eval.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
+from mari_eval.injection import site
+from mari_eval.benchmarks.data import load_truthfulqa_mc
+from mari_eval.training.objectives import COMPLIANCE_TARGET
+from mari_eval.evaluation.prefix_cache import broadcast_cache, common_prefix, encode_prefix, with_cache
 
 from .common import SELECTION_KEY, validation_loss, validation_record, validation_split
 from .iti_heads import CV_FOLDS, choice_record, cross_validated_accuracy, rank_heads, selection_warnings
 
 if TYPE_CHECKING:
-    from mari_eval.intervention import Intervention
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.methods.intervention import Intervention
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 

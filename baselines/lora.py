@@ -50,14 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import runner
-from mari_eval.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
-from mari_eval.epochs import EpochLoop
-from mari_eval.intervention import Intervention
-from mari_eval.objectives import task_losses
-from mari_eval.plan import Plan, Positions
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.registry import register_method
+from mari_eval.evaluation import runner
+from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
+from mari_eval.training.epochs import EpochLoop
+from mari_eval.methods.intervention import Intervention
+from mari_eval.training.objectives import task_losses
+from mari_eval.injection.plan import Plan, Positions
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.methods.registry import register_method
 
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, Baseline, shuffled_batches, validation_loss,
                      validation_record, validation_split)
@@ -65,8 +65,8 @@ from .lora_hooks import Weights, lora_applied, target_modules
 from .loreft import python_rng_state
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class LoRA(Baseline):
                 best[:] = [val, epoch + 1, {k: v.detach().clone() for k, v in params.items()}]
             return record
 
-        def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes (mari_eval.checkpoint)
+        def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes (mari_eval.storage.checkpoint)
             order.setstate(python_rng_state(state["order"]))
             best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
 

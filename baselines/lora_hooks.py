@@ -1,16 +1,16 @@
 """LoRA applied to a frozen model by forward hooks (``lora_applied``): each target Linear's output
 gains ``scaling * B (A x)`` (Hu et al., 2021, eq. 3; peft's ``LoraLayer.forward`` without dropout),
 for the tokens of the rows whose variant is not ``BASE``. The model's modules are never replaced
-nor wrapped (``mari_eval.site.forward_hook`` installs and removes each hook), so the frozen model
+nor wrapped (``mari_eval.injection.site.forward_hook`` installs and removes each hook), so the frozen model
 shared by every method stays as loaded; training (``baselines.lora``) and evaluation run the same
 hooks.
 
 Which tokens a row holds follows the runner's ``Plan.apply(variant_ids, positions)``
-(``mari_eval.plan``): without ``variant_ids`` every token of every pass is edited (a prompt encoded
+(``mari_eval.injection.plan``): without ``variant_ids`` every token of every pass is edited (a prompt encoded
 under the edit, generation's prefill and decode steps); with them, ``positions`` names each row's
 first token (its p*): a [R] column per batch row (a padded batch: the row is the batch row), or
 ``(rows, cols)`` in a packed sequence, where row j holds the tokens from its column up to the next
-row's (``mari_eval.row_passes``). A token takes the variant of its row, and BASE rows stay untouched
+row's (``mari_eval.evaluation.row_passes``). A token takes the variant of its row, and BASE rows stay untouched
 in a batch they share with edited ones.
 """
 
@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from mari_eval import site
-from mari_eval.plan import BASE, Positions
+from mari_eval.injection import site
+from mari_eval.injection.plan import BASE, Positions
 
 # weights(x) -> {"<target>.A": [layers, r, in], "<target>.B": [layers, out, r]} for an input x of a target
 Weights = Callable[[torch.Tensor], dict[str, torch.Tensor]]

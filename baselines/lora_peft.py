@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mari_eval import site
-from mari_eval.bundle_spec import BundleError, check_bundle_directory
-from mari_eval.bundles import load_bundle
-from mari_eval.files import check_replaceable
-from mari_eval.models import resolve_model, same_model
+from mari_eval.injection import site
+from mari_eval.methods.bundle_spec import BundleError, check_bundle_directory
+from mari_eval.methods.bundles import load_bundle
+from mari_eval.storage.files import check_replaceable
+from mari_eval.storage.models import resolve_model, same_model
 
 from .lora import LoRA
 from .lora_hooks import target_modules

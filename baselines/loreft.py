@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from mari_eval import site
-from mari_eval.plan import Positions
+from mari_eval.injection import site
+from mari_eval.injection.plan import Positions
 
 
 def linear_init(generator: torch.Generator, *shape: int) -> torch.Tensor:

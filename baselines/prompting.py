@@ -4,7 +4,7 @@ method must beat).
 
 What it computes: nothing is edited. The frozen model answers every prompt with the attribute's
 instruction (``INSTRUCTIONS``) put into it by the lm-eval model (``Intervention.instruction``, read by
-``mari_eval.lm.MariLM``): in the system turn when lm-eval applies a chat template
+``mari_eval.evaluation.lm.MariLM``): in the system turn when lm-eval applies a chat template
 (``--apply_chat_template``, and SORRY-Bench's prompt, rendered as one chat turn), otherwise as the
 context's first paragraph, before any few-shot preamble (questions still share their preamble after
 it). The options are scored, and the answers generated, as lm-eval renders them otherwise.
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval.bundle_spec import Str
-from mari_eval.intervention import Intervention
-from mari_eval.plan import Plan, no_edit
-from mari_eval.registry import register_method
+from mari_eval.methods.bundle_spec import Str
+from mari_eval.methods.intervention import Intervention
+from mari_eval.injection.plan import Plan, no_edit
+from mari_eval.methods.registry import register_method
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData
+    from mari_eval.training.session import Session
 
 # One instruction per attribute, the same for every question of it.
 INSTRUCTIONS = {

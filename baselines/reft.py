@@ -44,7 +44,7 @@ end-of-sequence token (options are scored, not generated); the data are D_train'
 a few steps where they train for thousands; the model is far smaller than their LLaMA-7B;
 R is orthonormalised by QR rather than PyTorch's orthogonal parametrisation. A published
 bundle records its ``layers`` and holds one R, W, b per layer (tensors [layers, r, d]),
-applied at each of them through ``mari_eval.site.edit_site``; bundles without ``layers``
+applied at each of them through ``mari_eval.injection.site.edit_site``; bundles without ``layers``
 are applied at l* alone, as before.
 """
 
@@ -58,14 +58,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import runner
-from mari_eval.bundle_spec import Float, Int, List, Str, TensorSpec
-from mari_eval.epochs import EpochLoop
-from mari_eval.intervention import Intervention
-from mari_eval.objectives import task_losses
-from mari_eval.plan import Plan, Positions
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.registry import register_method
+from mari_eval.evaluation import runner
+from mari_eval.methods.bundle_spec import Float, Int, List, Str, TensorSpec
+from mari_eval.training.epochs import EpochLoop
+from mari_eval.methods.intervention import Intervention
+from mari_eval.training.objectives import task_losses
+from mari_eval.injection.plan import Plan, Positions
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.methods.registry import register_method
 
 from .common import (IMPORTED, RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELDS, Baseline, recipe_of, shuffled_batches,
                      validation_loss, validation_split,
@@ -74,8 +74,8 @@ from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, p
 from .reft_published import fit_published
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ReFT(Baseline):
     }
 
     label = "ReFT"
-    command_line_recipe = "published"  # what the tables score (repro/recipes.py MAIN_TABLE_RECIPE)
+    command_line_recipe = "published"  # what the tables score (repro/engine/recipes.py MAIN_TABLE_RECIPE)
     training_fields = {k: v for k, v in hyperparameter_fields.items()
                        if k in DEFAULTS or k in PUBLISHED_ONLY or k in ("recipe", "validation")}
     training_defaults = DEFAULTS
@@ -200,7 +200,7 @@ class ReFT(Baseline):
                 best[:] = [val, epoch + 1, {k: v.detach().clone() for k, v in params.items()}]
             return record
 
-        def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes after its last finished epoch (mari_eval.checkpoint)
+        def restored(state: dict[str, Any], kept: dict[str, torch.Tensor]) -> None:  # a killed run resumes after its last finished epoch (mari_eval.storage.checkpoint)
             order.setstate(python_rng_state(state["order"]))
             best[:] = [state["best_validation"], state["best_epoch"], {k: kept[k] for k in params}]
 

@@ -24,7 +24,7 @@ example (stanfordnlp/pyreft README.md, steps 3-4): 10 examples, batch 10, 100 ep
 100 optimizer steps. On their commonsense data the rule changes nothing; here it gives 100
 epochs of one step at 20 fit examples, 34 epochs of 3 steps at 80 (TruthfulQA's whole D_train).
 ``--set min_steps=N`` replaces MIN_STEPS: the standard profile's 20 and the quick profile's 10
-(repro/profiles.py ``STANDARD_REFT_STEPS``, ``QUICK_REFT_STEPS``, for their budgets on 2 CPU cores), recorded in the bundle. Learning rate, schedule shape, batch and clipping stay the commonsense ones;
+(repro/engine/profiles.py ``STANDARD_REFT_STEPS``, ``QUICK_REFT_STEPS``, for their budgets on 2 CPU cores), recorded in the bundle. Learning rate, schedule shape, batch and clipping stay the commonsense ones;
 the warm-up ramp starts a step earlier than Hugging Face's (``warmup_linear``) so that the
 first step learns. The fit records the steps, every epoch's validation loss and how far the
 edit moved from its start (``diagnostics.distance_from_init``). R is orthonormalised with its
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mari_eval import row_passes, runner
-from mari_eval.bundle_spec import check_hyperparameters
-from mari_eval.epochs import EpochLoop
-from mari_eval.objectives import task_losses
-from mari_eval.plan import Plan
-from mari_eval.prefix_cache import encode_prefix
+from mari_eval.evaluation import row_passes, runner
+from mari_eval.methods.bundle_spec import check_hyperparameters
+from mari_eval.training.epochs import EpochLoop
+from mari_eval.training.objectives import task_losses
+from mari_eval.injection.plan import Plan
+from mari_eval.evaluation.prefix_cache import encode_prefix
 
 from .common import (SELECTION_KEY, prepare_validation, shuffled_batches, validation_loss, validation_record,
                      validation_split)
@@ -60,9 +60,9 @@ from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_laye
 from .reft_step import batch_gradient, shared_length
 
 if TYPE_CHECKING:
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.intervention import Intervention
-    from mari_eval.session import Session
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.methods.intervention import Intervention
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from mari_eval import devices, runner
-from mari_eval.plan import Plan
-from mari_eval.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, packed_inputs,
-                                    with_cache)
+from mari_eval.evaluation import runner
+from mari_eval.injection import devices
+from mari_eval.injection.plan import Plan
+from mari_eval.evaluation.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, packed_inputs,
+                                               with_cache)
 
 if TYPE_CHECKING:
-    from mari_eval.examples import Example
-    from mari_eval.session import Session
+    from mari_eval.training.examples import Example
+    from mari_eval.training.session import Session
 
 
 def answer_of(ex: Example) -> list[int]:

@@ -35,9 +35,9 @@ import argparse
 import random
 from pathlib import Path
 
-from mari_eval import data, data_splits
-from mari_eval.models import resolve_model
-from repro.profiles import PROFILES
+from mari_eval.benchmarks import data, data_splits
+from mari_eval.storage.models import resolve_model
+from repro.engine.profiles import PROFILES
 
 
 def _import_repeng():
@@ -54,7 +54,7 @@ def contrast_pairs(seed: int, max_train: int | None) -> list[tuple[str, str]]:
     """(positive, negative) texts of the seed's TruthfulQA D_train questions (the profile's subset)."""
     splits = data_splits.make_splits("truthfulqa", seed)
     train = list(splits.train)
-    if max_train is not None and len(train) > max_train:  # as mari_eval.examples.attribute_data draws it
+    if max_train is not None and len(train) > max_train:  # as mari_eval.training.examples.attribute_data draws it
         train = random.Random(f"max_train:{seed}").sample(train, max_train)
     records = {r["id"]: r for r in data.load_truthfulqa_mc()}
     pairs = []

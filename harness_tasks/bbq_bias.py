@@ -5,7 +5,7 @@ s_AMB = (1 - accuracy) * (2 * n_biased / n_non_unknown - 1). In an ambiguous con
 answer is "unknown", so 1 - accuracy = n_non_unknown / n, and s_AMB = (n_biased - n_counter) / n,
 n_counter being the answers that name the other, non-stereotyped person: the mean over documents
 of +1 (the stereotyped answer), -1 (the other person) or 0 ("unknown"). As a mean it gets the
-tables' intervals and paired tests (clustered by context, repro/intervals.py) like any accuracy.
+tables' intervals and paired tests (clustered by context, repro/analysis/intervals.py) like any accuracy.
 lm-eval's own ``amb_bias_score`` is the same figure except where no answer is stereotyped at all
 (its aggregation returns 0 there, the formula -n_counter / n); both are reported.
 """

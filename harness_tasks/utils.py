@@ -1,11 +1,11 @@
-"""Data for the lm-eval tasks of this folder, read through ``mari_eval.data``.
+"""Data for the lm-eval tasks of this folder, read through ``mari_eval.benchmarks.data``.
 
 Every YAML here names one of the ``load_*`` functions below as its ``custom_dataset``. lm-eval
 0.4.13 calls it as ``fn(**metadata, **dataset_kwargs)`` (``ConfigurableTask.download``), where
 ``metadata`` merges the YAML's, ``--metadata`` and the model's ``--model_args`` (unrelated keys such
 as ``version`` or ``pretrained``: every loader accepts ``**_``); it returns a ``datasets.DatasetDict``
 keyed by the YAML's split names. The records come from ``$MARI_DATA_DIR`` when it is set (the local
-copy, ``shared/data/SOURCES.md``), otherwise from the Hub, as ``mari_eval.data`` reads them.
+copy, ``shared/data/SOURCES.md``), otherwise from the Hub, as ``mari_eval.benchmarks.data`` reads them.
 
 Scoring is lm-eval's own: the names at the bottom are lm-eval's functions, imported
 (not copied) so that the YAMLs can reference them as ``!function utils.<name>``. The
@@ -26,14 +26,14 @@ from pathlib import Path
 import datasets
 
 try:
-    from mari_eval import data as mari_data
+    from mari_eval.benchmarks import data as mari_data
 except ImportError:  # a checkout that is not pip-installed: the package sits beside this folder
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from mari_eval import data as mari_data
-from mari_eval import data_splits
-from mari_eval.bleurt import truthfulqa_scores as bleurt_scores
-# How held-out documents are ordered so that lm-eval's --limit N draws across categories (mari_eval/document_order.py).
-from mari_eval.document_order import spread_bbq, spread_over_categories  # noqa: F401
+    from mari_eval.benchmarks import data as mari_data
+from mari_eval.benchmarks import data_splits
+from mari_eval.benchmarks.bleurt import truthfulqa_scores as bleurt_scores
+# How held-out documents are ordered so that lm-eval's --limit N draws across categories (mari_eval/benchmarks/document_order.py).
+from mari_eval.benchmarks.document_order import spread_bbq, spread_over_categories  # noqa: F401
 from mari_eval.judge import sorry_bench
 from mari_eval.judge.sorry_bench import SORRY_CATEGORIES
 # SORRY-Bench's scoring lives with the judge (mari_eval/judge/sorry_bench.py); the YAMLs call it by these names.
@@ -125,7 +125,7 @@ def _seed(value) -> int:
 
 
 def splits_for(dataset: str, split_seed=0) -> data_splits.Splits:
-    """The ``mari_eval.data_splits.make_splits`` result that the held-out tasks use (cached)."""
+    """The ``mari_eval.benchmarks.data_splits.make_splits`` result that the held-out tasks use (cached)."""
     return _splits(dataset, _seed(split_seed), _source())
 
 
@@ -212,7 +212,7 @@ def load_bbq(**_) -> datasets.DatasetDict:
 
 def _bbq_heldout(split_seed, *, keep_only_test: bool, task: str) -> list[dict]:
     """``_heldout`` for BBQ, refusing held-out records that share a context with pca/train/ctrl
-    (``mari_eval.data_splits.check_bbq_contexts``: a context's paired questions are one unit)."""
+    (``mari_eval.benchmarks.data_splits.check_bbq_contexts``: a context's paired questions are one unit)."""
     records = _heldout(_bbq_records(), "bbq", split_seed, keep_only_test=keep_only_test, task=task)
     data_splits.check_bbq_contexts(splits_for("bbq", split_seed), _bbq_records(), [r["id"] for r in records])
     return records
@@ -283,7 +283,7 @@ def load_gsm8k(**_) -> datasets.DatasetDict:
 # ----------------------------------------------------------------------------- SORRY-Bench (judged)
 
 # A doc field holding the prompt as one chat user turn: MariLM renders a context equal to it
-# through the model's chat template (mari_eval/lm.py), as training renders SORRY-Bench prompts.
+# through the model's chat template (mari_eval/evaluation/lm.py), as training renders SORRY-Bench prompts.
 CHAT_TURN_FIELD = "chat_user_turn"
 
 
@@ -329,7 +329,7 @@ process_docs_gen = truthfulqa_utils.process_docs_gen  # "I have no comment." add
 
 def process_results_gen(doc: dict, results) -> dict:
     """lm-eval's BLEU and ROUGE against the correct and incorrect answers; BLEURT beside them when
-    the task's metadata names a checkpoint (mari_eval/bleurt.py), else said once and skipped."""
+    the task's metadata names a checkpoint (mari_eval/benchmarks/bleurt.py), else said once and skipped."""
     metrics = truthfulqa_utils.process_results_gen(doc, results)
     if doc.get("bleurt"):
         metrics.update(bleurt_scores(doc["bleurt"], results[0], doc["correct_answers"], doc["incorrect_answers"]))
@@ -341,7 +341,7 @@ def process_results_gen(doc: dict, results) -> dict:
 @functools.lru_cache(maxsize=1)
 def _bleurt_skipped() -> None:
     log.warning("truthfulqa_gen: BLEURT not computed, no checkpoint named; add --metadata "
-                "'{\"bleurt\": \"Elron/bleurt-base-512\"}' (or any BLEURT checkpoint, mari_eval/bleurt.py)")
+                "'{\"bleurt\": \"Elron/bleurt-base-512\"}' (or any BLEURT checkpoint, mari_eval/benchmarks/bleurt.py)")
 
 # BBQ (lm_eval/tasks/bbq/utils.py)
 bbq_process_docs = bbq_utils.process_docs

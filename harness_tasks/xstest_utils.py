@@ -24,9 +24,9 @@ import os
 
 import datasets
 
-from mari_eval import data as mari_data
+from mari_eval.benchmarks import data as mari_data
 from mari_eval.judge.prompt import keyword_refusal
-from mari_eval.lm_generation import CHAT_TURN_FIELD
+from mari_eval.evaluation.lm_generation import CHAT_TURN_FIELD
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,12 +10,13 @@ import argparse
 import json
 import sys
 
-from mari_eval import cli_generate, options  # light: the seed's type; the generate command
+from mari_eval import cli_generate  # light: the seed's type; the generate command
+from mari_eval.methods import options
 from mari_eval.cli_generate import key_values
 
 
 def _materialize(args: argparse.Namespace) -> int:
-    from mari_eval.models import (EMBEDDED,  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.storage.models import (EMBEDDED,  # deferred: keeps this module light (start-up, `mari-eval --help`)
                                   materialize)
 
     for alias in args.alias or list(EMBEDDED):
@@ -27,12 +28,12 @@ def _materialize(args: argparse.Namespace) -> int:
 
 
 def _splits(args: argparse.Namespace) -> int:
-    from mari_eval.data_splits import make_splits  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.benchmarks.data_splits import make_splits  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     splits = make_splits(args.dataset, args.seed)
     text = json.dumps({**splits.to_json(), "fingerprint": splits.fingerprint()}, indent=2)
     if args.out:
-        from mari_eval.files import atomic_write  # deferred: keeps this module light (start-up, `mari-eval --help`)
+        from mari_eval.storage.files import atomic_write  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
         atomic_write(args.out, text + "\n")  # whole or not at all; a failure names --out's path
         sizes = {k: len(getattr(splits, k)) for k in ("pca", "train", "ctrl", "ctrl_arc", "ctrl_mmlu", "test")}
@@ -45,9 +46,9 @@ def _splits(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
-    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
-    from mari_eval.devices import Placement  # deferred: keeps this module light (start-up, `mari-eval --help`)
-    from mari_eval.train import train  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.methods.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+    from mari_eval.injection.devices import Placement  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.training.train import train  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     check_bundle_out(args.out, args.force)  # a trained bundle there is replaced only with --force
 
@@ -113,7 +114,7 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from mari_eval.hub import push  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.methods.hub import push  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     pushed = push(args.bundle, args.repo, revision=args.revision, private=args.private,
                   commit_message=args.commit_message, to_dir=args.to_dir)
@@ -126,17 +127,17 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _import_vector(args: argparse.Namespace) -> int:
-    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
-    from mari_eval.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.methods.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+    from mari_eval.vectors.control_vector import import_gguf  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
-    from mari_eval.pyreft_save import is_pyreft_save, run_import  # deferred: keeps this module light
-    if args.positions is not None or is_pyreft_save(args.file):  # a pyreft save folder (mari_eval/pyreft_save.py)
+    from mari_eval.vectors.pyreft_save import is_pyreft_save, run_import  # deferred: keeps this module light
+    if args.positions is not None or is_pyreft_save(args.file):  # a pyreft save folder (mari_eval/vectors/pyreft_save.py)
         return run_import(args)
-    from mari_eval.vector_sign import SignCheck  # deferred: as above
+    from mari_eval.vectors.vector_sign import SignCheck  # deferred: as above
     check = SignCheck(args.model, args.sign_check) if args.sign_check else None  # measured before anything is written
-    if args.file.endswith((".pt", ".pth", ".csv")):  # lm-eval's --model steered config or SAE CSV (mari_eval/steer_config.py)
-        from mari_eval.steer_config import import_steer_file  # deferred: keeps this module light
+    if args.file.endswith((".pt", ".pth", ".csv")):  # lm-eval's --model steered config or SAE CSV (mari_eval/vectors/steer_config.py)
+        from mari_eval.vectors.steer_config import import_steer_file  # deferred: keeps this module light
 
         if args.scale != 1.0 or args.allow_other_model:
             raise ValueError("--scale and --allow-other-model apply to GGUF vectors: an lm-eval steering config keeps its "
@@ -152,8 +153,8 @@ def _import_vector(args: argparse.Namespace) -> int:
 
 
 def _combine(args: argparse.Namespace) -> int:
-    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
-    from mari_eval.combine import combine  # deferred: as above
+    from mari_eval.methods.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+    from mari_eval.vectors.combine import combine  # deferred: as above
 
     check_bundle_out(args.out, args.force)
     path = combine(args.terms, args.out, args.model)
@@ -162,7 +163,7 @@ def _combine(args: argparse.Namespace) -> int:
 
 
 def _export_vector(args: argparse.Namespace) -> int:
-    from mari_eval.control_vector import (  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.vectors.control_vector import (  # deferred: keeps this module light (start-up, `mari-eval --help`)
         EVERY_POSITION, export_gguf)
 
     exported = export_gguf(args.bundle, args.file, model_hint=args.model_hint, force=args.force)
@@ -179,13 +180,13 @@ def _export_vector(args: argparse.Namespace) -> int:
 def _lora_peft():
     import importlib  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
-    from mari_eval.registry import _baselines_package  # deferred: mari_eval never imports baselines/ at the top
+    from mari_eval.methods.registry import _baselines_package  # deferred: mari_eval never imports baselines/ at the top
 
     return importlib.import_module(f"{_baselines_package()}.lora_peft")
 
 
 def _import_lora(args: argparse.Namespace) -> int:
-    from mari_eval.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
+    from mari_eval.methods.bundle_spec import check_bundle_out  # deferred: keeps `mari-eval --help` light
 
     check_bundle_out(args.out, args.force)  # a bundle there is replaced only with --force
     path = _lora_peft().import_peft(args.adapter, args.model, args.out, allow_other_model=args.allow_other_model)
@@ -202,7 +203,7 @@ def _export_lora(args: argparse.Namespace) -> int:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    from mari_eval import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.methods import registry  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     for name, source in registry.method_sources().items():
         print(f"{name:16} {source}")
@@ -311,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upload nothing: write into DIR (new or empty) exactly the files that would be sent")
     p.set_defaults(run=_push)
 
-    p = sub.add_parser("import-vector", help="a GGUF control vector, lm-eval .pt or pyreft save as a bundle",
+    p = sub.add_parser("import-vector", help="a GGUF, lm-eval .pt/.csv or pyreft save as a bundle",
                        description="Write the control vector FILE.gguf (repeng's ControlVector.export_gguf or llama.cpp's "
                                    "llama-cvector-generator) as a control_vector bundle for --model: direction.N is "
                                    "added to the output of decoder layer N (model.model.layers[N]) at every position, "
@@ -319,23 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
                                    "multiplies it); docs/methods.md. A FILE.pt (or .pth) is read as lm-eval's "
                                    "--model steered config ({hookpoint: steering_vector, steering_coefficient, action "
                                    "add or clamp, bias}), with torch.load(weights_only=True), as a steered_config bundle "
-                                   "that edits what lm-eval's steered model edits (mari_eval/steer_config.py); a "
-                                   "FILE.csv as its SAE-feature CSV, from local safetensors (mari_eval/sae_features.py).")
+                                   "that edits what lm-eval's steered model edits (mari_eval/vectors/steer_config.py); a "
+                                   "FILE.csv as its SAE-feature CSV, from local safetensors (mari_eval/vectors/sae_features.py).")
     p.add_argument("file", help="the control vector .gguf, lm-eval's steering config .pt, or the folder of pyreft's "
-                                "ReftModel.save (LoReFT/NoReFT, as a reft bundle: mari_eval/pyreft_save.py)")
+                                "ReftModel.save (LoReFT/NoReFT, as a reft bundle: mari_eval/vectors/pyreft_save.py)")
     p.add_argument("--positions", help="pyreft folder: the prompt tokens edited, fN+lM (default f7+l7)")
     _import_arguments(p, "it steers", "a vector whose model hint names another architecture")
     p.add_argument("--scale", type=float, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
     p.add_argument("--sign-check", nargs=2, action="append", metavar=("POSITIVE", "NEGATIVE"), help="flip each added "
-                   "direction the prompts' states say points away from POSITIVE (repeatable; mari_eval/vector_sign.py)")
+                   "direction the prompts' states say points away from POSITIVE (repeatable; mari_eval/vectors/vector_sign.py)")
     p.set_defaults(run=_import_vector)
 
     p = sub.add_parser("combine", help="sum steering vectors, with weights, into one bundle",
                        description="Write the weighted sum of TERMs (PATH[:WEIGHT]: a .gguf control vector or a bundle "
                                    "that adds fixed directions, CAA or a control vector; weight 1 by default) as one "
                                    "control_vector bundle: after each layer any term names, the sum of weight x its "
-                                   "direction, at every position (mari_eval/combine.py).")
+                                   "direction, at every position (mari_eval/vectors/combine.py).")
     p.add_argument("terms", nargs="+", metavar="TERM", help="PATH[:WEIGHT], e.g. happy.gguf:1 bundles/caa-tqa-s0:-0.5")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--model", help="the model (default: the first bundle term's base model; GGUF terms alone need it)")

@@ -1,11 +1,11 @@
-"""``mari-eval generate``'s command line (the work: mari_eval/side_by_side.py), and ``--set KEY=VALUE``
+"""``mari-eval generate``'s command line (the work: mari_eval/evaluation/side_by_side.py), and ``--set KEY=VALUE``
 as the commands read it. Light: `mari-eval --help` imports it."""
 
 from __future__ import annotations
 
 import argparse
 
-from mari_eval import options
+from mari_eval.methods import options
 
 
 def key_values(items: list[str] | None) -> dict[str, str]:
@@ -24,7 +24,7 @@ def key_values(items: list[str] | None) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mari_eval import side_by_side  # deferred: keeps this module light (start-up, `mari-eval --help`)
+    from mari_eval.evaluation import side_by_side  # deferred: keeps this module light (start-up, `mari-eval --help`)
 
     settings = side_by_side.GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     given = key_values(args.set)

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from repro import cache, command_line, planning, profiles, scoring, steps, tables
-from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
+from repro.engine import cache, command_line, planning, profiles, scoring, steps
+from repro.analysis import tables
+from repro.engine.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
 # The keyword rate needs no judge: the SORRY-Bench column a reader can use. MMLU and ARC also run
 # under the BBQ and SORRY-Bench bundles (GENERAL_UNDER_OTHERS).
@@ -53,7 +54,7 @@ COMPARISONS = [("EG-MARI", "w/o Multi-Adapter")]
 
 
 def plan(profile: profiles.Profile, store: cache.Store, columns=COLUMNS) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py): MARI's bundles, then the rows' evaluations."""
+    """``run``'s work as a graph of steps (repro/engine/planning.py): MARI's bundles, then the rows' evaluations."""
     graph = steps.Graph()
     for model in profile.models:
         for seed in profile.seeds:

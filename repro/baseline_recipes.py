@@ -8,7 +8,7 @@ adapted recipe (this suite's setting) and with the published one (its authors'; 
 Baselines). Columns: held-out TruthfulQA MC1 and MC2, and ``val_loss``, the task loss on the
 validation slice of D_train of the configuration each recipe keeps (fitted on the other 80%;
 Vanilla: the base model's), reported and not used to choose: the main table scores the
-published recipe of every baseline, the same for every bundle (repro/recipes.py), marked under the
+published recipe of every baseline, the same for every bundle (repro/engine/recipes.py), marked under the
 table. The bundles are the main
 table's (same cache under runs/). Writes results/baseline_recipes.{json,md,tex}.
 """
@@ -22,14 +22,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
-from repro.profiles import BENCHMARKS, METHOD_LABELS
+from repro.engine import cache, command_line, planning, profiles, recipes, scoring, steps
+from repro.analysis import tables
+from repro.engine.profiles import BENCHMARKS, METHOD_LABELS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2")]
 
 
 def plan(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py): each baseline's bundle under each
+    """``run``'s work as a graph of steps (repro/engine/planning.py): each baseline's bundle under each
     recipe, then the rows' evaluations."""
     graph = steps.Graph()
     for model in profile.models:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     cells, notes = run(profile, store, methods)
     intro = ("Held-out TruthfulQA in %; n = test documents (val_loss: validation questions, from D_train). "
              "adapted: this suite's setting; published: the authors' recipe (docs/baselines.md), the main table's "
-             "(the same for every bundle, not chosen per bundle by val_loss; repro/recipes.py says when and why it was "
+             "(the same for every bundle, not chosen per bundle by val_loss; repro/engine/recipes.py says when and why it was "
              "fixed). The paper reports neither.")
     tables.write_tables(Path(args.out), "baseline_recipes", "Baselines under both training recipes (TruthfulQA)",
                         intro, cells, [c[0] for c in COLUMNS] + ["val_loss"], lambda model: ("(not reported)", {}),

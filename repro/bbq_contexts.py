@@ -11,7 +11,7 @@ shows that the model reads the question is the share of contexts with *both* que
 From a table's per-document file (results/NAME_documents.parquet, BBQ's documents clustered by
 context), per row: the contexts with both, exactly one and neither question right; the
 both-right rate with its bootstrap interval over contexts; and its paired difference from the
-reference row on the same contexts (McNemar's exact test on contexts, repro/intervals.py).
+reference row on the same contexts (McNemar's exact test on contexts, repro/analysis/intervals.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-from repro import intervals
-from repro.documents_file import SUFFIX, read_documents, shown_path, table_command_line
-from repro.profiles import REPO
-from repro.tables import markdown_table, p_text, write_record
+from repro.analysis import intervals
+from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_command_line
+from repro.engine.profiles import REPO
+from repro.analysis.tables import markdown_table, p_text, write_record
 
 COLUMN = "bbq_acc"
 

@@ -50,14 +50,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mari_eval.cli import add_placement_arguments
-from mari_eval.devices import Placement
-from mari_eval.files import check_writable_dir, write_results_json
-from mari_eval.models import resolve_model
-from repro import profiles, recipes
-from repro.cache import Store
-from repro.command_line import at_least, listed
-from repro.tables import markdown_table
-from repro.timing import gate_rate, sorry_prompt_ids, time_generation
+from mari_eval.injection.devices import Placement
+from mari_eval.storage.files import check_writable_dir, write_results_json
+from mari_eval.storage.models import resolve_model
+from repro.engine import profiles, recipes
+from repro.engine.cache import Store
+from repro.engine.command_line import at_least, listed
+from repro.analysis.tables import markdown_table
+from repro.benchmark.timing import gate_rate, sorry_prompt_ids, time_generation
 
 REPO = Path(__file__).resolve().parents[1]
 # The methods --from-runs times, MARI first: MARI and the paper's four baselines (results/bench.*, as committed).
@@ -124,7 +124,7 @@ def measure_mc(lm, limit: int | None, repeats: int) -> dict:
 
 
 def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
-    """The first ``prompts`` SORRY-Bench prompts, one at a time (``repro.timing``)."""
+    """The first ``prompts`` SORRY-Bench prompts, one at a time (``repro.benchmark.timing``)."""
     return time_generation(lm, sorry_prompt_ids(lm, prompts), tokens, repeats)
 
 
@@ -158,7 +158,7 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
 
 
 def table(results: dict, tokens: int) -> list[str]:
-    """The Markdown table of ``results`` (repro.tables.markdown_table), ratios to lm-eval's ``hf``."""
+    """The Markdown table of ``results`` (repro.analysis.tables.markdown_table), ratios to lm-eval's ``hf``."""
     hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
     headers = ["entry", "TQA MC2 wall (s)", "x hf", "acc", "first token (ms)", "x hf", "tokens/s", "x hf",
                f"{tokens}-token latency (s)", "x hf", "gate rate (mc / gen)", "peak RSS (MiB)"]

@@ -26,13 +26,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mari_eval.files import atomic_write, write_results_json
+from mari_eval.storage.files import atomic_write, write_results_json
 from mari_eval.mari.equations import energy_threshold
 from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, planning, profiles, scoring, steps, tables
+from repro.engine import cache, command_line, planning, profiles, scoring, steps
+from repro.analysis import tables
 from repro.ablation_table import labels_args
-from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
+from repro.engine.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
 
 TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
          "bbq": ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
@@ -40,7 +41,7 @@ TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthf
 
 
 def plan(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py): MARI's bundles; each bundle's task
+    """``run``'s work as a graph of steps (repro/engine/planning.py): MARI's bundles; each bundle's task
     with and without its gate; every column under each labelling (the ablation's EG-MARI rows)."""
     graph = steps.Graph()
     for model in profile.models:

@@ -4,13 +4,13 @@
     python repro/gpu_bench.py --render OUT.json [--out results]
 
 One process builds one model of a paper model's shape with random bf16 weights on the device
-(``repro.random_model``; the real checkpoints cannot reach a lent GPU, and speed and memory do
+(``repro.benchmark.random_model``; the real checkpoints cannot reach a lent GPU, and speed and memory do
 not depend on the weights), with the embedded SmolLM2 tokenizer, then runs these steps in
 order, cheapest and most needed first:
 
 1. every method's bundle trained on TruthfulQA's D_train (100 questions) with tiny settings
    (``Settings.hyperparameters``: the time is not the point; MARI with K = 4), through that model;
-   MARI's peak GPU memory of training against ``mari_eval.memory``'s estimate;
+   MARI's peak GPU memory of training against ``mari_eval.training.memory``'s estimate;
 2. ``truthfulqa_mc2`` (100 questions) through ``lm_eval.simple_evaluate`` for lm-eval's ``hf``
    (``batch_size=auto``) and ``MariLM`` without a bundle, with MARI (gate on; gate forced open on
    every question, ``mari_open``; ``gate=false``) and with each baseline's bundle; MariLM at
@@ -30,7 +30,7 @@ stopped at a time limit keeps what it measured. A step starts only while the dea
 (``--deadline-s`` after the start) leaves room for it (as long as the longest step of its kind
 so far); the others are recorded as skipped. A failing step is recorded with its error and the
 run goes on (a step needing a bundle whose training failed is skipped). ``--render`` writes
-results/gpu_bench.{json,md} from a raw file (``repro.gpu_bench_report``). Benchmarks, not tests:
+results/gpu_bench.{json,md} from a raw file (``repro.benchmark.gpu_bench_report``). Benchmarks, not tests:
 nothing here asserts a timing.
 """
 
@@ -55,8 +55,8 @@ if str(REPO) not in sys.path:  # run as a script from a checkout that is not pip
 
 import importlib.metadata as md
 
-from mari_eval.files import write_results_json  # noqa: E402
-from repro import gpu_bench_steps as steps, random_model  # noqa: E402
+from mari_eval.storage.files import write_results_json  # noqa: E402
+from repro.benchmark import gpu_bench_steps as steps, random_model  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
 
@@ -77,7 +77,7 @@ class Settings:
     max_pca: int | None = 32  # D_pca prompts (MARI's subspace; at least its PCA rank, 16)
     hyperparameters: dict[str, dict] = field(default_factory=lambda: {
         "mari": {"K": 4, "epochs": 1},
-        "caa": {"recipe": "published"},  # the main table's recipe of every baseline (repro/recipes.py)
+        "caa": {"recipe": "published"},  # the main table's recipe of every baseline (repro/engine/recipes.py)
         "iti": {"recipe": "published"},
         "nl_iti": {"recipe": "published"},
         "reft": {"recipe": "published", "epochs": 1, "min_steps": 1},
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if args.render:
-        from repro import gpu_bench_report  # deferred: rendering reads matplotlib; only --render needs it
+        from repro.benchmark import gpu_bench_report  # deferred: rendering reads matplotlib; only --render needs it
 
         for path in gpu_bench_report.render([Path(r) for r in args.render], Path(args.out)):
             print(path)

@@ -45,7 +45,7 @@ pack() {
   for file in $DATA_FILES; do
     mkdir -p ".gpu_data/data/$(dirname "$file")" && cp "$data/$file" ".gpu_data/data/$file"
   done
-  HF_HUB_OFFLINE=1 python3 -c "from repro.random_model import tokenizer_folder; tokenizer_folder('.gpu_data/tokenizer')"
+  HF_HUB_OFFLINE=1 python3 -c "from repro.benchmark.random_model import tokenizer_folder; tokenizer_folder('.gpu_data/tokenizer')"
   du -sh .whl .gpu_data .gpu_data/data .gpu_data/tokenizer
 }
 

@@ -31,13 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-from mari_eval.data import load_xstest_completions
-from mari_eval.files import check_writable_dir
+from mari_eval.benchmarks.data import load_xstest_completions
+from mari_eval.storage.files import check_writable_dir
 from mari_eval.judge import agreement as A
 from mari_eval.judge.prompt import REFUSAL, UNPARSEABLE, keyword_refusal
-from repro import intervals
-from repro.profiles import REPO
-from repro.tables import markdown_table, write_record
+from repro.analysis import intervals
+from repro.engine.profiles import REPO
+from repro.analysis.tables import markdown_table, write_record
 
 JUDGES = ("keyword", "xstest-string-match", "xstest-gpt4")
 SHOWN_RAW = 3  # unparseable answers of the LLM judge shown in the results
@@ -59,7 +59,7 @@ def llm_verdicts(rows: list[dict]) -> tuple[list[bool | None], dict]:
     embedded one by its alias), prompt and settings, and the first ``SHOWN_RAW`` answers it gave
     that are not a verdict."""
     from mari_eval.judge import Judge, JudgeConfig, judge_environment, load_prompt
-    from mari_eval.models import EMBEDDED, same_model
+    from mari_eval.storage.models import EMBEDDED, same_model
 
     with judge_environment() as env:
         with _environment(env):

@@ -8,7 +8,7 @@ Times greedy generations of SORRY-Bench prompts, one at a time, with the benchma
 code (repro/bench.py, one fresh process per method): first-token latency (FTL, until
 the first answer token is streamed), tokens/s after it (TPS) and total latency (TTLT).
 The bundles are the main table's SORRY-Bench ones (same cache under runs/; each baseline in
-the main table's recipe, repro/recipes.py). Writes
+the main table's recipe, repro/engine/recipes.py). Writes
 results/latency.{json,md,tex} with the paper's Table 4 beside ours (its hardware and
 model differ: compare ratios to Base, not absolute numbers). The bundles are trained and
 the timed processes load the model in the placement of --dtype/--device/--device-map.
@@ -26,7 +26,9 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from repro import bench, cache, command_line, planning, profiles, recipes, steps, tables
+from repro import bench
+from repro.engine import cache, command_line, planning, profiles, recipes, steps
+from repro.analysis import tables
 
 ROWS = {"Base Model": None, "ITI": "iti", "NLITI": "nl_iti", "ReFT": "reft", "MARI": "mari"}  # the paper's labels
 # The paper's rows and the two simple baselines (their cost, issue 39); --methods chooses others.
@@ -41,7 +43,7 @@ def rows_of(methods: list[str]) -> dict[str, str | None]:
 
 
 def plan(profile: profiles.Profile, store: cache.Store, rows: dict[str, str | None] = ROWS) -> steps.Graph:
-    """The bundles ``run`` times, as steps (repro/planning.py); the timings are not steps."""
+    """The bundles ``run`` times, as steps (repro/engine/planning.py); the timings are not steps."""
     graph = steps.Graph()
     for model in profile.models:
         for seed in profile.seeds:

@@ -19,9 +19,9 @@ evaluated on the held-out splits (TruthfulQA MC1/MC2, BBQ disambiguated accuracy
 SORRY-Bench refusal rate by the LLM judge) and on MMLU (5-shot), ARC-Easy and
 ARC-Challenge (25-shot) under each attribute's intervention (the columns without a tag under
 TruthfulQA's, as the paper reports them; ``@bbq`` and ``@sorry`` under BBQ's and SORRY-Bench's).
-Each baseline is trained under its published recipe, the same for every bundle (repro/recipes.py;
+Each baseline is trained under its published recipe, the same for every bundle (repro/engine/recipes.py;
 ``--recipe adapted`` for this suite's setting). Every bundle and
-every evaluation is cached under runs/ by its configuration (repro/cache.py): an
+every evaluation is cached under runs/ by its configuration (repro/engine/cache.py): an
 interrupted run continues where it stopped, a finished one is read back.
 
 Writes main_table.{json,md,tex} under results/ for the standard profile, results/profiles/NAME/
@@ -38,18 +38,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from repro import cache, command_line, planning, profiles, recipes, scoring, steps, tables
-from repro.profiles import BENCHMARKS, METHODS, method_label
+from repro.engine import cache, command_line, planning, profiles, recipes, scoring, steps
+from repro.analysis import tables
+from repro.engine.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
-# What the intro says of the optional columns, by the starts of their names (repro/profiles.py).
+# What the intro says of the optional columns, by the starts of their names (repro/engine/profiles.py).
 OPTIONAL_NOTES = {
     ("bbq_amb",): "`bbq_amb_acc` and `bbq_amb_bias`: BBQ's ambiguous-context accuracy and bias score s_AMB (a mean of "
                   "+1 stereotyped answer / -1 the other person / 0 unknown; harness_tasks/bbq_bias.py), under the BBQ bundle.",
     ("xstest",): "`xstest_safe_refusal` and `xstest_unsafe_compliance`: XSTest's safe prompts refused and unsafe prompts "
                  "complied with (keyword judge), under the SORRY-Bench bundle.",
     ("kl", "ce"): "`kl` and `ce`: the steered model's KL divergence from the untouched one and its cross-entropy, in nats "
-                  "per token, on general text (MMLU and ARC-Challenge question texts; mari_eval/divergence.py).",
+                  "per token, on general text (MMLU and ARC-Challenge question texts; mari_eval/evaluation/divergence.py).",
 }
 
 
@@ -93,7 +94,7 @@ def _extra_rows(extras: dict[str, tuple] | None, columns: list[tuple]) -> dict[s
 
 def plan(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
          recipe: str = recipes.MAIN_TABLE_RECIPE, extras: dict[str, tuple] | None = None) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py), nothing run: a training step per
+    """``run``'s work as a graph of steps (repro/engine/planning.py), nothing run: a training step per
     bundle, an evaluation step per group of rows and tasks that share a pass."""
     graph = steps.Graph()
     for name, (directory, _) in (extras or {}).items():  # made elsewhere: nothing to train
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         planning.add_arguments(parser)
         parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
                             help="every baseline's training recipe (default: %(default)s, the same for every bundle; "
-                                 "repro/recipes.py)")
+                                 "repro/engine/recipes.py)")
 
     args, profile, store, command = command_line.start(__doc__, "main_table.py", argv, options)
     methods = command_line.methods_listed(args.methods)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
              "@sorry under the BBQ- and SORRY-Bench-trained ones. `sorry_keyword` is the keyword refusal "
              "rate (no judge), ours only. The paper column is the paper's Table 1 for its closest model: "
              "not the same model, not comparable in size. Each baseline's training recipe (published: its "
-             "authors', the same for every bundle, repro/recipes.py; adapted: this suite's setting; docs/baselines.md) is "
+             "authors', the same for every bundle, repro/engine/recipes.py; adapted: this suite's setting; docs/baselines.md) is "
              "listed under the table. "
              "Every row is also tested against MARI, a second family for Holm's adjustment."
              + "".join(f" {note}" for prefix, note in OPTIONAL_NOTES.items() if any(c[0].startswith(prefix) for c in columns)))

@@ -3,11 +3,11 @@
     python -m repro.recompute results/main_table     # or main_table, or the .json or .parquet path
 
 The file (one record per model, row, column, seed and document) is described in
-``repro.documents_file``, which writes and reads it. ``recompute`` rebuilds the table's cells from that file alone and runs the tables' own
-computation on them (``repro.tables.cell_interval`` and ``repro.differences``: repro/intervals.py's
+``repro.analysis.documents_file``, which writes and reads it. ``recompute`` rebuilds the table's cells from that file alone and runs the tables' own
+computation on them (``repro.analysis.tables.cell_interval`` and ``repro.analysis.differences``: repro/analysis/intervals.py's
 intervals, paired tests and Holm's adjustment over the table), then compares every number with
 results/NAME.json: each seed's figure and the mean over seeds against the per-document means (to
-``repro.documents.TOLERANCE``, the tolerance at which they were tied to lm-eval's figures, in
+``repro.engine.documents.TOLERANCE``, the tolerance at which they were tied to lm-eval's figures, in
 the column's units), and each interval, cluster count, difference, p, Holm p, flag and count to
 ``RELATIVE`` (the same seeded draws give the same numbers). The command prints what differs and
 exits 1 on any mismatch (2 when a file is missing), 0 when every cell agrees.
@@ -21,12 +21,12 @@ import math
 import sys
 from pathlib import Path
 
-from mari_eval.files import finite_json
-from repro import differences as differences_module
-from repro import tables
-from repro.documents import TOLERANCE
-from repro.documents_file import SUFFIX, read_documents
-from repro.profiles import PERCENT_COLUMNS, REPO
+from mari_eval.storage.files import finite_json
+from repro.analysis import differences as differences_module
+from repro.analysis import tables
+from repro.engine.documents import TOLERANCE
+from repro.analysis.documents_file import SUFFIX, read_documents
+from repro.engine.profiles import PERCENT_COLUMNS, REPO
 
 RELATIVE = 1e-9
 

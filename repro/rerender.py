@@ -2,12 +2,12 @@
 
     python -m repro.rerender results/main_table [results/ablation_table ...]
 
-When the statistics change (repro/intervals.py, repro/differences.py) and the steps behind a table
+When the statistics change (repro/analysis/intervals.py, repro/analysis/differences.py) and the steps behind a table
 are no longer cached under runs/, its cells need not be computed again: every number a table
 prints either comes from its steps (each seed's figure, lm-eval's standard error, n; recorded in
 results/NAME.json) or is computed from its per-document scores (each cell's interval, each
 paired difference and test; results/NAME_documents.parquet). This command reads both, passes
-them through the same ``repro.tables.write_tables`` a table script calls, and writes
+them through the same ``repro.analysis.tables.write_tables`` a table script calls, and writes
 NAME.{json,md,tex} and the differences plot again: the steps' numbers unchanged, the intervals
 and tests as the code now computes them. The header keeps the command, profile, placement and
 times of the run that computed the steps, and says that the table was re-rendered and by what
@@ -29,15 +29,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mari_eval.devices import Placement
-from repro import tables
-from repro.documents_file import SUFFIX, read_documents, shown_path, table_argument
-from repro.profiles import PROFILES, REPO, Profile
+from mari_eval.injection.devices import Placement
+from repro.analysis import tables
+from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_argument
+from repro.engine.profiles import PROFILES, REPO, Profile
 
 
 @dataclasses.dataclass
 class RecordedSteps:
-    """What ``write_tables`` reads of a ``repro.cache.Store``, as the table recorded it (``step_seconds``
+    """What ``write_tables`` reads of a ``repro.engine.cache.Store``, as the table recorded it (``step_seconds``
     None: a table written before tables recorded them)."""
 
     placement: Placement
@@ -64,7 +64,7 @@ def _cells(record: dict, documents: dict, seeds_of: dict) -> dict:
                     "clusters": (found["clusters"] if found and any(found["clusters"]) else [None] * len(values)),
                     "cluster_unit": found["cluster_unit"] if found else None,
                     "seeds": seeds_of.get((model, row["row"], column), [None] * len(values))}
-                if column in (record.get("judge") or {}).get("columns", ()):  # repro/judged.py
+                if column in (record.get("judge") or {}).get("columns", ()):  # repro/engine/judged.py
                     counted = row.get("verdicts", {}).get(column)
                     cells[model][row["row"]][column].update(
                         judged=True, judge=record["judge"]["judges"],

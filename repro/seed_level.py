@@ -2,7 +2,7 @@
 
     python -m repro.seed_level results/main_table      # writes results/main_table_seeds.{json,md}
 
-A table's paired difference (repro/intervals.py) pools the documents of every seed as if the
+A table's paired difference (repro/analysis/intervals.py) pools the documents of every seed as if the
 trained bundles were fixed: its interval and test answer "these bundles against the reference
 on these documents", conditional on the training runs. A claim about a *method* must also carry
 the variation between training runs, and each seed trains its own bundles on its own split. For
@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from repro import intervals
-from repro.documents_file import SUFFIX, read_documents, shown_path, table_command_line
-from repro.profiles import REPO
-from repro.tables import markdown_table, p_text, write_record
+from repro.analysis import intervals
+from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_command_line
+from repro.engine.profiles import REPO
+from repro.analysis.tables import markdown_table, p_text, write_record
 
 
 def _paired(mine: dict, theirs: dict, clusters: dict | None) -> list[np.ndarray]:

@@ -41,8 +41,9 @@ from mari_eval.mari import DEFAULTS as MARI_DEFAULTS
 from mari_eval.mari.fit import probe_alpha_grid
 from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.methods import load_bundle
-from repro import cache, command_line, planning, profiles, scoring, steps, tables
-from repro.profiles import BENCHMARKS
+from repro.engine import cache, command_line, planning, profiles, scoring, steps
+from repro.analysis import tables
+from repro.engine.profiles import BENCHMARKS
 
 COLUMNS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "mmlu")]
 GATE_COLUMNS = {"gate_tqa": "tqa_mc1", "gate_mmlu": "mmlu"}  # how often the gate opened there
@@ -106,7 +107,7 @@ def points(profile: profiles.Profile, ks: list[int], rhos: list[float], labellin
 
 
 def plan(profile: profiles.Profile, store: cache.Store, sweep: list[tuple[str, dict, str]]) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py): a bundle per trained point, then one
+    """``run``'s work as a graph of steps (repro/engine/planning.py): a bundle per trained point, then one
     evaluation of every point's row per model and seed."""
     graph = steps.Graph()
     for model in profile.models:

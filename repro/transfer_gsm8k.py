@@ -25,7 +25,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mari_eval.mari.gate_labels import LABELINGS
-from repro import cache, command_line, planning, profiles, scoring, steps, tables
+from repro.engine import cache, command_line, planning, profiles, scoring, steps
+from repro.analysis import tables
 from repro.ablation_table import labels_args
 
 RHOS = [0.5, 0.7, 0.9, 1.0]
@@ -49,7 +50,7 @@ def rows_of(bundle: Path, rhos: list[float], labellings: list[str]) -> dict[str,
 
 def plan(profile: profiles.Profile, store: cache.Store, rhos: list[float] = RHOS,
          labellings: list[str] = LABELLINGS) -> steps.Graph:
-    """``run``'s work as a graph of steps (repro/planning.py): the TruthfulQA bundle, then the rows' evaluations."""
+    """``run``'s work as a graph of steps (repro/engine/planning.py): the TruthfulQA bundle, then the rows' evaluations."""
     graph = steps.Graph()
     for model in profile.models:
         for seed in profile.seeds:

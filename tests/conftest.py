@@ -60,7 +60,7 @@ def harness_task_manager():
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from mari_eval.models import resolve_model
+    from mari_eval.storage.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
@@ -68,7 +68,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_session():
     """A training Session around the embedded model, loaded once for every test that fits on it."""
-    from mari_eval.train import Session
+    from mari_eval.training.train import Session
 
     return Session("smollm2-135m-instruct")
 
@@ -76,8 +76,8 @@ def smollm2_session():
 @pytest.fixture(scope="session")
 def truthfulqa_session(smollm2_session):
     """(session, data, config): the embedded model on 20 TruthfulQA training questions (seed 0)."""
-    from mari_eval.data_splits import make_splits
-    from mari_eval.train import attribute_data, provenance
+    from mari_eval.benchmarks.data_splits import make_splits
+    from mari_eval.training.train import attribute_data, provenance
 
     data = attribute_data(smollm2_session, "truthfulqa", seed=0, max_train=20, max_ctrl=1)
     config = provenance(smollm2_session, "truthfulqa", 0, make_splits("truthfulqa", 0), [ex.id for ex in data.train])

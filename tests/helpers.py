@@ -12,8 +12,8 @@ import torch
 import transformers
 from lm_eval.api.instance import Instance
 
-from mari_eval import site
-from mari_eval.lm import MariLM
+from mari_eval.injection import site
+from mari_eval.evaluation.lm import MariLM
 
 from .conftest import REPO
 from .tiny import tiny_caa, tiny_iti, tiny_mari

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from mari_eval import site
+from mari_eval.injection import site
 
 
 def head_shift(model, bundle, alpha: float) -> dict[int, torch.Tensor]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baselines import caa, iti, reft
-from mari_eval.train import Example
+from mari_eval.training.train import Example
 
 from .tiny import tiny_session
 from .tiny import tiny_model

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from baselines import caa
-from mari_eval import runner, site
-from mari_eval.prefix_cache import encode_prefix
+from mari_eval.evaluation import runner
+from mari_eval.injection import site
+from mari_eval.evaluation.prefix_cache import encode_prefix
 
 from .iti_expect import head_shift, heads_shifted
 from .tiny import reloaded, tiny_model

@@ -9,8 +9,8 @@ different counts and lengths, so batches hold prompts of several shapes.
 import pytest
 from lm_eval.api.instance import Instance
 
-from mari_eval import batching
-from mari_eval.lm import MariLM
+from mari_eval.evaluation import batching
+from mari_eval.evaluation.lm import MariLM
 
 from .tiny import tiny_iti
 from .helpers import PREAMBLE, QUESTIONS, tiny_bundles

@@ -11,7 +11,7 @@ import datasets
 import pytest
 from lm_eval.tasks.bbq import utils as bbq_utils
 
-from mari_eval import data
+from mari_eval.benchmarks import data
 
 from .conftest import HARNESS_TASKS
 
@@ -99,7 +99,7 @@ def test_missing_categories_are_named_in_one_line(utils):
     if not absent:
         assert bbq_lines == []
         pytest.skip("this data folder holds every BBQ category")
-    (line,) = bbq_lines  # mari_eval.data's line per skipped category is held back, the reason kept
+    (line,) = bbq_lines  # mari_eval.benchmarks.data's line per skipped category is held back, the reason kept
     assert f"{len(absent)} of 11 categories are missing and left out" in line
     assert ", ".join(absent) in line and ", ".join(covered) in line
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mari_eval import data, data_splits
+from mari_eval.benchmarks import data, data_splits
 
 pytestmark = pytest.mark.needs_data
 
@@ -127,7 +127,7 @@ def test_ids_missing_from_the_records_are_named(records):
 
 
 def test_the_held_out_loaders_refuse_a_split_that_shares_contexts(monkeypatch):
-    from repro.documents import _task_utils
+    from repro.engine.documents import _task_utils
 
     utils = _task_utils()
     good = data_splits.make_splits("bbq", 0)

@@ -1,4 +1,4 @@
-"""BLEURT for TruthfulQA generation (mari_eval/bleurt.py, harness_tasks/utils.process_results_gen):
+"""BLEURT for TruthfulQA generation (mari_eval/benchmarks/bleurt.py, harness_tasks/utils.process_results_gen):
 scored from a checkpoint the task's metadata names, a BERT regression model as Google's
 checkpoints are converted (here a tiny one with random weights, written to a folder), and
 skipped with a warning when none is named."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from mari_eval import bleurt
+from mari_eval.benchmarks import bleurt
 
 WORDS = ["the", "sun", "is", "a", "star", "moon", "cheese", "made", "of", "no", "comment", "i", "have", "."]
 

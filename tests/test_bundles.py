@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import files, intervention, mari, methods
+from mari_eval import mari, methods
+from mari_eval.methods import intervention
+from mari_eval.storage import files
 from mari_eval.mari import fit as mari_fit
 
 from .tiny import tiny_caa, tiny_iti, tiny_reft

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from repro import cache, cache_digests, lm_eval_run, profiles
+from repro.engine import cache, cache_digests, lm_eval_run, profiles
 from tests.tiny import tiny_mari
 
 MODEL = "smollm2-135m-instruct"
@@ -21,14 +21,14 @@ SMOKE = profiles.PROFILES["smoke"]
 
 @pytest.fixture
 def trained(monkeypatch):
-    """``mari_eval.train.train`` replaced by writing a small real bundle; the seeds it was called with."""
+    """``mari_eval.training.train.train`` replaced by writing a small real bundle; the seeds it was called with."""
     seeds = []
 
     def train(method, attribute, model, seed, out, **kwargs):
         seeds.append(seed)
         return tiny_mari(seed=seed).save(out)
 
-    monkeypatch.setattr("mari_eval.train.train", train)
+    monkeypatch.setattr("mari_eval.training.train.train", train)
     return seeds
 
 
@@ -139,9 +139,10 @@ def test_an_evaluation_with_n_and_a_document_edited_together_is_evaluated_again(
 
 
 def test_recompute_checks_each_cells_n_against_the_documents(tmp_path):
-    from repro import recompute, tables
-    from repro.cache import Store
-    from mari_eval.devices import Placement
+    from repro import recompute
+    from repro.analysis import tables
+    from repro.engine.cache import Store
+    from mari_eval.injection.devices import Placement
 
     docs = {f"d{i}": float(i % 2) for i in range(8)}
     cells = {"m": {"Vanilla": {"acc": {"values": [0.5], "n": 8, "documents": [docs], "seeds": [0]}}}}

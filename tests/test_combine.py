@@ -1,12 +1,13 @@
-"""``mari-eval combine`` (mari_eval/combine.py, issue 57.3): the weighted sum of a GGUF control vector
+"""``mari-eval combine`` (mari_eval/vectors/combine.py, issue 57.3): the weighted sum of a GGUF control vector
 and a CAA bundle is one control-vector bundle that adds exactly that sum after each layer."""
 
 import pytest
 import torch
 
-from mari_eval import cli, combine, methods
-from mari_eval.bundle_spec import BundleError
-from mari_eval.control_vector_files import write_gguf
+from mari_eval import cli, methods
+from mari_eval.vectors import combine
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.vectors.control_vector_files import write_gguf
 
 from .tiny import tiny_caa, tiny_model
 

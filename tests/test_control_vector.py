@@ -1,4 +1,4 @@
-"""Control vectors (``mari_eval.control_vector``): a GGUF written in repeng's layout, or a
+"""Control vectors (``mari_eval.vectors.control_vector``): a GGUF written in repeng's layout, or a
 ``steering_vectors.SteeringVector``, imported as a bundle that adds each direction after its layer at
 every position (llama.cpp's application), times ``scale=``; and the refusals of what does not fit.
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from mari_eval import control_vector, methods
-from mari_eval.bundle_spec import BundleError
-from mari_eval.lm import MariLM
+from mari_eval import methods
+from mari_eval.vectors import control_vector
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.evaluation.lm import MariLM
 
 from .tiny import byte_llama, byte_tokenizer
 
@@ -266,7 +267,7 @@ def test_what_does_not_fit_is_refused_naming_the_fix(tmp_path, model, case, matc
 
 def test_another_architectures_vector_imports_with_allow_other_model_and_a_warning(tmp_path, model, caplog):
     path = write_gguf(tmp_path / "v.gguf", directions(), hint="qwen2")
-    with caplog.at_level(logging.WARNING, logger="mari_eval.control_vector"):
+    with caplog.at_level(logging.WARNING, logger="mari_eval.vectors.control_vector"):
         out = control_vector.import_gguf(path, model, tmp_path / "out", allow_other_model=True)
     assert "qwen2" in caplog.text and methods.load_bundle(out).config["source"]["model_hint"] == "qwen2"
     # the spellings of one architecture in repeng's hints (model_type) and llama.cpp's (GGUF arch) agree

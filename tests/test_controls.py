@@ -3,8 +3,8 @@ ARC-Easy behind the same 25 shots as arc_easy_first25, MMLU behind its subject's
 
 import pytest
 
-from mari_eval import data, data_splits
-from mari_eval.examples import GENERAL_CONTROLS, attribute_data
+from mari_eval.benchmarks import data, data_splits
+from mari_eval.training.examples import GENERAL_CONTROLS, attribute_data
 
 pytestmark = pytest.mark.needs_data
 
@@ -68,7 +68,7 @@ def test_the_control_set_is_rendered_only_when_read_and_then_as_the_whole_split_
     # control split and then drawing the seeded subset, as attribute_data did before.
     import random
 
-    from mari_eval.examples import ATTRIBUTE_TASKS, _mc_examples, _task_docs, _task_manager
+    from mari_eval.training.examples import ATTRIBUTE_TASKS, _mc_examples, _task_docs, _task_manager
 
     session = smollm2_session
     attr = attribute_data(session, "truthfulqa", seed=0, max_train=1, max_ctrl=3)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from mari_eval.lm import MariLM
-from mari_eval.shared_pass import SharedPass
+from mari_eval.evaluation.lm import MariLM
+from mari_eval.evaluation.shared_pass import SharedPass
 
 from .helpers import QUESTIONS, tiny_bundles
 from .tiny import byte_llama, byte_tokenizer
@@ -105,7 +105,7 @@ def test_every_method_scores_and_generates_in_bf16_on_cuda(model, bf16_model, to
 
 @pytest.mark.parametrize("name, options", METHODS)
 def test_batched_scoring_on_cuda_equals_one_question_at_a_time(model, tokenizer, bundles, name, options):
-    """lm-eval's batch_size (several questions per pass, mari_eval.batching) in float32 on the GPU."""
+    """lm-eval's batch_size (several questions per pass, mari_eval.evaluation.batching) in float32 on the GPU."""
     alone = _scores(_lm(model, tokenizer, bundles.get(name), batch_size=1, **options))
     for size in (4, "auto"):
         assert _worst(alone, _scores(_lm(model, tokenizer, bundles.get(name), batch_size=size, **options))) <= 1e-4
@@ -150,8 +150,8 @@ def checkpoint(model, tokenizer, tmp_path_factory):
 @pytest.mark.parametrize("method", ["mari", "caa", "iti", "nl_iti", "reft"])
 def test_every_method_trains_in_bf16_on_cuda_and_its_bundle_scores(checkpoint, method, tmp_path):
     from mari_eval import methods
-    from mari_eval.devices import Placement
-    from mari_eval.train import train
+    from mari_eval.injection.devices import Placement
+    from mari_eval.training.train import train
 
     placement = Placement(dtype="bfloat16", device="cuda")
     path = train(method, "truthfulqa", checkpoint, seed=0, out=tmp_path / method, max_train=8, max_ctrl=8, max_pca=16,

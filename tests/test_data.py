@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mari_eval import data, data_splits
+from mari_eval.benchmarks import data, data_splits
 
 pytestmark = pytest.mark.needs_data
 
@@ -50,7 +50,7 @@ def test_splits_are_a_pure_function_of_dataset_and_seed(tqa_splits):
     other = data_splits.make_splits("truthfulqa", seed=1)
     assert set(other.train) != set(tqa_splits.train)
     # ... in a fresh interpreter too (no dependence on hash randomisation).
-    code = "from mari_eval.data_splits import make_splits; print(make_splits('truthfulqa', 0).fingerprint())"
+    code = "from mari_eval.benchmarks.data_splits import make_splits; print(make_splits('truthfulqa', 0).fingerprint())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == tqa_splits.fingerprint()
 

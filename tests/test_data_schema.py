@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mari_eval import data, data_splits
+from mari_eval.benchmarks import data, data_splits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ def test_mmlu_repeats_are_kept_with_a_warning(root, caplog):
     # The published MMLU repeats 28 questions (shared/data: dev 1, test 27); lm-eval counts them, so do we.
     other = _changed("mmlu", "question", "Which is an organ?")
     _write(root, "mmlu/dev.jsonl.gz", [GOOD["mmlu"], other, GOOD["mmlu"]])
-    with caplog.at_level(logging.WARNING, logger="mari_eval.data"):
+    with caplog.at_level(logging.WARNING, logger="mari_eval.benchmarks.data"):
         records = data.load_mmlu("dev")
     assert len(records) == 3
     assert "1 record(s) repeat an earlier one (same subject, question and choices: line 3 = 1)" in caplog.text

@@ -1,4 +1,4 @@
-"""The KL and cross-entropy columns (mari_eval/divergence.py, issue 55.4) on a random Llama over bytes.
+"""The KL and cross-entropy columns (mari_eval/evaluation/divergence.py, issue 55.4) on a random Llama over bytes.
 
 What a document's scores must be: zero KL for the untouched model, whose cross-entropy is its
 lm-eval log-likelihood per token; and for every method, the scores of a continuation the method
@@ -13,8 +13,8 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from mari_eval import divergence
-from mari_eval.plan import BASE
+from mari_eval.evaluation import divergence
+from mari_eval.injection.plan import BASE
 
 from .helpers import tiny_bundles
 from .test_batching import bundles, model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
@@ -32,7 +32,7 @@ def all_bundles(bundles, model, tmp_path_factory):
 
 
 def _lm(model, tokenizer, bundle=None):
-    from mari_eval.lm import MariLM
+    from mari_eval.evaluation.lm import MariLM
 
     return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
                   allow_other_model=True if bundle else None)

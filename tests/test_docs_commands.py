@@ -131,8 +131,8 @@ def _lm_eval(words: list[str], monkeypatch) -> None:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from mari_eval.lm import MariLM
-    from mari_eval.registry import option_names
+    from mari_eval.evaluation.lm import MariLM
+    from mari_eval.methods.registry import option_names
 
     args = _parse_main(lambda: cli_evaluate(), words[1:], "lm_eval", monkeypatch)
     known = _known_tasks()

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from mari_eval import control_vector, methods
+from mari_eval import methods
+from mari_eval.vectors import control_vector
 
 from .test_control_vector import (LAYERS, hooked_copy, lm_for, model, reference_loglikelihoods,  # noqa: F401
                                   scores, tokenizer, write_gguf)

@@ -1,4 +1,4 @@
-"""Where a vector method edits, chosen at evaluation (mari_eval/edit_positions.py, issue 57.4):
+"""Where a vector method edits, chosen at evaluation (mari_eval/vectors/edit_positions.py, issue 57.4):
 ``positions=all|from_last|last|from:N`` and ``layers=A-B`` for CAA, control vectors and steered
 configs, checked against the hidden states each rule should move."""
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from mari_eval import control_vector, site
-from mari_eval.edit_positions import EditPositions, parse_layers
-from mari_eval.lm import MariLM
+from mari_eval.injection import site
+from mari_eval.vectors import control_vector
+from mari_eval.vectors.edit_positions import EditPositions, parse_layers
+from mari_eval.evaluation.lm import MariLM
 
 from .test_batching import bundles, model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 
@@ -37,7 +38,7 @@ def _moved(model, bundle, layer: int) -> list[bool]:
     ("from:40", [False] * 5 + [True]),  # beyond the prompt: from p* on
 ])
 def test_caa_edits_where_positions_says(model, bundles, positions, moved):
-    from mari_eval import hub
+    from mari_eval.methods import hub
 
     bundle = hub.load_bundle(bundles["caa"])  # loaded as the lm-eval class loads it
     bundle.configure_from({} if positions is None else {"positions": positions})
@@ -45,7 +46,7 @@ def test_caa_edits_where_positions_says(model, bundles, positions, moved):
 
 
 def test_last_leaves_the_generated_tokens_alone_and_from_last_edits_them(model, bundles):
-    from mari_eval import hub
+    from mari_eval.methods import hub
 
     calls = {}
     for rule in ("last", "from_last"):
@@ -58,7 +59,7 @@ def test_last_leaves_the_generated_tokens_alone_and_from_last_edits_them(model, 
 
 
 def test_caa_layers_adds_its_vector_after_each_layer_of_the_range(model, bundles):
-    from mari_eval import hub
+    from mari_eval.methods import hub
 
     bundle = hub.load_bundle(bundles["caa"])
     bundle.configure_from({"layers": "1-3"})
@@ -82,7 +83,7 @@ def test_caa_layers_adds_its_vector_after_each_layer_of_the_range(model, bundles
 def test_a_control_vector_keeps_only_its_directions_in_the_range_and_can_edit_from_p_star(model, tmp_path):
     directions = {1: torch.randn(model.config.hidden_size), 3: torch.randn(model.config.hidden_size)}
     path = control_vector.build(directions, model, {"format": control_vector.GGUF_FORMAT, "sha256": "x"}).save(tmp_path / "cv")
-    from mari_eval import hub
+    from mari_eval.methods import hub
 
     bundle = hub.load_bundle(path)
     assert _moved(model, bundle, 1) == [True] * 6  # llama.cpp's: every position

@@ -1,4 +1,4 @@
-"""``mari-eval export-vector`` (``mari_eval.control_vector.export_gguf``): a CAA or control_vector bundle
+"""``mari-eval export-vector`` (``mari_eval.vectors.control_vector.export_gguf``): a CAA or control_vector bundle
 written as a GGUF control vector in the layout repeng and llama.cpp use, ``direction.N`` being what the
 bundle adds to the output of decoder layer N at scale 1; read back with ``gguf.GGUFReader`` and with
 ``import_gguf``; the refusals (other methods, layer 0, non-finite values, an existing file).
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from baselines import caa
-from mari_eval import control_vector, methods
-from mari_eval.bundle_spec import BundleError
-from mari_eval.registry import BUILTIN_METHODS
-from mari_eval.train import AttributeData, Example
+from mari_eval import methods
+from mari_eval.vectors import control_vector
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.methods.registry import BUILTIN_METHODS
+from mari_eval.training.train import AttributeData, Example
 
 from .test_control_vector import layer_outputs as every_layer_output
 from .tiny import chat_free_session, tiny_caa, tiny_mari, tiny_model, tiny_reft

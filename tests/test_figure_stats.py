@@ -1,4 +1,4 @@
-"""The statistics behind repro/figures.py's pictures (repro/figure_stats.py), on data whose answer
+"""The statistics behind repro/figures.py's pictures (repro/plots/figure_stats.py), on data whose answer
 is known by construction."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from repro import figure_stats
+from repro.plots import figure_stats
 
 
 def test_windows_slide_along_t_and_summarise_strength_and_direction():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mari_eval.prefix_cache import PrefixCache
+from mari_eval.evaluation.prefix_cache import PrefixCache
 from repro.figures import option_states
 
 from .tiny import tiny_model

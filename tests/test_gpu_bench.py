@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from repro import gpu_bench, gpu_bench_report, random_model
+from repro import gpu_bench
+from repro.benchmark import gpu_bench_report, random_model
 
 # The published sizes (results/memory.md, counted from the same configurations with their own vocabularies).
 PUBLISHED = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "qwen2_5_14b": 14.77e9}

@@ -1,4 +1,4 @@
-"""Bundles on the Hugging Face Hub (mari_eval/hub.py): ``bundle=org/name``, ``hf://org/name[@rev]``
+"""Bundles on the Hugging Face Hub (mari_eval/methods/hub.py): ``bundle=org/name``, ``hf://org/name[@rev]``
 and ``bundle_revision=`` read through huggingface_hub's own ``snapshot_download`` from a real
 cache directory (the Hub itself is unreachable here: HF_HUB_OFFLINE, as in every test), checked
 like a local bundle and evaluated through lm-eval to the same numbers; ``mari-eval push``'s
@@ -18,8 +18,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
-from mari_eval import cli, hub, methods
-from mari_eval.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
+from mari_eval import cli, methods
+from mari_eval.methods import hub
+from mari_eval.methods.bundle_spec import BUNDLE_JSON, BUNDLE_WEIGHTS, BundleError
 
 from .conftest import HARNESS_TASKS
 from .tiny import tiny_mari
@@ -233,7 +234,7 @@ def test_unreachable_hub_is_named_for_reading_and_pushing(tmp_path):
         port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "c"),
            "HF_TOKEN": "hf_test_not_a_token"}
-    code = "from mari_eval import hub\ntry:\n    hub.load_bundle('org/name')\nexcept Exception as e:\n    print(e)"
+    code = "from mari_eval.methods import hub\ntry:\n    hub.load_bundle('org/name')\nexcept Exception as e:\n    print(e)"
     read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
     assert "cannot be reached and is not in the Hugging Face cache" in read.stdout, read.stdout + read.stderr
     bundle = _saved(tmp_path / "b")

@@ -38,3 +38,31 @@ def test_every_name_of_a_from_import_is_an_edge(tmp_path):
                                                          "mari_eval.e")}
     assert import_graph.imported("mari_eval.c", source, modules) == {"mari_eval.a", "mari_eval.b", "mari_eval.d",
                                                                      "mari_eval.e"}
+
+
+def test_a_lower_wing_importing_a_higher_one_is_an_upward_import():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    edges = {"mari_eval.storage.files": {"mari_eval.evaluation.lm"}, "mari_eval.evaluation.lm": {"mari_eval.methods"},
+             "mari_eval.methods": {"mari_eval.storage.files"}, "mari_eval.cli": {"mari_eval.evaluation.lm"},
+             "repro.engine.cache": {"repro.analysis.tables"}, "repro.analysis.tables": {"repro.engine.cache"}}
+    assert import_graph.upward(edges) == [("mari_eval.storage.files", "mari_eval.evaluation.lm"),
+                                          ("repro.engine.cache", "repro.analysis.tables")]
+    assert import_graph.unknown_wings() == []  # every folder of mari_eval/ and repro/ has its place in the order
+
+
+def test_the_public_names_keep_working():
+    # issue 58: moved modules keep no alias, but these names are what users and plugins import
+    from mari_eval.control_vector import from_steering_vector
+    from mari_eval.methods import Intervention, Option, register_method
+    from mari_eval.vectors import control_vector
+
+    assert from_steering_vector is control_vector.from_steering_vector
+    assert Intervention and Option and register_method
+    import importlib.metadata
+
+    (entry,) = [e for e in importlib.metadata.entry_points(group="lm_eval.models") if e.name == "mari"]
+    assert entry.value == "mari_eval.evaluation.lm:MariLM"

@@ -1,5 +1,5 @@
-"""Intervals and paired tests of the tables (repro/intervals.py), per-document scores
-(repro/documents.py) and how the tables carry them (repro/tables.py)."""
+"""Intervals and paired tests of the tables (repro/analysis/intervals.py), per-document scores
+(repro/engine/documents.py) and how the tables carry them (repro/analysis/tables.py)."""
 
 import json
 import math
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mari_eval.devices import Placement
-from repro import intervals, tables
-from repro.cache import Store
-from repro.documents import check_against, document_scores
-from repro.profiles import Profile
+from mari_eval.injection.devices import Placement
+from repro.analysis import intervals, tables
+from repro.engine.cache import Store
+from repro.engine.documents import check_against, document_scores
+from repro.engine.profiles import Profile
 
 
 def as_docs(values, prefix="d"):
@@ -136,7 +136,7 @@ def test_a_column_whose_reference_holds_chance_is_marked(tmp_path):
 
 
 def test_a_difference_prints_a_small_p_in_two_digits_and_a_monte_carlo_floor_as_a_bound():
-    from repro.tables import _difference_text
+    from repro.analysis.tables import _difference_text
 
     tiny = {"mean": 4.67, "ci": [2.33, 7.33], "p": 1.2e-4, "significant": True, "significant_holm": True}
     assert _difference_text(tiny, 2).endswith("p=1.2e-04†")
@@ -158,7 +158,7 @@ def test_a_continuous_column_of_zeros_is_not_read_as_a_zero_one_outcome():
 
 
 def test_the_tables_read_kl_ce_mc2_and_the_bias_score_as_continuous():
-    from repro.profiles import continuous_column
+    from repro.engine.profiles import continuous_column
 
     assert all(map(continuous_column, ["kl", "ce@sorry", "kl@bbq", "tqa_mc2", "bbq_amb_bias"]))
     assert not any(map(continuous_column, ["tqa_mc1", "bbq_acc", "sorry_refusal", "xstest_safe_refusal", "mmlu@sorry"]))

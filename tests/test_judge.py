@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mari_eval import data_splits, judge as J
+from mari_eval import judge as J
+from mari_eval.benchmarks import data_splits
 
 
 KEY = "sk-test-0123456789abcdef-SECRET"
@@ -1095,7 +1096,7 @@ def test_judge_environment_uses_the_configured_judge_else_starts_the_embedded_on
 def test_embedded_judge_scored_against_people(embedded, monkeypatch):
     """repro/judge_agreement.py --llm asks the configured judge (here the embedded one on loopback) about
     XSTest completions and scores its verdicts against the people's; unparseable ones are counted, not guessed."""
-    from mari_eval.data import load_xstest_completions
+    from mari_eval.benchmarks.data import load_xstest_completions
     from repro import judge_agreement
 
     monkeypatch.setenv(J.ENV_BASE_URL, embedded.base_url)

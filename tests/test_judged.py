@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from mari_eval.devices import Placement
+from mari_eval.injection.devices import Placement
 from mari_eval.judge import OWN_PROMPT
-from repro import judged, tables
-from repro.cache import Store
-from repro.profiles import Profile
+from repro.engine import judged
+from repro.analysis import tables
+from repro.engine.cache import Store
+from repro.engine.profiles import Profile
 
 JUDGE = "judge-model | prompt base-#thescore sha256:abc"
 
@@ -117,7 +118,7 @@ def test_the_embedded_judge_has_one_identity_before_and_after_it_starts(monkeypa
 def test_the_judge_label_is_read_from_the_tasks_recorded_metadata():
     # mari_eval/judge/sorry_bench.py records the judge in lm-eval's results under configs/TASK/metadata
     # (its table keeps three numbers); a table that read it elsewhere named no judge ("not recorded").
-    from repro.lm_eval_run import judge_label
+    from repro.engine.lm_eval_run import judge_label
 
     out = {"results": {"sorry_bench_heldout": {"refusal_rate,none": 0.5}},
            "configs": {"sorry_bench_heldout": {"metadata": {"judge": {"label": "m @ prompt sha256:ab", "parser": 2}}},

@@ -10,7 +10,8 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import methods, site
+from mari_eval import methods
+from mari_eval.injection import site
 
 from .conftest import HARNESS_TASKS
 from .helpers import saved_mari_bundle
@@ -26,14 +27,14 @@ def _python(code: str) -> str:
 
 
 def test_mari_is_registered_without_importing_anything():
-    assert _python("from lm_eval.api.registry import get_model; print(get_model('mari').__module__)") == "mari_eval.lm"
+    assert _python("from lm_eval.api.registry import get_model; print(get_model('mari').__module__)") == "mari_eval.evaluation.lm"
     # ... and the built-ins stay reachable beside it.
     assert _python("from lm_eval.api.registry import get_model; print(get_model('hf').__name__)") == "HFLM"
 
 
 def test_startup_stays_light():
     heavy = _python(
-        "import sys; print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'mari_eval.lm') if m in sys.modules))"
+        "import sys; print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'mari_eval.evaluation.lm') if m in sys.modules))"
     )
     assert heavy == "[]"
     assert _python("import sys; print('mari_eval_autoload' in sys.modules)") == "True"

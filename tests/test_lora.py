@@ -12,12 +12,12 @@ from lm_eval.api.instance import Instance
 
 from baselines import lora
 from baselines.lora_hooks import token_variants
-from mari_eval import runner
-from mari_eval.lm import MariLM
-from mari_eval.plan import BASE
-from mari_eval.prefix_cache import PackedPrompts, encode_prefix
-from mari_eval.row_passes import forward_rows
-from mari_eval.train import Example
+from mari_eval.evaluation import runner
+from mari_eval.evaluation.lm import MariLM
+from mari_eval.injection.plan import BASE
+from mari_eval.evaluation.prefix_cache import PackedPrompts, encode_prefix
+from mari_eval.evaluation.row_passes import forward_rows
+from mari_eval.training.train import Example
 
 from .helpers import truthfulqa_requests
 from .tiny import attribute_of, byte_llama, byte_tokenizer, reloaded, tiny_config, tiny_model, tiny_session

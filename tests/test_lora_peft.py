@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from baselines import lora_peft
 from mari_eval import cli, methods
-from mari_eval.bundle_spec import BundleError
+from mari_eval.methods.bundle_spec import BundleError
 
 from .test_lora import by_hand, peft_model, random_bundle, score
 from .tiny import tiny_model

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from mari_eval import generation, mari, methods, objectives, runner, site
+from mari_eval import mari, methods
+from mari_eval.evaluation import generation, runner
+from mari_eval.injection import site
+from mari_eval.training import objectives
 from mari_eval.mari import equations as mari_equations
 from mari_eval.mari import fit as mari_fit
-from mari_eval.plan import VANILLA, Plan
-from mari_eval.prefix_cache import PrefixCache, encode_prefix
+from mari_eval.injection.plan import VANILLA, Plan
+from mari_eval.evaluation.prefix_cache import PrefixCache, encode_prefix
 
 from .tiny import reloaded, tiny_model
 from .tiny import tiny_mari
@@ -356,7 +359,7 @@ def test_streamed_tokens_are_the_answer_only():
 
 @pytest.mark.needs_data
 def test_training_lowers_the_routed_loss_on_the_embedded_model(smollm2_session):
-    from mari_eval.train import attribute_data
+    from mari_eval.training.train import attribute_data
 
     session = smollm2_session  # conftest: the embedded model, loaded once
     data = attribute_data(session, "truthfulqa", seed=0)
@@ -372,7 +375,7 @@ def test_training_lowers_the_routed_loss_on_the_embedded_model(smollm2_session):
 def test_the_probe_is_trained_at_the_strength_alpha_probe_it_is_used_at(smollm2_session):
     """eq:probe_update is h + alpha_probe delta_phi(h) at training as at use (issue 22.3): at
     alpha_probe = 0 the task term sees the base model whatever the probe is, at 1 it sees the probe."""
-    from mari_eval.train import attribute_data
+    from mari_eval.training.train import attribute_data
 
     session = smollm2_session  # conftest: the embedded model, loaded once
     data = attribute_data(session, "truthfulqa", seed=0)

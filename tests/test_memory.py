@@ -1,14 +1,15 @@
-"""Training memory: the estimate (mari_eval.memory), what Session.prepare really holds, and the
+"""Training memory: the estimate (mari_eval.training.memory), what Session.prepare really holds, and the
 over-budget path that recomputes instead of failing."""
 
 import pytest
 import torch
 import transformers
 
-from mari_eval import memory, runner
-from mari_eval.plan import Plan
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.train import Example, Session
+from mari_eval.evaluation import runner
+from mari_eval.training import memory
+from mari_eval.injection.plan import Plan
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.training.train import Example, Session
 
 from .tiny import tiny_session
 from .tiny import tiny_model
@@ -112,7 +113,7 @@ def test_prepare_holds_what_it_estimated():
 
 @pytest.mark.needs_data
 def test_prepare_holds_what_it_estimated_on_the_embedded_model():
-    from mari_eval.train import attribute_data
+    from mari_eval.training.train import attribute_data
 
     session = Session("smollm2-135m-instruct", max_memory="8GiB")
     data = attribute_data(session, "truthfulqa", seed=0, max_train=6, max_ctrl=2, max_pca=4)

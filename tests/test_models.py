@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mari_eval import models, site
+from mari_eval.injection import site
+from mari_eval.storage import models
 
 pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
 

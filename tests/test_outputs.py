@@ -24,8 +24,10 @@ import pytest
 import torch
 import transformers
 
-from mari_eval import cli, files, lm_checks, methods
-from mari_eval.control_vector_files import write_gguf
+from mari_eval import cli, methods
+from mari_eval.evaluation import lm_checks
+from mari_eval.storage import files
+from mari_eval.vectors.control_vector_files import write_gguf
 
 from .tiny import tiny_caa
 
@@ -186,7 +188,7 @@ def test_import_vector_or_train_over_an_existing_bundle_needs_force(tmp_path, mo
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("mari_eval.train.Session", no_model)
+    monkeypatch.setattr("mari_eval.training.train.Session", no_model)
     assert cli.main(["train", "--method", "caa", "--attribute", "truthfulqa", "--out", str(trained)]) == 1
     assert f"--out {trained} already holds a caa bundle" in capsys.readouterr().err
     assert cli.main([*command, "--force"]) == 0
@@ -289,7 +291,7 @@ def test_train_into_a_read_only_place_is_refused_before_the_model_loads(tmp_path
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("mari_eval.train.Session", no_model)
+    monkeypatch.setattr("mari_eval.training.train.Session", no_model)
     disk.read_only()
     out = disk.folder / "bundle"
     assert cli.main(["train", "--method", "caa", "--attribute", "truthfulqa", "--out", str(out)]) == 1
@@ -298,8 +300,8 @@ def test_train_into_a_read_only_place_is_refused_before_the_model_loads(tmp_path
 
 def test_a_full_disk_at_the_end_of_training_keeps_the_trained_bundle(tmp_path, disk, smollm2_path):
     # Issue 56: a full disk at save discarded the trained bundle.
-    from mari_eval.lm import MariLM
-    from mari_eval.train import train
+    from mari_eval.evaluation.lm import MariLM
+    from mari_eval.training.train import train
 
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
     torch.manual_seed(0)

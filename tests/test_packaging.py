@@ -14,7 +14,7 @@ from .conftest import HARNESS_TASKS, REPO
 
 pytestmark = pytest.mark.e2e  # subprocesses or lm-eval runs of the embedded model throughout
 
-ENTRY_POINT = ("lm_eval.models", "mari", "mari_eval.lm:MariLM")
+ENTRY_POINT = ("lm_eval.models", "mari", "mari_eval.evaluation.lm:MariLM")
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_the_wheel_installs_the_baselines_under_mari_eval_and_finds_every_method
             "print(sorted((n, methods.method_class(n).__module__) for n in methods.method_names()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("control_vector", "mari_eval.control_vector"),
+    assert out.stdout.strip() == str([("caa", "mari_eval.baselines.caa"), ("control_vector", "mari_eval.vectors.control_vector"),
                                       ("iti", "mari_eval.baselines.iti"), ("lora", "mari_eval.baselines.lora"),
                                       ("mari", "mari_eval.mari.method"), ("nl_iti", "mari_eval.baselines.iti"),
                                       ("prompting", "mari_eval.baselines.prompting"), ("reft", "mari_eval.baselines.reft"),
-                                      ("steered_config", "mari_eval.steer_config")])
+                                      ("steered_config", "mari_eval.vectors.steer_config")])
 
 
 def test_the_wheel_ships_every_task_file_under_mari_eval(wheel):
@@ -76,7 +76,7 @@ def test_the_installed_tasks_are_found_without_include_path(wheel, tmp_path):
     the project's names always, the built-in names (truthfulqa_mc1, bbq) only with MARI_DATA_DIR set."""
     _, site = wheel
     code = (_installed_only(site) +
-            "from mari_eval.tasks import tasks_dir; print(tasks_dir())\n"
+            "from mari_eval.benchmarks.tasks import tasks_dir; print(tasks_dir())\n"
             "from lm_eval.tasks import TaskManager\n"
             "tm = TaskManager()\n"
             "for name in ('truthfulqa_mc1_heldout', 'truthfulqa_mc1', 'bbq'): print(tm.task_index[name].yaml_path)\n")

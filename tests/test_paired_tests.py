@@ -1,4 +1,4 @@
-"""The paired tests and their intervals (repro/intervals.py, issues 36.4, 36.6 and 55.7): McNemar's exact
+"""The paired tests and their intervals (repro/analysis/intervals.py, issues 36.4, 36.6 and 55.7): McNemar's exact
 test with Tango's score interval (which may exclude 0 where the exact test does not reject: marked), the
 sign-flip permutation test with the interval that inverts it (excluding 0 exactly when p < 0.05),
 clusters as units, and Monte Carlo p values drawn again until a decision is stable."""
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from repro import intervals
+from repro.analysis import intervals
 
 
 def docs(values, prefix="d"):
@@ -82,7 +82,7 @@ def test_paired_accuracy_maps_tangos_interval_to_the_difference_in_the_scores_un
 
 
 def test_a_monte_carlo_decision_near_its_holm_line_is_drawn_again_until_stable(monkeypatch):
-    from repro import differences
+    from repro.analysis import differences
 
     monkeypatch.setattr(intervals, "PERMUTATIONS", 2000)
     monkeypatch.setattr(intervals, "MAX_PERMUTATIONS", 200_000)
@@ -219,7 +219,7 @@ def test_a_document_without_a_cluster_is_refused():
 def test_a_column_of_zeros_gets_its_interval_in_the_columns_units():
     """GSM8K at 0 of 20 in every row: no discordant pair, and Tango's interval still has a width, in percent
     for a percent column (the unit the table passes), not in the units of a score never seen."""
-    from repro import differences
+    from repro.analysis import differences
 
     zeros = [docs([0.0] * 20)]
     low, high = intervals.tango_interval(0, 0, 20)

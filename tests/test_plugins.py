@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mari_eval import control_vector, registry
+from mari_eval.methods import registry
+from mari_eval.vectors import control_vector
 from tests.helpers import run_repro
 
 MODEL = "smollm2-135m-instruct"

@@ -1,5 +1,5 @@
 """docs/plugins.md's script, run as written (issue 57.6): a method defined in a script trains with
-``mari_eval.train.train`` and scores through ``lm_eval.simple_evaluate`` from the doc's text alone."""
+``mari_eval.training.train.train`` and scores through ``lm_eval.simple_evaluate`` from the doc's text alone."""
 
 import re
 import subprocess

@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mari_eval import mari, methods, site
+from mari_eval import mari, methods
+from mari_eval.injection import site
 from mari_eval.mari import gate_labels
 from mari_eval.mari import equations as mari_equations
 from mari_eval.mari import fit as mari_fit
-from mari_eval.plan import BASE
+from mari_eval.injection.plan import BASE
 
 from .tiny import score_under, tiny_mari
 from .helpers import DISTINCT_GROUPS, close, evaluate, lm_for
@@ -29,7 +30,7 @@ GRID = [0.1, 0.3, 1.0]  # mari_fit.probe_alpha_grid(1.0): the strengths a defaul
 def _training():
     """A Session around tests/tiny.py's float32 Llama and an attribute's data: 10 training and 12
     control examples (6 held-out attribute ones, 6 general-capability ones)."""
-    from mari_eval.train import AttributeData, Example
+    from mari_eval.training.train import AttributeData, Example
 
     from .tiny import tiny_session
 
@@ -218,7 +219,7 @@ def test_rows_differing_in_probe_alpha_share_a_pass_with_their_own_answers(model
     rows = [{}, {"probe_alpha": "0.1"}, {"probe_alpha": "0.3"}, {"probe_alpha": "1"}]
     alone = [evaluate(lm_for(model, tokenizer, bundles, "mari", options), truthfulqa_requests(), model) for options in rows]
     monkeypatch.setattr(mari.MARI, "edit_variants", counting)
-    from mari_eval.shared_pass import SharedPass
+    from mari_eval.evaluation.shared_pass import SharedPass
 
     shared = SharedPass(model)
     lms = [lm_for(model, tokenizer, bundles, "mari", options, shared) for options in rows]
@@ -241,7 +242,7 @@ def test_rows_differing_in_probe_alpha_share_a_pass_with_their_own_answers(model
 
 
 def test_generation_reads_the_gate_energy_at_probe_alpha(trained):
-    from mari_eval import generation
+    from mari_eval.evaluation import generation
 
     path, ctrl, tiny = trained
     bundle = methods.load_bundle(path)
@@ -256,7 +257,7 @@ def test_generation_reads_the_gate_energy_at_probe_alpha(trained):
 def test_T_ent_sets_the_greedy_steps_generation_routes_over_and_the_entropies_it_routes_on(trained, monkeypatch):
     """``T_ent=`` (--model_args) replaces the bundle's routing window (eq:entropy_gen) at evaluation:
     the routing window runs that many greedy steps, and u_k is the mean entropy over them."""
-    from mari_eval import generation
+    from mari_eval.evaluation import generation
 
     path, ctrl, tiny = trained
     default, short = methods.load_bundle(path), methods.load_bundle(path)

@@ -7,8 +7,8 @@ import torch
 from lm_eval.api.instance import Instance
 
 from baselines import prompting
-from mari_eval.lm import INSTRUCTION_DELIMITER, MariLM
-from mari_eval.lm_generation import CHAT_TURN_FIELD
+from mari_eval.evaluation.lm import INSTRUCTION_DELIMITER, MariLM
+from mari_eval.evaluation.lm_generation import CHAT_TURN_FIELD
 
 from .helpers import PREAMBLE, truthfulqa_requests
 from .tiny import attribute_of, byte_llama, byte_tokenizer, reloaded, tiny_caa
@@ -120,7 +120,7 @@ def test_training_writes_the_attributes_instruction(tmp_path):
 
 
 def test_prompting_stays_out_of_the_shared_pass_and_scores_as_alone(setup):
-    from mari_eval.shared_pass import SharedPass
+    from mari_eval.evaluation.shared_pass import SharedPass
 
     tokenizer, model, paths = setup
     tokenizer.chat_template = None

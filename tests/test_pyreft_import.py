@@ -1,4 +1,4 @@
-"""pyreft's saved interventions imported as ReFT bundles (mari_eval/pyreft_save.py, issue 57.3):
+"""pyreft's saved interventions imported as ReFT bundles (mari_eval/vectors/pyreft_save.py, issue 57.3):
 a save in pyreft's on-disk format (config.json and torch.save'd intkey_*.bin), scored through
 MariLM, gives the log-likelihoods of the LoReFT/NoReFT formula applied with forward hooks at the
 same layers and prompt positions; with pyreft installed, those of pyreft's own forward too."""
@@ -10,9 +10,10 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from mari_eval import cli, pyreft_save
-from mari_eval.bundle_spec import BundleError
-from mari_eval.lm import MariLM
+from mari_eval import cli
+from mari_eval.vectors import pyreft_save
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.evaluation.lm import MariLM
 
 from .tiny import byte_llama, byte_tokenizer
 

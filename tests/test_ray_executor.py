@@ -1,4 +1,4 @@
-"""``--executor ray`` (repro/ray_executor.py) on a local Ray cluster: the same table as the local
+"""``--executor ray`` (repro/engine/ray_executor.py) on a local Ray cluster: the same table as the local
 executor with a worker killed in the middle of a step, and two drivers on one ``--runs``."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from repro import ray_executor, steps
+from repro.engine import ray_executor, steps
 
 ray = pytest.importorskip("ray")  # installed by the test extra (pyproject.toml)
 
@@ -64,7 +64,7 @@ def test_an_address_that_answers_but_never_lets_ray_in_ends_the_driver_with_the_
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        proc = subprocess.run([sys.executable, "-c", "import sys; from repro import ray_executor as r; "
+        proc = subprocess.run([sys.executable, "-c", "import sys; from repro.engine import ray_executor as r; "
                                "r.connect(r._ray(), sys.argv[1]); print('connected')", address],
                               capture_output=True, text=True, cwd=REPO, timeout=300,
                               env={**os.environ, "MARI_RAY_INIT_TIMEOUT_S": "5", "RAY_ADDRESS": ""})
@@ -75,7 +75,7 @@ def test_an_address_that_answers_but_never_lets_ray_in_ends_the_driver_with_the_
 
 def test_a_claim_is_exclusive_and_freed_when_its_holder_exits(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from repro.ray_executor import claim; fd = claim(Path(sys.argv[1]), 'step'); "
+                               "from repro.engine.ray_executor import claim; fd = claim(Path(sys.argv[1]), 'step'); "
                                "print(fd is not None, flush=True); time.sleep(60)", str(tmp_path)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -129,7 +129,8 @@ def test_a_worker_killed_mid_step_is_run_again_and_the_table_equals_the_local_ex
 @pytest.mark.e2e
 @pytest.mark.needs_data
 def test_a_step_another_driver_claimed_is_waited_for_not_computed(local, tmp_path, monkeypatch):
-    from repro import cache, main_table as table, profiles
+    from repro import main_table as table
+    from repro.engine import cache, profiles
 
     runs = tmp_path / "runs"
     profile = profiles.PROFILES["smoke"]

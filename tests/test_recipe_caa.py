@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from baselines import caa
 from baselines.common import SELECTION_KEY, held_out_slice
-from mari_eval import methods, runner
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.train import AttributeData, Example
+from mari_eval import methods
+from mari_eval.evaluation import runner
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.training.train import AttributeData, Example
 
 from .tiny import chat_free_session
 from .tiny import reloaded, tiny_model

@@ -14,10 +14,10 @@ import torch
 
 from baselines import iti, iti_heads, iti_published
 from baselines.common import SELECTION_KEY
-from mari_eval import runner
-from mari_eval.bundle_spec import BundleError
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.train import Example
+from mari_eval.evaluation import runner
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.training.train import Example
 
 from .tiny import chat_free_session
 from .iti_expect import head_shift, heads_shifted
@@ -351,7 +351,7 @@ def test_published_iti_on_the_embedded_model_shifts_13_heads_of_its_270(truthful
     assert len(set(map(tuple, diag["heads"]))) == 13
     assert diag["probe_accuracy"] == sorted(diag["probe_accuracy"], reverse=True)
     # The probes read every MC2 answer of the validation questions, as the data file lists them.
-    from mari_eval.data import load_truthfulqa_mc
+    from mari_eval.benchmarks.data import load_truthfulqa_mc
 
     mc2 = {r["id"]: r["mc2_targets"]["labels"] for r in load_truthfulqa_mc()}
     assert hp["probe_answers"] == "mc2"

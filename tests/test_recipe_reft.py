@@ -97,11 +97,11 @@ def test_published_fit_records_the_authors_settings_and_round_trips(tiny, tmp_pa
 
 
 def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_adapted_recipe_refuses_it():
-    # The quick and standard profiles' budgets (repro/profiles.py QUICK_REFT_STEPS, STANDARD_REFT_STEPS):
+    # The quick and standard profiles' budgets (repro/engine/profiles.py QUICK_REFT_STEPS, STANDARD_REFT_STEPS):
     # published ReFT's least step count, passed as --set min_steps=N, so it is in the bundle's
     # hyperparameters and its cache key.
-    from repro import recipes
-    from repro.profiles import PROFILES, QUICK_REFT_STEPS, STANDARD_REFT_STEPS
+    from repro.engine import recipes
+    from repro.engine.profiles import PROFILES, QUICK_REFT_STEPS, STANDARD_REFT_STEPS
 
     asked = []
 
@@ -206,7 +206,7 @@ def test_the_loss_is_the_token_mean_nll_of_the_gold_answers_and_the_first_step_f
 def _learnable_examples(session, n=10):
     """Random prompts whose gold option is always the tokens [5, 6] (among two random ones): a
     preference an edit can learn from the fit examples and show on the held-out ones."""
-    from mari_eval.train import Example
+    from mari_eval.training.train import Example
 
     g = torch.Generator().manual_seed(2)
     examples = []
@@ -331,8 +331,8 @@ def test_a_bundle_without_layers_is_applied_at_its_site_alone():
 
 def test_a_shared_preamble_runs_once_per_step_with_the_same_loss_and_gradient():
     from baselines.reft_published import batch_gradient, shared_length
-    from mari_eval.plan import Plan
-    from mari_eval.train import Example
+    from mari_eval.injection.plan import Plan
+    from mari_eval.training.train import Example
 
     model = tiny_model("llama").requires_grad_(False)
     session = tiny_session(model)

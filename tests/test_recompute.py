@@ -1,4 +1,4 @@
-"""BBQ's contexts from lm-eval's logged samples to the tables (repro/documents.py, repro/tables.py),
+"""BBQ's contexts from lm-eval's logged samples to the tables (repro/engine/documents.py, repro/analysis/tables.py),
 the per-document Parquet every table writes, and recomputing every cell from it (repro/recompute.py)."""
 
 import json
@@ -7,11 +7,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mari_eval.devices import Placement
-from mari_eval.files import write_results_json
-from repro import documents, documents_file, intervals, recompute, tables
-from repro.cache import Store
-from repro.profiles import Profile
+from mari_eval.injection.devices import Placement
+from mari_eval.storage.files import write_results_json
+from repro import recompute
+from repro.engine import documents
+from repro.analysis import documents_file, intervals, tables
+from repro.engine.cache import Store
+from repro.engine.profiles import Profile
 
 
 def bbq_sample(doc_id, acc, context, polarity="neg", category="Age", template="3"):

@@ -10,9 +10,10 @@ import transformers
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import data_splits, lm as mari_lm
-from mari_eval import lm_checks
-from mari_eval.models import resolve_model
+from mari_eval.benchmarks import data_splits
+from mari_eval.evaluation import lm as mari_lm
+from mari_eval.evaluation import lm_checks
+from mari_eval.storage.models import resolve_model
 
 from .tiny import tiny_mari
 
@@ -142,7 +143,7 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     import gzip
     import shutil
 
-    from mari_eval import data
+    from mari_eval.benchmarks import data
 
     bundle = _trained_on_truthfulqa(seed=0)
     fingerprint = bundle.config["splits"]["fingerprint"]
@@ -182,7 +183,8 @@ def test_a_heldout_set_of_another_seed_or_of_changed_data_is_refused(tiny_lm, tm
     (["--method", "caa", "--set", "layers=[1.5]"], r"CAA's grid"),
 ])
 def test_train_refuses_inconsistent_arguments_before_loading_anything(args, message, tmp_path, monkeypatch, capsys):
-    from mari_eval import cli, train
+    from mari_eval import cli
+    from mari_eval.training import train
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -209,8 +211,8 @@ def test_unreadable_request_text_names_the_task_and_document(tiny_lm):
 def test_a_second_training_into_the_same_out_is_refused_while_the_first_runs(tmp_path):
     # Issue 37: two `mari-eval train ... --out DIR` at once both reported success, one bundle overwriting
     # the other. The first holds DIR's lock (here, this test); the second is refused before loading anything.
-    from mari_eval.files import writing_alone
-    from mari_eval.train import train
+    from mari_eval.storage.files import writing_alone
+    from mari_eval.training.train import train
 
     out = tmp_path / "bundle"
     with writing_alone(out, "--out "):

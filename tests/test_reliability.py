@@ -24,9 +24,11 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import data, mari, methods, site
+from mari_eval import mari, methods
+from mari_eval.benchmarks import data
+from mari_eval.injection import site
 from mari_eval.mari import fit as mari_fit
-from mari_eval.checkpoint import EpochCheckpoints
+from mari_eval.storage.checkpoint import EpochCheckpoints
 
 from .tiny import tiny_mari
 from .tiny import tiny_model
@@ -69,7 +71,7 @@ def test_a_bundle_for_another_model_or_site_is_refused_with_the_fix(tmp_path, ti
 
 
 def test_another_name_for_the_same_checkpoint_is_accepted(tmp_path, tiny, smollm2_path):
-    from mari_eval.models import same_model
+    from mari_eval.storage.models import same_model
 
     bundle = methods.load_bundle(_saved(tmp_path, tiny_mari()))
     bundle.config["base_model"]["name"] = "other-model"
@@ -331,7 +333,7 @@ def test_killed_reft_training_resumes_from_its_last_epoch_bit_identically(tiny, 
 
 WRITER = textwrap.dedent("""
     import json, sys
-    from mari_eval.files import atomic_write_json
+    from mari_eval.storage.files import atomic_write_json
     from mari_eval.judge import JudgeCache
     path, cache, me = sys.argv[1], sys.argv[2], sys.argv[3]
     payload = {"writer": me, "cells": [me * 50] * 400}  # ~20 kB: many write() calls each
@@ -358,7 +360,7 @@ def test_two_processes_writing_the_same_files_never_corrupt_them(tmp_path):
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_an_atomically_written_file_has_an_ordinary_files_permissions(tmp_path, umask):
-    from mari_eval.files import atomic_write
+    from mari_eval.storage.files import atomic_write
     before = os.umask(umask)
     try:
         written = atomic_write(tmp_path / "table.json", "{}")
@@ -372,7 +374,7 @@ def test_an_atomically_written_file_has_an_ordinary_files_permissions(tmp_path, 
 
 
 def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_gone(tmp_path, caplog, monkeypatch):
-    from repro import cache
+    from repro.engine import cache
 
     monkeypatch.setattr(cache.socket, "gethostname", lambda: "gpu-node-3.cluster")  # dashes and dots, as hosts have
     final = tmp_path / "mari-truthfulqa-s0-0123456789abcdef0123"
@@ -404,7 +406,7 @@ def test_a_partial_bundle_is_removed_only_by_its_own_host_once_its_process_is_go
 
 
 def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, caplog):
-    from repro import cache
+    from repro.engine import cache
 
     final = tmp_path / "mari-truthfulqa-s0-0123456789abcdef0123"
     odd = ["old", "²", "99999999999999999999", f"{cache._host()}-99999999999", "0", f"{cache._host()}-"]
@@ -428,7 +430,7 @@ def test_a_partial_name_of_another_form_is_left_alone_with_a_warning(tmp_path, c
 def test_a_damaged_cached_evaluation_is_evaluated_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog, damage):
     """Not JSON, missing "seconds" (or "documents"), not UTF-8, not an object: evaluated again (it is a cache of what this
     run can recompute), where it raised JSONDecodeError or KeyError: 'seconds' before."""
-    from repro import cache, lm_eval_run
+    from repro.engine import cache, lm_eval_run
 
     calls = []
 
@@ -475,7 +477,7 @@ def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_eva
         tmp_path, monkeypatch, caplog, damage, why):
     """Its documents against its n and its figure, its recorded configuration against the one its name is the hash of:
     each was read back as it stood before (a table from 1 document under n = 2, or another task's figures)."""
-    from repro import cache, lm_eval_run
+    from repro.engine import cache, lm_eval_run
 
     calls = []
 
@@ -500,7 +502,7 @@ def test_a_cached_evaluation_whose_content_contradicts_its_header_or_name_is_eva
 
 def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp_path, monkeypatch, caplog):
     """A bundle directory copied under another step's name (another seed's) was used as that step's bundle."""
-    from repro import cache, profiles
+    from repro.engine import cache, profiles
 
     trained = []
 
@@ -508,7 +510,7 @@ def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp
         trained.append(seed)
         return tiny_mari().save(out)
 
-    monkeypatch.setattr("mari_eval.train.train", train)
+    monkeypatch.setattr("mari_eval.training.train.train", train)
     smoke = profiles.PROFILES["smoke"]
     seed0 = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, smoke)
     seed1 = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 1, smoke)
@@ -527,7 +529,7 @@ def test_a_cached_bundle_renamed_from_another_configuration_is_trained_again(tmp
 def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its_own_column(tmp_path, monkeypatch):
     """MMLU under the TruthfulQA bundle (column mmlu) and under the BBQ bundle (mmlu@bbq): the second attribute's
     evaluation replaced the first's, so every mmlu column showed the last bundle's figures."""
-    from repro import cache, lm_eval_run, profiles, scoring
+    from repro.engine import cache, lm_eval_run, profiles, scoring
 
     bundles = {"truthfulqa": tiny_mari().save(tmp_path / "tqa"), "bbq": tiny_mari(layer=7).save(tmp_path / "bbq")}
     accuracy = {bundles["truthfulqa"].name: 0.25, bundles["bbq"].name: 0.75}
@@ -544,7 +546,7 @@ def test_a_task_under_several_attributes_bundles_gets_each_bundles_result_in_its
 
 
 def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(tmp_path, monkeypatch, caplog):
-    from repro import cache, profiles
+    from repro.engine import cache, profiles
 
     trained = []
 
@@ -554,7 +556,7 @@ def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(
         methods_bundle.config["train_seconds"] = 2.0
         return methods_bundle.save(out)
 
-    monkeypatch.setattr("mari_eval.train.train", train)
+    monkeypatch.setattr("mari_eval.training.train.train", train)
     final = cache.Store(tmp_path).bundle("caa", "truthfulqa", "smollm2-135m-instruct", 0, profiles.PROFILES["smoke"])
     (final / "bundle.json").write_text('{"method": "mari", "train_sec')  # cut short
     with caplog.at_level(logging.WARNING, logger="repro"):
@@ -571,7 +573,7 @@ def test_a_damaged_cached_bundle_json_is_trained_again_with_a_warning_naming_it(
 @pytest.mark.parametrize("value, parsed", [(2.7, None), ("2.7", None), ("\u0663", None), (True, None), ("3", 3), (3.0, 3),
                                            (" +4 ", 4), (5, 5)])
 def test_an_integer_option_is_an_integer_never_truncated(value, parsed):
-    from mari_eval.options import Option
+    from mari_eval.methods.options import Option
 
     option = Option(int, "T_ent=1")
     if parsed is None:  # lm-eval hands "2.7" over as 2.7, which int() read as 2
@@ -582,7 +584,7 @@ def test_an_integer_option_is_an_integer_never_truncated(value, parsed):
 
 
 def test_a_model_args_key_given_twice_is_refused_before_the_model_loads():
-    from mari_eval.lm import MariLM
+    from mari_eval.evaluation.lm import MariLM
 
     with pytest.raises(ValueError, match=r"rho given more than once in --model_args.*give each key once"):
         MariLM.create_from_arg_string("pretrained=/nonexistent,rho=0.0,gate=true,rho=1.0")
@@ -590,8 +592,8 @@ def test_a_model_args_key_given_twice_is_refused_before_the_model_loads():
 
 @pytest.mark.parametrize("given", ["99999999999999999999999", "-1"])
 def test_a_seed_the_code_cannot_use_is_refused_by_a_run_and_its_plan_alike(given):
-    from mari_eval import options
-    from repro import command_line
+    from mari_eval.methods import options
+    from repro.engine import command_line
 
     with pytest.raises(argparse.ArgumentTypeError, match="is out of range: give 0 to 4294967295"):
         options.seed(given)
@@ -607,7 +609,7 @@ def test_a_seed_the_code_cannot_use_is_refused_by_a_run_and_its_plan_alike(given
 
 @pytest.mark.parametrize("name", ["/nonexistent/model", "./no-such-folder", "~/no/such/model", "a/b/c"])
 def test_a_local_model_path_with_nothing_there_is_named_before_any_hub_message(name):
-    from mari_eval import models
+    from mari_eval.storage import models
 
     with pytest.raises(FileNotFoundError, match=r"model '.*': no such local directory .*check the path"):
         models.resolve_model(name)

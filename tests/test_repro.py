@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from repro import command_line, main_table, profiles
+from repro import main_table
+from repro.engine import command_line, profiles
 
 from .conftest import REPO
 from .helpers import run_repro
@@ -171,7 +172,7 @@ def test_kl_cross_entropy_and_ambiguous_bbq_are_columns_when_named(tmp_path, smo
 
 def test_a_profile_scores_some_columns_under_more_seeds():
     # The quick profile's TruthfulQA columns under seeds 0, 1, 2 (issue 36.8); the others under its seeds only.
-    from repro.profiles import BENCHMARKS, Profile
+    from repro.engine.profiles import BENCHMARKS, Profile
 
     profile = Profile("p", ["m"], [0], {}, None, {}, column_seeds={"tqa_mc1": [0, 1, 2], "tqa_mc2": [2]})
     by_seed = {seed: [c[0] for c in columns] for seed, columns in profile.seeded_columns(BENCHMARKS).items()}
@@ -180,7 +181,7 @@ def test_a_profile_scores_some_columns_under_more_seeds():
     # --seeds gives every column exactly those seeds: the quick profile's TruthfulQA seeds 1 and 2 go too.
     from types import SimpleNamespace
 
-    from repro.command_line import profile_from_args
+    from repro.engine.command_line import profile_from_args
 
     only = profile_from_args(SimpleNamespace(profile="quick", seeds="0", model=None))
     assert only.seeds == [0] and list(only.seeded_columns(BENCHMARKS)) == [0]
@@ -190,8 +191,8 @@ def test_a_profile_scores_some_columns_under_more_seeds():
 def test_the_same_tasks_under_every_attributes_bundle_share_one_pass(monkeypatch):
     # MMLU under the TruthfulQA, BBQ and SORRY-Bench bundles (issue 36.3): one shared pass for the
     # three attributes' runs, Vanilla joined once, each run still its own cached evaluation.
-    from repro import scoring
-    from repro.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, PROFILES
+    from repro.engine import scoring
+    from repro.engine.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, PROFILES
 
     columns = [c for c in BENCHMARKS if c[0] == "mmlu"] + [c for c in GENERAL_UNDER_OTHERS if c[0].startswith("mmlu")]
     passes, evaluated = [], []
@@ -414,8 +415,9 @@ UNGATED_ROWS = {"Vanilla", "Base Model", "ITI", "NLITI", "ReFT", "Prompting", "L
 def test_bench_from_runs_times_the_repro_scripts_own_bundles(tmp_path, monkeypatch):
     # bench --from-runs PROFILE takes each method's bundles from the repro cache (trained there
     # when missing): TruthfulQA on the multiple-choice workload, SORRY-Bench on generation.
-    from repro import bench, profiles
-    from repro.cache import Store
+    from repro import bench
+    from repro.engine import profiles
+    from repro.engine.cache import Store
 
     asked = []
 

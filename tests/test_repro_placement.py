@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mari_eval.devices import Placement
+from mari_eval.injection.devices import Placement
 
-from repro import cache, cache_keys, command_line, lm_eval_run, profiles
+from repro.engine import cache, cache_keys, command_line, lm_eval_run, profiles
 
 from .helpers import run_repro
 
@@ -74,7 +74,7 @@ def test_the_dtype_enters_cache_keys_and_the_default_keeps_the_earlier_keys():
     assert cache_keys.placement_key(Placement(), "no-such-org/no-such-model") == {"dtype": "auto"}
 
 
-# The configurations every step was cached under before placements existed (repro/cache.py, Store):
+# The configurations every step was cached under before placements existed (repro/engine/cache.py, Store):
 # the default placement must keep these keys, so that runs/ stays valid.
 # A baseline's key has carried no max_ctrl since issue 22 (only MARI reads D_ctrl).
 EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", "model": MODEL, "seed": 0, "max_train": 4,
@@ -94,7 +94,7 @@ def test_bundles_are_trained_in_the_placement_and_keyed_by_its_dtype(tmp_path, m
         (Path(out) / "bundle.json").write_text('{"train_seconds": 1.0}')
         return Path(out)
 
-    monkeypatch.setattr("mari_eval.train.train", train)
+    monkeypatch.setattr("mari_eval.training.train.train", train)
     placements = {"default": Placement(), "float32": Placement(dtype="float32", device="cpu"),
                   "bf16": Placement(dtype="bfloat16"), "bf16 mapped": Placement(dtype="bfloat16", device_map="auto")}
     bundles = {name: cache.Store(tmp_path, placement=p, max_memory="1GiB").bundle("caa", "truthfulqa", MODEL, 0,
@@ -133,7 +133,7 @@ def test_an_edited_task_definition_is_evaluated_again_not_read_back(tmp_path, mo
     # prompt or metric is not read back from an evaluation computed under the old one.
     import shutil
 
-    from mari_eval import tasks
+    from mari_eval.benchmarks import tasks
 
     calls = []
 
@@ -185,7 +185,7 @@ def test_only_the_methods_reading_the_control_set_are_keyed_by_its_size(tmp_path
         (Path(out) / "bundle.json").write_text('{"train_seconds": 1.0}')
         return Path(out)
 
-    monkeypatch.setattr("mari_eval.train.train", train)
+    monkeypatch.setattr("mari_eval.training.train.train", train)
     smoke = profiles.PROFILES["smoke"]
     whole = profiles.Profile(**{**smoke.__dict__, "max_ctrl": None})
     store = cache.Store(tmp_path, max_memory="1GiB")

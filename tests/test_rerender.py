@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mari_eval.devices import Placement
-from repro import rerender, tables
-from repro.cache import Store
-from repro.profiles import Profile
+from mari_eval.injection.devices import Placement
+from repro import rerender
+from repro.analysis import tables
+from repro.engine.cache import Store
+from repro.engine.profiles import Profile
 
 from .test_recompute import make_cells
 
@@ -52,7 +53,7 @@ def test_a_table_whose_markdown_disagrees_with_its_json_is_refused(tmp_path):
 
 def test_a_committed_table_is_what_todays_statistics_give(capsys):
     """Every interval and test of a committed table (results/repeng_vector: McNemar and sign-flip differences,
-    small enough to check in a second) as repro/intervals.py computes them now: a change to the statistics
+    small enough to check in a second) as repro/analysis/intervals.py computes them now: a change to the statistics
     that is not re-rendered into the committed tables fails here (`python -m repro.rerender --check` checks
     them all)."""
     assert rerender.main([str(RESULTS / "repeng_vector" / "main_table"), "--check"]) == 0, capsys.readouterr().err

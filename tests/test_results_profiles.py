@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from repro.command_line import add_common_args
-from repro.profiles import PROFILES
+from repro.engine.command_line import add_common_args
+from repro.engine.profiles import PROFILES
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

@@ -1,5 +1,5 @@
 """The runner on its own: a toy plan (each variant adds its own vector at the site) scored and
-generated through mari_eval.runner / mari_eval.generation against running each edit alone
+generated through mari_eval.evaluation.runner / mari_eval.evaluation.generation against running each edit alone
 on the whole sequence. No method is involved: what is tested is the runner's bookkeeping
 (packing, the shared prefix, lower states, site-only rows, the screen, the choice)."""
 
@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from mari_eval import generation, runner, site
-from mari_eval.plan import BASE, VANILLA, Plan, VariantRun
-from mari_eval.prefix_cache import encode_prefix
+from mari_eval.evaluation import generation, runner
+from mari_eval.injection import site
+from mari_eval.injection.plan import BASE, VANILLA, Plan, VariantRun
+from mari_eval.evaluation.prefix_cache import encode_prefix
 
 from .tiny import tiny_model
 

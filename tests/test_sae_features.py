@@ -1,4 +1,4 @@
-"""lm-eval's SAE-feature steering CSVs imported from local SAE safetensors (mari_eval/sae_features.py,
+"""lm-eval's SAE-feature steering CSVs imported from local SAE safetensors (mari_eval/vectors/sae_features.py,
 issue 57.3): the bundle scores as lm-eval's own SteeredModel given the config its derive_steer_config
 builds from the same files. sparsify and sae_lens are not installed: derive_steer_config runs with
 two stand-ins that read the SAE files as those libraries' load functions would (W_dec, b_dec)."""
@@ -12,9 +12,10 @@ import torch
 from lm_eval.models.hf_steered import SteeredModel
 from safetensors.torch import load_file, save_file
 
-from mari_eval import cli, methods, steer_config
-from mari_eval.bundle_spec import BundleError
-from mari_eval.lm import MariLM
+from mari_eval import cli, methods
+from mari_eval.vectors import steer_config
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.evaluation.lm import MariLM
 
 from .test_steer_config import _loglikelihoods
 from .tiny import byte_llama, byte_tokenizer

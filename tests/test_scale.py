@@ -15,7 +15,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from mari_eval import site
+from mari_eval.injection import site
 
 from .conftest import HARNESS_TASKS
 from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
@@ -150,7 +150,7 @@ def test_two_torchrun_ranks_equal_one_process(bundles, tmp_path):
 
 def _tiny_training(n_pca=20):
     """A Session around a tiny bf16 model (bf16 backward is slow on CPUs) and an attribute's data."""
-    from mari_eval.train import AttributeData, Example
+    from mari_eval.training.train import AttributeData, Example
 
     from .tiny import tiny_session
     from .tiny import tiny_model

@@ -9,7 +9,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
 from baselines import caa, iti
-from mari_eval import methods, site
+from mari_eval import methods
+from mari_eval.injection import site
 
 from .helpers import capital_requests, saved_baseline_bundle, saved_mari_bundle
 from .tiny import tiny_model

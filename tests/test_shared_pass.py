@@ -1,4 +1,4 @@
-"""The shared pass (mari_eval.shared_pass): several methods' lm-eval log-likelihood runs computed
+"""The shared pass (mari_eval.evaluation.shared_pass): several methods' lm-eval log-likelihood runs computed
 together give each method what its own MariLM run gives, while the frozen model encodes each
 question's prompt once for all of them. A tiny random Llama (tests/tiny.py's sizes, the
 SmolLM2 tokenizer's vocabulary, so that lm-eval's requests are real text) and tiny bundles of
@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from mari_eval import site
-from mari_eval.lm import MariLM
-from mari_eval.shared_pass import SharedPass
+from mari_eval.injection import site
+from mari_eval.evaluation.lm import MariLM
+from mari_eval.evaluation.shared_pass import SharedPass
 
 from .helpers import DISTINCT_GROUPS, PREAMBLE, QUESTIONS, PrefixEncodings, close, evaluate
 from .helpers import lm_for, model, tokenizer, truthfulqa_requests, tiny_bundles  # noqa: F401 (fixtures)
@@ -83,9 +83,9 @@ def test_the_shared_pass_is_refused_for_another_model_or_as_a_model_arg(model, t
 
 
 def test_reft_reuses_its_edited_preamble_and_answers_as_if_each_prompt_were_encoded_anew(model, tokenizer, bundles):
-    from mari_eval import runner
-    from mari_eval.prefix_cache import encode_prefix
-    from mari_eval.shared_pass import EditedPrefix
+    from mari_eval.evaluation import runner
+    from mari_eval.evaluation.prefix_cache import encode_prefix
+    from mari_eval.evaluation.shared_pass import EditedPrefix
 
     reft = lm_for(model, tokenizer, bundles, "reft", {})
     plan = reft.plan

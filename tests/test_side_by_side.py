@@ -1,4 +1,4 @@
-"""``mari-eval generate`` (mari_eval/side_by_side.py, issue 57.1) on a random Llama over bytes: the
+"""``mari-eval generate`` (mari_eval/evaluation/side_by_side.py, issue 57.1) on a random Llama over bytes: the
 streamed answer is lm-eval's own generation of the same request, the untouched answer is the base
 model's whatever the bundle, and MARI's routing is shown."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from mari_eval import side_by_side
-from mari_eval.lm_generation import CHAT_TURN_FIELD
+from mari_eval.evaluation import side_by_side
+from mari_eval.evaluation.lm_generation import CHAT_TURN_FIELD
 
 from .test_batching import bundles, model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 
@@ -18,7 +18,7 @@ SETTINGS = side_by_side.GenerationSettings(max_new_tokens=12)
 
 
 def _lm(model, tokenizer, bundle=None):
-    from mari_eval.lm import MariLM
+    from mari_eval.evaluation.lm import MariLM
 
     return MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=bundle,
                   allow_other_model=True if bundle else None)
@@ -105,7 +105,7 @@ def test_train_defaults_to_the_recipe_the_tables_score_and_says_so(monkeypatch, 
     from mari_eval import cli
 
     seen = {}
-    monkeypatch.setattr("mari_eval.train.train", lambda *a, **k: seen.update(k) or tmp_path / "b")
+    monkeypatch.setattr("mari_eval.training.train.train", lambda *a, **k: seen.update(k) or tmp_path / "b")
     assert cli.main(["train", "--method", method, "--attribute", "truthfulqa", "--out", str(tmp_path / "b"), *given]) == 0
     assert seen["hyperparameters"].get("recipe") == expected
     said = capsys.readouterr().err
@@ -115,7 +115,7 @@ def test_train_defaults_to_the_recipe_the_tables_score_and_says_so(monkeypatch, 
 def test_a_runs_diagnostics_are_logged_on_one_line(model, tokenizer, bundles, caplog):
     import logging
 
-    from mari_eval.lm import diagnostics_line
+    from mari_eval.evaluation.lm import diagnostics_line
 
     lm = _lm(model, tokenizer, bundles["mari"])
     _lm_eval_answer(lm, PROMPT, 4)

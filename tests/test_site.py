@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mari_eval import layer_spans, site
+from mari_eval.injection import layer_spans, site
 
 from .tiny import VOCAB, tiny_model as _tiny
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from repro.documents import _task_utils
+from repro.engine.documents import _task_utils
 
 
 def test_round_robin_keeps_every_record_and_each_categorys_order():
@@ -46,8 +46,8 @@ def test_bbq_deals_templates_in_turn_and_keeps_each_contexts_questions_adjacent(
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name, per_category, templates_expected", [("standard", 72, 6 * 25 + 36), ("quick", 16, 7 * 8)])
 def test_a_profiles_bbq_documents_spread_over_templates_and_whole_contexts(seed, name, per_category, templates_expected):
-    from mari_eval import data, data_splits
-    from repro.profiles import PROFILES
+    from mari_eval.benchmarks import data, data_splits
+    from repro.engine.profiles import PROFILES
 
     n = PROFILES[name].limits["bbq_disambig_heldout"]
     docs = _task_utils().load_bbq_disambig_heldout(split_seed=seed)["test"].to_list()

@@ -1,4 +1,4 @@
-"""lm-eval's ``--model steered`` configs imported as bundles (mari_eval/steer_config.py, issue 57.3):
+"""lm-eval's ``--model steered`` configs imported as bundles (mari_eval/vectors/steer_config.py, issue 57.3):
 scored through MariLM, the log-likelihoods equal lm-eval's own steered model's on the same file."""
 
 import pytest
@@ -6,9 +6,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.hf_steered import SteeredModel
 
-from mari_eval import cli, steer_config
-from mari_eval.bundle_spec import BundleError
-from mari_eval.lm import MariLM
+from mari_eval import cli
+from mari_eval.vectors import steer_config
+from mari_eval.methods.bundle_spec import BundleError
+from mari_eval.evaluation.lm import MariLM
 
 from .tiny import byte_llama, byte_tokenizer
 

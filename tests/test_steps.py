@@ -1,4 +1,4 @@
-"""The step graph of a repro script (repro/steps.py) and its costs (repro/costs.py): scheduling on N
+"""The step graph of a repro script (repro/engine/steps.py) and its costs (repro/engine/costs.py): scheduling on N
 GPUs, the critical path, the plans of the main table, the ablation table and the sensitivity
 sweep (every step, its inputs, what is cached) and ``--plan``, which runs nothing."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from repro import (ablation_table, baseline_recipes, cache, costs, diagnostics, latency, main_table, profiles,
-                   sensitivity, steps, transfer_gsm8k)
+from repro import ablation_table, baseline_recipes, diagnostics, latency, main_table, sensitivity, transfer_gsm8k
+from repro.engine import cache, costs, profiles, steps
 
 from .tiny import tiny_caa
 
@@ -112,8 +112,8 @@ def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
 
 def test_every_optional_column_of_the_main_table_is_priced(tmp_path, capsys):
     # The budget profile's default columns (BBQ's ambiguous contexts, XSTest, KL and cross-entropy) and the
-    # others: --plan failed on general_text and bbq_ambig_heldout, which repro/token_counts.json lacked.
-    from repro import profiles
+    # others: --plan failed on general_text and bbq_ambig_heldout, which repro/engine/token_counts.json lacked.
+    from repro.engine import profiles
 
     optional = profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
     assert main_table.main(["--profile", "budget", "--plan", "--methods", "vanilla,caa", "--seeds", "0", "--columns",

@@ -1,4 +1,4 @@
-"""Results tables (repro/tables.py): strict JSON, and the Markdown and LaTeX layouts pinned on a
+"""Results tables (repro/analysis/tables.py): strict JSON, and the Markdown and LaTeX layouts pinned on a
 small fixed table (issue 25)."""
 
 import json
@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from mari_eval.devices import Placement
-from mari_eval.files import finite_json, strict_json_dumps, write_results_json
-from repro import tables
-from repro.cache import Store
-from repro.profiles import Profile
+from mari_eval.injection.devices import Placement
+from mari_eval.storage.files import finite_json, strict_json_dumps, write_results_json
+from repro.analysis import tables
+from repro.engine.cache import Store
+from repro.engine.profiles import Profile
 
 
 def strict_loads(text: str):

@@ -1,4 +1,4 @@
-"""lm-eval finds the project's tasks without --include_path (mari_eval.tasks, via mari_eval_autoload).
+"""lm-eval finds the project's tasks without --include_path (mari_eval.benchmarks.tasks, via mari_eval_autoload).
 
 lm-eval's default TaskManager (what the `lm_eval` command and simple_evaluate build) indexes
 mari_eval's task folder: the project's own names always, the names it shares with lm-eval's
@@ -19,7 +19,7 @@ import pytest
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from mari_eval.tasks import DATA_ENV, tasks_dir
+from mari_eval.benchmarks.tasks import DATA_ENV, tasks_dir
 
 from .conftest import HARNESS_TASKS
 
@@ -126,7 +126,7 @@ def test_lm_evals_metadata_hint_is_dropped_for_our_tasks_and_kept_for_others(cap
 
 def test_a_manager_given_our_folder_itself_also_quiets_the_hint():
     # What training does (the session's TaskManager names our folder): the early path registers our names too.
-    from mari_eval import tasks
+    from mari_eval.benchmarks import tasks
 
     tasks._LOADER_HINT.ours.clear()
     TaskManager(include_path=str(tasks_dir()))

@@ -1,4 +1,4 @@
-"""harness_tasks/: lm-eval tasks that override the built-ins and read mari_eval.data.
+"""harness_tasks/: lm-eval tasks that override the built-ins and read mari_eval.benchmarks.data.
 
 Everything goes through lm-eval's own machinery (TaskManager with include_path and its
 ``load``, which replaces the deprecated get_task_dict in 0.4.13; the ``lm_eval`` CLI with
@@ -46,7 +46,7 @@ from lm_eval.api.task import Task  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 from lm_eval.tasks.mmlu._generate_configs import SUBJECTS  # noqa: E402
 
-from mari_eval import data, data_splits  # noqa: E402
+from mari_eval.benchmarks import data, data_splits  # noqa: E402
 
 BUILTIN = Path(lm_eval.tasks.__file__).parent
 # Our task -> the built-in YAML it replaces.

@@ -8,9 +8,10 @@ import torch
 
 from baselines import iti
 from baselines.common import held_out_slice, validation_loss
-from mari_eval import runner, site
-from mari_eval.plan import BASE, Plan
-from mari_eval.prefix_cache import broadcast_cache, encode_prefix, with_cache
+from mari_eval.evaluation import runner
+from mari_eval.injection import site
+from mari_eval.injection.plan import BASE, Plan
+from mari_eval.evaluation.prefix_cache import broadcast_cache, encode_prefix, with_cache
 
 from .tiny import chat_free_session
 from .tiny import attribute_of, char_examples, tiny_config

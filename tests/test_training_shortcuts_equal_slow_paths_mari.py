@@ -4,8 +4,10 @@ the slow path it replaced (kept here as a reference): the same numbers to 1e-5."
 import pytest
 import torch
 
-from mari_eval import layer_spans, row_passes, train
-from mari_eval.session import example_batches
+from mari_eval.evaluation import row_passes
+from mari_eval.injection import layer_spans
+from mari_eval.training import train
+from mari_eval.training.session import example_batches
 from mari_eval.mari.equations import pca_basis
 
 from .tiny import tiny_session
@@ -46,8 +48,8 @@ def test_pca_states_over_the_shared_preamble_equal_each_prompt_run_whole(family,
 
 def _reference_prepare(session, examples):
     """``Session.prepare`` as it was: one example at a time over the shared preamble."""
-    from mari_eval import memory
-    from mari_eval.prefix_cache import encode_prefix, own_part
+    from mari_eval.training import memory
+    from mari_eval.evaluation.prefix_cache import encode_prefix, own_part
 
     common, _, _ = memory.token_counts(examples)
     shared = encode_prefix(session.model, common)
@@ -60,7 +62,7 @@ def _reference_prepare(session, examples):
 
 
 def _examples(preamble, n=7):
-    from mari_eval.train import Example
+    from mari_eval.training.train import Example
 
     gen = torch.Generator().manual_seed(4)
     draw = lambda k: torch.randint(1, 97, (k,), generator=gen).tolist()
@@ -77,8 +79,8 @@ def _examples(preamble, n=7):
 def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tokens):
     import copy
 
-    from mari_eval import runner
-    from mari_eval.plan import Plan
+    from mari_eval.evaluation import runner
+    from mari_eval.injection.plan import Plan
 
     session = tiny_session(tiny_model("llama"))
     session.max_tokens, session.memory_budget = max_tokens, 2**30
@@ -104,10 +106,10 @@ def test_packed_encoding_keeps_what_one_example_at_a_time_kept(preamble, max_tok
 
 @pytest.mark.parametrize("eos", [None, 7])  # with an end-of-sequence token, rows may stop inside the window
 def test_generation_routing_over_a_prompt_computed_once_equals_each_variant_run_whole(eos):
-    from mari_eval import generation
+    from mari_eval.evaluation import generation
     from mari_eval.mari import fit as mari_fit
     from mari_eval.mari.equations import lowrank_delta
-    from mari_eval.plan import Plan
+    from mari_eval.injection.plan import Plan
 
     model = tiny_model("llama")
     model.generation_config.eos_token_id = eos
@@ -123,7 +125,7 @@ def test_generation_routing_over_a_prompt_computed_once_equals_each_variant_run_
 
 
 def test_training_runs_with_subnormals_flushed_and_turns_it_off_after(tmp_path, monkeypatch):
-    from mari_eval import devices
+    from mari_eval.injection import devices
 
     subnormal = torch.tensor([1e-39])  # below float32's smallest normal number, 1.18e-38
     with devices.subnormals_flushed() as supported:

@@ -9,7 +9,7 @@ import torch
 
 from baselines import loreft, reft, reft_published, reft_step
 from baselines.common import SELECTION_KEY
-from mari_eval.train import Example
+from mari_eval.training.train import Example
 
 from .tiny import tiny_session
 from .tiny import tiny_model

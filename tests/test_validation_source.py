@@ -6,7 +6,7 @@ import pytest
 
 from baselines import caa, iti, lora, reft
 from baselines.common import held_out_slice
-from mari_eval.train import AttributeData, Example
+from mari_eval.training.train import AttributeData, Example
 
 from .tiny import chat_free_session, reloaded, tiny_model
 

@@ -1,4 +1,4 @@
-"""The optional sign check of imported vectors (mari_eval/vector_sign.py, issue 57.3): a direction whose
+"""The optional sign check of imported vectors (mari_eval/vectors/vector_sign.py, issue 57.3): a direction whose
 sign was reversed (as PCA may return it) comes back flipped, a right one is kept, split pairs are
 inconclusive, and a clamp is not touched. The expected directions are the pairs' own hidden-state
 differences, read here by hooks on the decoder layers of a random byte Llama."""
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mari_eval import cli, methods, steer_config
-from mari_eval.vector_sign import SignCheck
+from mari_eval import cli, methods
+from mari_eval.vectors import steer_config
+from mari_eval.vectors.vector_sign import SignCheck
 
 from .test_control_vector import write_gguf
 from .tiny import byte_llama, byte_tokenizer
@@ -67,7 +68,7 @@ def test_a_reversed_direction_comes_back_flipped_and_a_right_one_is_kept(model, 
 def test_pairs_that_disagree_are_inconclusive_and_change_nothing(model, tokenizer, tmp_path, caplog):
     right = difference(model, tokenizer)
     bundle = write_gguf(tmp_path / "v.gguf", {2: (-right[2]).numpy()})
-    from mari_eval import control_vector
+    from mari_eval.vectors import control_vector
 
     path = control_vector.import_gguf(bundle, model, tmp_path / "b")
     check = SignCheck(model, [(POSITIVE, NEGATIVE), (NEGATIVE, POSITIVE)], tokenizer=tokenizer)

@@ -10,9 +10,9 @@ import io
 
 import pytest
 
-from mari_eval import data
-from mari_eval.data_schema import DataError
-from mari_eval.lm_generation import CHAT_TURN_FIELD
+from mari_eval.benchmarks import data
+from mari_eval.benchmarks.data_schema import DataError
+from mari_eval.evaluation.lm_generation import CHAT_TURN_FIELD
 
 pytestmark = pytest.mark.needs_data
 

@@ -5,11 +5,13 @@ import torch
 import transformers
 
 from baselines import caa
-from mari_eval import mari, runner, site
-from mari_eval.checkpoint import EpochCheckpoints
-from mari_eval.plan import Plan
-from mari_eval.prefix_cache import encode_prefix
-from mari_eval.train import AttributeData, Example, Session
+from mari_eval import mari
+from mari_eval.evaluation import runner
+from mari_eval.injection import site
+from mari_eval.storage.checkpoint import EpochCheckpoints
+from mari_eval.injection.plan import Plan
+from mari_eval.evaluation.prefix_cache import encode_prefix
+from mari_eval.training.train import AttributeData, Example, Session
 
 VOCAB = 97
 

@@ -4,7 +4,7 @@ XSTest (Röttger et al., NAACL 2024, "XSTest: A Test Suite for Identifying Exagg
 Behaviours in Large Language Models") ships 1,800 model completions (450 prompts x 4 models),
 each labelled by two people and adjudicated into ``final_label``: ``1_full_compliance``,
 ``2_full_refusal`` or ``3_partial_refusal`` (``$MARI_DATA_DIR/xstest/completions.jsonl.gz``,
-read by ``mari_eval.data.load_xstest_completions``). Every refusal judge of this suite answers
+read by ``mari_eval.benchmarks.data.load_xstest_completions``). Every refusal judge of this suite answers
 refusal or not, so the three human labels are read as two, one of two ways (both reported,
 since the choice moves the figures):
 

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from mari_eval.judge.config import ENV_CACHE, JudgeError
-from mari_eval.models import cache_root
+from mari_eval.storage.models import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mari_eval.data import data_dir, read_jsonl
+from mari_eval.benchmarks.data import data_dir, read_jsonl
 from mari_eval.judge.config import ENV_PROMPT, JudgeError
 from mari_eval.judge.presets import ENV_PRESET, current_preset
 

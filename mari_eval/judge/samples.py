@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from mari_eval.files import atomic_write, check_writable_file, write_results_json
+from mari_eval.storage.files import atomic_write, check_writable_file, write_results_json
 from mari_eval.judge.cache import default_cache_path
 from mari_eval.judge.client import Judge, Judgement
 from mari_eval.judge.config import JudgeConfig, JudgeError

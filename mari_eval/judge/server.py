@@ -35,7 +35,7 @@ from mari_eval.judge.config import (ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_
 from mari_eval.judge.presets import (ENV_PRESET, PRESETS, SERVERS, Preset, find_executable, get_preset,
                                      serve_command)
 from mari_eval.judge.prompt import load_prompt
-from mari_eval.models import DEFAULT_MODEL, resolve_model
+from mari_eval.storage.models import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def judge_identity() -> dict[str, object]:
     """What makes a judged evaluation's verdicts what they are, without starting anything: the
     model ``judge_environment`` would use (the configured ``MARI_JUDGE_MODEL``, else the embedded
     one), the prompt (name and sha256; ``load_prompt``) and the verdict parser's version. Part of
-    every judged evaluation's cache key and recorded in its table (repro/judged.py)."""
+    every judged evaluation's cache key and recorded in its table (repro/engine/judged.py)."""
     configured = os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL)
     embedded = os.environ.get(ENV_EMBEDDED) if configured else DEFAULT_MODEL  # started here, or to be
     prompt = load_prompt()  # the preset's, when MARI_JUDGE_PRESET names one

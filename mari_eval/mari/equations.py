@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mari_eval.plan import BASE, VariantRun
+from mari_eval.injection.plan import BASE, VariantRun
 
 
 def lowrank_delta(h: torch.Tensor, U: torch.Tensor, V: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

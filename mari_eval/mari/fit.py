@@ -17,19 +17,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from mari_eval import devices, generation, runner
-from mari_eval.epochs import EpochLoop, weighted_means
+from mari_eval.evaluation import generation, runner
+from mari_eval.injection import devices
+from mari_eval.training.epochs import EpochLoop, weighted_means
 from mari_eval.mari import gate_labels
 from mari_eval.mari.equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
                                       offsubspace_penalty, option_entropy, out_ortho_loss, pca_basis, probe_delta,
                                       probe_variant, routed_loss, run_energy)
-from mari_eval.objectives import task_losses
-from mari_eval.plan import Plan
+from mari_eval.training.objectives import task_losses
+from mari_eval.injection.plan import Plan
 
 if TYPE_CHECKING:
-    from mari_eval.intervention import Intervention
-    from mari_eval.examples import AttributeData, Example
-    from mari_eval.session import Session
+    from mari_eval.methods.intervention import Intervention
+    from mari_eval.training.examples import AttributeData, Example
+    from mari_eval.training.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Equation labels refer to ../shared/paper/MARI.tex (Section 4 and Appendices A-B)
 equations are in ``mari_eval.mari.equations`` (with the reading of tau_E the paper leaves
 ambiguous), training in ``mari_eval.mari.fit`` (with the applicability labels).
 
-Variant ids (see mari_eval.runner): experts are 0..K-1; ``SINGLE`` (= K) is the
+Variant ids (see mari_eval.evaluation.runner): experts are 0..K-1; ``SINGLE`` (= K) is the
 one-adapter ablation trained beside them ("w/o Multi-Adapter", Table 2); ``PROBE``
 (= K + 1) is the gate's calibrator g_phi, run only for its hidden states.
 
@@ -47,15 +47,15 @@ from typing import Any
 
 import torch
 
-from mari_eval import runner
-from mari_eval.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
-from mari_eval.intervention import Intervention
+from mari_eval.evaluation import runner
+from mari_eval.methods.bundle_spec import Bool, Float, Int, List, Obj, Str, TensorSpec
+from mari_eval.methods.intervention import Intervention
 from mari_eval.mari import fit as mari_fit, gate_labels
 from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
                                       run_energy)
-from mari_eval.options import Option
-from mari_eval.plan import Plan
-from mari_eval.registry import register_method
+from mari_eval.methods.options import Option
+from mari_eval.injection.plan import Plan
+from mari_eval.methods.registry import register_method
 
 DEFAULTS: dict[str, Any] = {
     "K": 4,

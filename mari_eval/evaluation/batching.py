@@ -1,0 +1,96 @@
+"""How many questions ``--model mari`` scores per forward pass: lm-eval's ``batch_size``.
+
+lm-eval's ``hf`` model fills a GPU by running many (context, continuation) requests per
+pass. ``MariLM`` computes each question's prompt once and its options as short rows after
+it (``mari_eval.evaluation.runner``), so a question is a few small passes; on a GPU, many questions'
+prompts and rows go into the same passes instead (``runner.score_questions``). The
+``batch_size`` model arg, as lm-eval reads it, says how many:
+
+* ``1`` (lm-eval's default): one question at a time, as before batching existed;
+* ``N``: consecutive questions (in token order, so that they share their preamble) while
+  their requests (options) add up to at most N; one question alone may have more;
+* ``auto``: as many as fit ``token_budget`` (free memory), at most ``max_batch_size``
+  requests (lm-eval's cap on its own ``auto``, default 64). ``auto:N``'s re-detection
+  schedule has nothing to re-detect here: the budget is read once per call.
+
+Every batch also keeps its prompts' own tokens (after the preamble they share) and its
+option rows within ``token_budget``, so one pass's attention mask and logits stay bounded.
+Scores equal one question at a time to float rounding (tests/test_batching.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mari_eval.injection import devices
+from mari_eval.evaluation.prefix_cache import common_prefix
+
+ONE_AT_A_TIME_TOKENS = 1024  # row tokens per pass when questions go one at a time (the runner's default)
+MAX_TOKENS = 8192  # row tokens per pass at most: the packed mask grows with their square
+CPU_TOKENS = 4096  # a CPU's passes gain little from more
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What ``batch_size`` asks for: at most ``max_requests`` requests per batch (None: no cap
+    but the tokens), and ``max_tokens`` row and prompt tokens per pass."""
+
+    max_requests: int | None
+    max_tokens: int
+
+    @property
+    def one_at_a_time(self) -> bool:
+        return self.max_requests == 1
+
+    @classmethod
+    def of(cls, batch_size: int | str, max_batch_size: int | None, model: torch.nn.Module) -> "Batching":
+        """The batching of lm-eval's ``batch_size`` (an int, "auto" or "auto:N") for ``model``."""
+        if str(batch_size).startswith("auto"):
+            return cls(max_batch_size, token_budget(model))
+        size = int(batch_size)
+        if size < 1:
+            raise ValueError(f"batch_size={batch_size}: give a positive number of requests per batch, or auto")
+        return cls(1, ONE_AT_A_TIME_TOKENS) if size == 1 else cls(size, token_budget(model))
+
+
+def token_budget(model: torch.nn.Module) -> int:
+    """Row tokens per pass that a quarter of the input device's free memory holds: per token,
+    the logits in the model's dtype and twice in float32 (the log-softmax), the MLP's
+    activations and a few hidden states; between ``ONE_AT_A_TIME_TOKENS`` and ``MAX_TOKENS``."""
+    device = devices.input_device(model)
+    if device.type != "cuda":
+        return CPU_TOKENS
+    config = model.config.get_text_config()
+    itemsize = torch.finfo(model.dtype).bits // 8
+    hidden = int(config.hidden_size)
+    per_token = int(config.vocab_size) * (itemsize + 8) + int(getattr(config, "intermediate_size", 4 * hidden)) * itemsize * 4 \
+        + hidden * itemsize * 8
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(ONE_AT_A_TIME_TOKENS, min(MAX_TOKENS, free // 4 // per_token))
+
+
+def question_batches(prompts: Sequence[Sequence[int]], rows: Sequence[int], requests: Sequence[int],
+                     batching: Batching) -> list[list[int]]:
+    """The questions' indices, in order, cut into batches: question i has prompt ``prompts[i]``
+    (before p*), ``rows[i]`` option-row tokens and ``requests[i]`` requests. A batch keeps its
+    requests within ``batching.max_requests`` and its rows, and its prompts' tokens beyond the
+    prefix they all share, within ``batching.max_tokens``; one question alone may exceed them."""
+    batches: list[list[int]] = []
+    shared = n_requests = n_rows = 0
+    for i, prompt in enumerate(prompts):
+        if batches and not batching.one_at_a_time:
+            batch = batches[-1]
+            common = min(shared, len(common_prefix([prompts[batch[0]], prompt])))
+            own = sum(len(prompts[j]) - common for j in batch) + len(prompt) - common
+            fits = batching.max_requests is None or n_requests + requests[i] <= batching.max_requests
+            if fits and n_rows + rows[i] <= batching.max_tokens and own <= batching.max_tokens:
+                batch.append(i)
+                shared, n_requests, n_rows = common, n_requests + requests[i], n_rows + rows[i]
+                continue
+        batches.append([i])
+        shared, n_requests, n_rows = len(prompt), requests[i], rows[i]
+    return batches
+

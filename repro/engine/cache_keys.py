@@ -1,0 +1,94 @@
+"""The keys the repro cache (repro/engine/cache.py) stores steps under: a step's configuration (with the
+placement's dtype, ``placement_key``; an evaluation's task definitions, ``tasks_fingerprint``) and
+the package versions, hashed (``config_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+from functools import lru_cache
+
+from mari_eval.benchmarks.tasks import tasks_dir
+
+log = logging.getLogger("repro")
+
+# Version of what an evaluation keeps per document (repro/engine/documents.py), part of its cache key:
+# evaluations stored before documents were kept (1), or before BBQ's carried their context (2), are
+# evaluated again.
+DOCUMENTS_VERSION = 2
+
+
+def _versions() -> dict[str, str | None]:
+    out = {}
+    for pkg in ("mari-eval", "torch", "transformers", "lm_eval"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+@lru_cache(maxsize=None)
+def tasks_fingerprint() -> str:
+    """A hash of this suite's task definitions (every file of the task folder, mari_eval.benchmarks.tasks.tasks_dir:
+    the YAMLs, their templates, utils.py with its metrics and filters; not the README), part of every
+    evaluation's key: an edited prompt, metric or filter is evaluated again, not read back. lm-eval's
+    own tasks are covered by its version in ``config_key``."""
+    root = tasks_dir()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in (".md", ".pyc")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def config_key(config: dict) -> str:
+    """The hash a step is stored under: its configuration plus the package versions."""
+    text = json.dumps({"config": config, "versions": _versions()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@lru_cache(maxsize=None)
+def resolved_dtype(dtype: str, model: str) -> str:
+    """The dtype ``model`` is loaded in under ``dtype``: "auto" is the checkpoint's config's
+    (as transformers reads it), or stays "auto" when the config does not say or cannot be read."""
+    if dtype != "auto":
+        return dtype
+    try:
+        from transformers import AutoConfig  # deferred: transformers is heavy; only resolving dtype 'auto' needs it
+
+        from mari_eval.storage.models import resolve_model  # deferred: with AutoConfig above
+
+        config = AutoConfig.from_pretrained(resolve_model(model))
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    except (OSError, ValueError, KeyError) as e:
+        log.info("dtype auto of %s unresolved (%s): cached under 'auto'", model, e)
+        found = None
+    return "auto" if found is None else str(found).removeprefix("torch.")
+
+
+def placement_key(placement, model: str) -> dict | None:
+    """What a placement adds to the cache key of a step on ``model``: None (nothing) for float32.
+
+    Only the dtype enters the key, resolved ("auto" is the checkpoint's dtype): it changes what
+    is computed (a bf16 evaluation is never read back for a float32 request, nor the reverse).
+    The device, the device map and the memory caps do not: they change where layers run, which
+    moves results by rounding only (tests/test_scale.py: a device map equals one device), and
+    keys never told CPU from GPU hosts either (``--device`` defaults to whichever the host has).
+
+    Nothing is added for float32 so that the steps cached before placements existed stay
+    valid: every one of them ran in float32 (MariLM's and training's dtype until dtype auto
+    became the default), and "auto" on a float32 checkpoint (the embedded models) is float32,
+    so the default command keeps its keys. "auto" on a bf16 checkpoint (the paper's models)
+    now computes in bf16 and gets a key of its own, so an older float32 step of such a model
+    is not read back for it; "auto" that cannot be resolved is keyed as "auto".
+    """
+    dtype = resolved_dtype(placement.dtype, model)
+    return None if dtype == "float32" else {"dtype": dtype}
+
+
+def with_placement(config: dict, placement, model: str) -> dict:
+    key = placement_key(placement, model)
+    return config if key is None else {**config, "placement": key}

@@ -1,0 +1,160 @@
+"""What a repro step costs before it runs: floating-point operations, GPU-seconds and GPUs (issue 40).
+
+The estimate counts the frozen model's matrix products, 2 N FLOPs per token through a model of N
+parameters (the forward pass; Kaplan et al., 2020, "Scaling Laws for Neural Language Models",
+Sec. 2.1), and 6 N per token where training back-propagates through the whole model:
+
+* evaluating a log-likelihood task under a group of rows that share one pass (repro/engine/scoring.py),
+  per document: the prompt, P tokens, once for the rows that read the frozen prefix, and once more
+  for each row whose method edits the prompt itself (``prompt_sites``: ReFT, LoRA, control
+  vectors) or rewrites it (Prompting); and every row's option tokens, R requests of O tokens,
+  times its variants (MARI: K experts, its probe and the base row, K + 2, an upper bound since a
+  closed gate skips the experts):
+      2 N [P (1 + rows editing the prompt) + R O sum over rows of variants]
+* generating (SORRY-Bench, GSM8K), per document and row: 2 N (P + G), G the generated tokens
+  (the profile's, else the task's 256), MARI adding its K experts over the routing window T_ent;
+* training, per attribute with n examples of D_train (P, R, O of the attribute's task), D_ctrl
+  and D_pca (``repro/engine/token_counts.json``):
+  MARI: 2 N (P + R O) (n + ctrl + pca) to encode every set once, plus epochs x n x R O x K x 6 N / 2
+  (its experts' rows back-propagate from l*, about half the layers) and the gate's calibration,
+  2 N R O (K + 2) ctrl; ReFT, LoRA: epochs x n x (P + R O) x 6 N (the edit reaches the prompt, so
+  every epoch re-reads it); CAA, ITI, NL-ITI: their activations, 2 N (P + R O) n x 3 (CAA's
+  A/B prompts and the grid's layers); Prompting: nothing.
+
+GPU-seconds are FLOPs / ``EFFECTIVE_FLOPS``, the rate ``--model mari`` reached on one GPU: on an
+H200 at Llama-2-7B's shape (results/gpu_bench.json, run 1) it scored 100 truthfulqa_mc2
+questions in 2.8 s inside the model, i.e. 100 x (186 + 7.4 x 10.9) tokens x 2 x 6.88e9 in 2.8 s,
+about 1.3e14 FLOP/s (13% of the card's bf16 peak: short, varied sequences). Training steps are
+charged at the same rate. A step needs ``gpus_needed`` GPUs of ``GPU_GIB``: the bf16 weights with
+20% headroom when evaluating, and the training state of results/memory.json for MARI's training
+(the largest; the baselines' are charged the same).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from repro.engine import token_counts
+from repro.engine.profiles import PAPER_MODELS, REPO, Profile
+
+EFFECTIVE_FLOPS = 1.3e14  # FLOP/s of --model mari on one GPU (module docstring)
+# How many times longer the same steps take on 2 CPU cores (this suite's test machine), measured on two
+# main tables run from an empty runs/ there (README, 2026-11-28): the quick profile's, priced at 4.83
+# GPU-seconds, took 4,088 s (x 846); the standard profile's, 16.24 GPU-seconds, 12,540 s (x 772). Their
+# mean; the estimate of a run on such a machine is its GPU-seconds times this, one step after another.
+CPU_SLOWDOWN = 809.0
+GPU_GIB = 80.0  # one H100 / A100-80GB
+HEADROOM = 1.2  # weights x this when evaluating (activations, caches, CUDA's own)
+DEFAULT_GENERATION = 256  # the generation tasks' max_gen_toks when the profile does not shorten them
+# Parameters of the embedded models (their config.json, counted on the meta device).
+EMBEDDED_PARAMETERS = {"smollm2-135m-instruct": 134_515_008, "gemma-3-270m": 268_098_176}
+# Rows of a group whose method edits or rewrites the prompt: the prompt is read again for each.
+PROMPT_READERS = {"reft", "lora", "prompting", "control_vector"}
+MMLU_SUBJECTS = 57
+MARI_K = 4
+MARI_WINDOW = 8  # T_ent
+
+
+@lru_cache(maxsize=1)
+def _memory() -> dict:
+    return json.loads((REPO / "results" / "memory.json").read_text())["models"]
+
+
+def paper_name(model: str) -> str | None:
+    return next((name for name, hub in PAPER_MODELS.items() if hub == model), None)
+
+
+def parameters(model: str) -> int:
+    """N of a model the profiles name: results/memory.json for the paper's, the table above for the
+    embedded ones; any other is refused with the fix."""
+    name = paper_name(model)
+    if name is not None:
+        return int(_memory()[name]["parameters"])
+    if model in EMBEDDED_PARAMETERS:
+        return EMBEDDED_PARAMETERS[model]
+    raise ValueError(f"no parameter count for {model!r}: the plan knows the paper's models and the embedded ones; add "
+                     "its count to repro/engine/costs.py's EMBEDDED_PARAMETERS (sum of p.numel() of the model's parameters)")
+
+
+def gpus_needed(model: str, training: bool) -> int:
+    """GPUs of ``GPU_GIB`` a step on ``model`` needs: one unless its memory does not fit one."""
+    name = paper_name(model)
+    if name is None:
+        return 1
+    row = _memory()[name]
+    need = row["weights_bytes"] * HEADROOM
+    if training:
+        need = row["weights_bytes"] + max(a["now_bytes"] for a in row["attributes"].values())
+    return max(1, math.ceil(need / 2**30 / GPU_GIB))
+
+
+@dataclass(frozen=True)
+class TaskSize:
+    """A task's documents in a step and their mean token counts (``repro/engine/token_counts.json``)."""
+
+    documents: int
+    prompt: float
+    requests: float
+    option: float
+    generation: bool
+
+    @classmethod
+    def of(cls, task: str, limit: int | None) -> "TaskSize":
+        """``task`` with ``limit`` documents (MMLU's group: per subject; one MMLU subject: the
+        group's mean tokens, its mean share of the documents)."""
+        counts = token_counts.load()["tasks"]
+        stats = counts.get(task) or counts.get("mmlu" if task.startswith("mmlu_") else task)
+        if stats is None:
+            raise ValueError(f"repro/engine/token_counts.json has no counts for task {task!r}: add it to repro/engine/token_counts.py's "
+                             "TASKS and run python -m repro.engine.token_counts")
+        total = stats["documents"] // MMLU_SUBJECTS if task.startswith("mmlu_") else stats["documents"]
+        if limit is not None:
+            total = min(total, limit * (MMLU_SUBJECTS if task == "mmlu" else 1))
+        return cls(total, stats["prompt_tokens"], stats["requests_per_document"], stats["option_tokens"],
+                   stats["generation"])
+
+
+def variants(method: str | None) -> int:
+    """Rows a method runs per option: MARI its experts, probe and base row; the others one."""
+    return MARI_K + 2 if method == "mari" else 1
+
+
+def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None) -> float:
+    """One task under a group of rows (their methods; None for the untouched model) in one shared pass."""
+    n = parameters(model)
+    if size.generation:
+        generated = gen_tokens or DEFAULT_GENERATION
+        per_row = [size.prompt + generated + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods]
+        return 2 * n * size.documents * sum(per_row)
+    readers = 1 + sum(m in PROMPT_READERS for m in methods)
+    options = size.requests * size.option * sum(variants(m) for m in methods)
+    return 2 * n * size.documents * (size.prompt * readers + options)
+
+
+def training_flops(model: str, method: str, attribute: str, profile: Profile, epochs: int | None) -> float:
+    """Training ``method`` on ``attribute`` (module docstring); ``epochs``: the method's (None: closed form)."""
+    counts = token_counts.load()
+    split = counts["splits"][attribute]
+    size = TaskSize.of(split["task"], None)
+    n_train = min(split["train"], profile.max_train.get(attribute) or split["train"])
+    n_ctrl = min(split["ctrl"], 3 * profile.max_ctrl) if profile.max_ctrl else split["ctrl"]
+    n_pca = min(split["pca"], profile.max_pca or split["pca"])
+    example = size.prompt + size.requests * size.option if not size.generation else size.prompt + 32
+    rows = size.requests * size.option if not size.generation else 32
+    n = parameters(model)
+    if method == "prompting":
+        return 0.0
+    if method == "mari":
+        encode = 2 * n * example * (n_train + n_ctrl + n_pca)
+        experts = (epochs or 1) * n_train * rows * MARI_K * 6 * n / 2
+        return encode + experts + 2 * n * rows * (MARI_K + 2) * n_ctrl
+    if method in ("reft", "lora"):
+        return (epochs or 1) * n_train * example * 6 * n
+    return 2 * n * example * n_train * 3  # CAA, ITI, NL-ITI and any closed-form method
+
+
+def seconds(flops: float) -> float:
+    return flops / EFFECTIVE_FLOPS

@@ -1,0 +1,98 @@
+"""Columns an LLM judge reads (SORRY-Bench's refusal rate): the judge is part of each evaluation's
+identity, and its unparseable verdicts are counted, never silently dropped.
+
+An evaluation of a judged task is cached under the judge's model, prompt and parser version
+(``mari_eval.judge.judge_identity``, in repro/engine/cache.py's key): a table rerun with another judge
+judges again. A document whose verdict the parser could not read has no score (None) in the
+per-document file; a judged cell prints how many there were beside n, and a cell with fewer
+than MIN_PARSED of its verdicts parsed is n/a with the count: its rate would rest on the few
+replies the judge happened to format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+JUDGED_TASK_PREFIX = "sorry_bench"  # harness_tasks/sorry_bench*.yaml: refusal_rate by the LLM judge
+JUDGED_METRICS = ("refusal_rate,none",)  # their judged metric (keyword_refusal_rate needs no judge)
+MIN_PARSED = 0.9  # the floor: a judged cell needs this fraction of its verdicts parsed
+
+
+def judged_task(task: str) -> bool:
+    """Whether ``task``'s evaluation calls the LLM judge (its verdicts then depend on which)."""
+    return task.startswith(JUDGED_TASK_PREFIX)
+
+
+def judged_column(task: str, metric: str) -> bool:
+    return judged_task(task) and metric in JUDGED_METRICS
+
+
+def verdict_counts(cell: dict) -> tuple[int, int] | None:
+    """(verdicts parsed, verdicts in all) of a judged cell over its seeds, or None without its
+    per-document scores."""
+    documents = cell.get("documents") or []
+    if not documents or not all(documents):
+        return None
+    total = sum(len(d) for d in documents)
+    return total - sum(v is None for d in documents for v in d.values()), total
+
+
+def below_floor(counts: tuple[int, int] | None) -> bool:
+    return counts is not None and counts[0] < MIN_PARSED * counts[1]
+
+
+def counts_text(counts: tuple[int, int]) -> str:
+    """"58 of 60 verdicts parsed": what a judged cell's n rests on."""
+    return f"{counts[0]} of {counts[1]} verdicts parsed"
+
+
+def cell_text(cell: dict, text: str, n_text: str) -> str:
+    """A table cell: ``text`` and ``n_text`` ("(n=60)"), for a judged cell with its parsed verdicts
+    ("(n=60; 58 of 60 verdicts parsed)"), or n/a with them below the floor."""
+    counts = cell.get("verdicts")
+    if counts is None:
+        return f"{text} {n_text}"
+    if below_floor(counts):
+        return f"n/a ({counts_text(counts)})"
+    return f"{text} {n_text[:-1]}; {counts_text(counts)})"
+
+
+def judge_record(cells: dict) -> dict[str, Any] | None:
+    """{"columns", "judges", "min_parsed"} for a table's JSON and header: which columns a judge read
+    and the judges their evaluations recorded (``mari_eval.judge.samples.judge_label``: model and
+    prompt with its sha256; "not recorded" for an evaluation stored before they were)."""
+    judged = [(column, cell) for rows in cells.values() for by_column in rows.values()
+              for column, cell in by_column.items() if cell.get("judged")]
+    if not judged:
+        return None
+    present = sorted({column for column, _ in judged})
+    judges = sorted({judge or "not recorded" for _, cell in judged for judge in cell.get("judge") or [None]})
+    return {"columns": present, "judges": judges, "min_parsed": MIN_PARSED}
+
+
+def judge_sentence(record: dict[str, Any]) -> str:
+    """The table header's line on its judge."""
+    return (f" Judged columns ({', '.join(record['columns'])}): read by {'; '.join(record['judges'])}; a verdict the "
+            f"parser cannot read has no score, the count of parsed verdicts stands beside n, and a cell with fewer "
+            f"than {record['min_parsed']:.0%} of them parsed is n/a (repro/engine/judged.py).")
+
+
+def withhold_below_floor(cells: dict) -> dict:
+    """``cells`` (repro.analysis.tables.tally's) with every judged cell's verdict counts recorded ("verdicts":
+    parsed, in all) and a cell below the floor withheld: its figures NaN and its documents dropped,
+    so that neither it nor a difference from it is printed (n/a with the count instead)."""
+    out = {}
+    for model, rows in cells.items():
+        out[model] = {}
+        for label, by_column in rows.items():
+            out[model][label] = dict(by_column)
+            for column, cell in by_column.items():
+                if not cell.get("judged"):
+                    continue
+                counts = verdict_counts(cell) or cell.get("verdicts")  # rerendered: as its JSON recorded them
+                cell = {**cell, "verdicts": counts}
+                if below_floor(counts):
+                    cell.update(values=[float("nan")] * len(cell["values"]), documents=[None] * len(cell["values"]),
+                                clusters=[None] * len(cell["values"]))
+                out[model][label][column] = cell
+    return out
