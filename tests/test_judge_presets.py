@@ -11,24 +11,13 @@ import pytest
 
 from mari_eval import judge as J
 from mari_eval.judge import server as judge_server
-from tests.test_judge import FakeServer, _generate, _task_env, assert_compact, cache_lines, completion, task_log
+from tests.test_judge import _generate, _task_env, assert_compact, cache_lines, completion, task_log
+from tests.test_judge import fake  # noqa: F401 (its fixture: FakeServers closed at the end)
 
 FT_MODEL = "sorry-bench/ft-mistral-7b-instruct-v0.2-sorry-bench-202406"
 # sha256 of the fine-tuned judge's template: the text it was trained on, which must not drift
 FT_SHA256 = "df17aebaff5f6275ef1c0150d88b8e804b3e7c86d86aa59df0b8fce08eba1851"
 
-
-@pytest.fixture
-def fake():
-    servers = []
-
-    def start(reply):
-        servers.append(FakeServer(reply))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
 
 
 @pytest.fixture

@@ -18,20 +18,10 @@ from mari_eval.methods.bundle_spec import BundleError
 from mari_eval.evaluation.lm import MariLM
 
 from .test_steer_config import _loglikelihoods
-from .tiny import byte_llama, byte_tokenizer
+from .test_batching import model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 
 HEADER = "loader,action,sparse_model,hookpoint,feature_index,steering_coefficient,head_index,sae_id,description"
 FEATURES = 32
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return byte_llama(tokenizer, layers=4, hidden=64)  # a random byte Llama, float32 on the CPU
 
 
 def write_sae(path, hidden, seed=0, transposed=False, drop=()):

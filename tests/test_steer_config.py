@@ -11,19 +11,9 @@ from mari_eval.vectors import steer_config
 from mari_eval.methods.bundle_spec import BundleError
 from mari_eval.evaluation.lm import MariLM
 
-from .tiny import byte_llama, byte_tokenizer
+from .test_batching import model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 
 REQUESTS = [("The sea is", " blue."), ("Fish live in", " water."), ("Two and two make", " four.")]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return byte_llama(tokenizer, layers=4, hidden=64)  # a random byte Llama, float32 on the CPU
 
 
 def _config(hidden: int) -> dict:

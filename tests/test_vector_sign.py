@@ -14,19 +14,9 @@ from mari_eval.vectors import steer_config
 from mari_eval.vectors.vector_sign import SignCheck
 
 from .test_control_vector import write_gguf
-from .tiny import byte_llama, byte_tokenizer
+from .test_batching import model, tokenizer  # noqa: F401 (its byte Llama's fixtures)
 
 POSITIVE, NEGATIVE = "I love this, what a wonderful day!", "I hate this, what an awful day."
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return byte_llama(tokenizer, layers=4, hidden=64)  # a random byte Llama, float32 on the CPU
 
 
 def difference(model, tokenizer, positive=POSITIVE, negative=NEGATIVE) -> dict[int, torch.Tensor]:
