@@ -115,6 +115,27 @@ def test_batch_size_reads_lm_evals_values(model):
     assert auto.max_requests == 64 and auto.max_tokens == batching.CPU_TOKENS
     with pytest.raises(ValueError, match="positive number of requests"):
         batching.Batching.of(0, 64, model)
+    # batch_tokens: the user's budget per pass, whatever batch_size says
+    assert batching.Batching.of("auto", None, model, 512) == batching.Batching(None, 512)
+    assert batching.Batching.of(1, None, model, 300).max_tokens == 300 and batching.Batching.of("8", None, model, 300).max_tokens == 300
+    for bad in (0, -5, 2.5, True, "many"):
+        with pytest.raises(ValueError, match=r"batch_tokens=.*positive whole number of tokens"):
+            batching.Batching.of("auto", None, model, bad)
+
+
+def test_auto_batches_are_sized_by_tokens_unless_the_user_caps_the_requests(model, tokenizer):
+    # Issue 59: lm-eval's max_batch_size defaults to 64 requests, which held BBQ's batches (about 13
+    # options a question) to about 5 questions; MariLM caps the requests only when the user gives it.
+    auto = _lm(model, tokenizer, None, "auto")
+    assert auto.request_cap is None and auto.max_batch_size == 64  # HFLM keeps its own default for generation
+    ordered = [("t", i, [1, 2, 3, 4, 5, 6 + i], [0] * 13, [[7, 8]] * 13) for i in range(20)]  # 20 questions, 13 options
+    assert len(auto._question_batches(ordered)[1]) == 1  # 260 requests, 520 row tokens: one pass
+    capped = _lm(model, tokenizer, None, "auto", max_batch_size=64)
+    assert [len(b) for b in capped._question_batches(ordered)[1]] == [4, 4, 4, 4, 4]  # 4 x 13 = 52 <= 64 requests
+    small = _lm(model, tokenizer, None, "auto", batch_tokens=100)
+    assert [len(b) for b in small._question_batches(ordered)[1]] == [3, 3, 3, 3, 3, 3, 2]  # 3 x 26 = 78 <= 100 row tokens
+    with pytest.raises(ValueError, match="batch_tokens=0: give a positive whole number"):
+        _lm(model, tokenizer, None, "auto", batch_tokens=0)
 
 
 def test_a_shared_preamble_is_computed_once_per_batch_sequence(model, tokenizer):

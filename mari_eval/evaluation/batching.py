@@ -9,12 +9,14 @@ prompts and rows go into the same passes instead (``runner.score_questions``). T
 * ``1`` (lm-eval's default): one question at a time, as before batching existed;
 * ``N``: consecutive questions (in token order, so that they share their preamble) while
   their requests (options) add up to at most N; one question alone may have more;
-* ``auto``: as many as fit ``token_budget`` (free memory), at most ``max_batch_size``
-  requests (lm-eval's cap on its own ``auto``, default 64). ``auto:N``'s re-detection
-  schedule has nothing to re-detect here: the budget is read once per call.
+* ``auto``: as many as fit the token budget. Batches are sized by tokens, not requests (issue
+  59): lm-eval's ``max_batch_size`` caps the requests only when the user gives it (its default
+  of 64, a cap on HFLM's own ``auto``, held BBQ's batches to about 5 questions). ``auto:N``'s
+  re-detection schedule has nothing to re-detect here: the budget is read once per call.
 
 Every batch also keeps its prompts' own tokens (after the preamble they share) and its
-option rows within ``token_budget``, so one pass's attention mask and logits stay bounded.
+option rows within the token budget, so one pass's attention mask and logits stay bounded:
+``batch_tokens=N`` in ``--model_args``, else ``token_budget`` (the device's free memory).
 Scores equal one question at a time to float rounding (tests/test_batching.py).
 """
 
@@ -46,14 +48,25 @@ class Batching:
         return self.max_requests == 1
 
     @classmethod
-    def of(cls, batch_size: int | str, max_batch_size: int | None, model: torch.nn.Module) -> "Batching":
-        """The batching of lm-eval's ``batch_size`` (an int, "auto" or "auto:N") for ``model``."""
+    def of(cls, batch_size: int | str, max_batch_size: int | None, model: torch.nn.Module,
+           batch_tokens: int | None = None) -> "Batching":
+        """The batching of lm-eval's ``batch_size`` (an int, "auto" or "auto:N") for ``model``:
+        ``max_batch_size`` the request cap the user gave (None: none), ``batch_tokens`` the token
+        budget per pass the user gave (None: ``token_budget``, or ``ONE_AT_A_TIME_TOKENS`` for one question)."""
+        check_batch_tokens(batch_tokens)
         if str(batch_size).startswith("auto"):
-            return cls(max_batch_size, token_budget(model))
+            return cls(max_batch_size, batch_tokens or token_budget(model))
         size = int(batch_size)
         if size < 1:
             raise ValueError(f"batch_size={batch_size}: give a positive number of requests per batch, or auto")
-        return cls(1, ONE_AT_A_TIME_TOKENS) if size == 1 else cls(size, token_budget(model))
+        return cls(1, batch_tokens or ONE_AT_A_TIME_TOKENS) if size == 1 else cls(size, batch_tokens or token_budget(model))
+
+
+def check_batch_tokens(batch_tokens: object) -> None:
+    """Refuse a ``batch_tokens=`` that is not a positive whole number of tokens (ValueError)."""
+    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1):
+        raise ValueError(f"batch_tokens={batch_tokens!r}: give a positive whole number of tokens per pass "
+                         "(or leave it out: a budget from the device's free memory)")
 
 
 def token_budget(model: torch.nn.Module) -> int:

@@ -82,6 +82,8 @@ class MariLM(GenerationMixin, HFLM):
         diagnostics: str | None = None,
         allow_other_model: bool | str | None = None,
         shared_pass: SharedPass | None = None,
+        batch_tokens: int | None = None,
+        max_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         # The method's evaluation options (Intervention.option_fields) travel with HFLM's model args.
@@ -89,6 +91,9 @@ class MariLM(GenerationMixin, HFLM):
         names = methods.option_names() if kwargs else set()
         method_options = options.given({k: kwargs.pop(k) for k in list(kwargs) if k in names})
         checks.bundle_args(bundle, bundle_revision, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
+        batching.check_batch_tokens(batch_tokens)
+        # Batches are sized by tokens; lm-eval's max_batch_size caps their requests only when given (batching.py).
+        self.batch_tokens, self.request_cap = batch_tokens, max_batch_size
         if diagnostics:
             checks.check_writable(Path(diagnostics))
         if checks.is_lm_eval_command(sys.argv):  # results written after the run: checked before it
@@ -108,6 +113,7 @@ class MariLM(GenerationMixin, HFLM):
             pretrained=resolve_model(pretrained) if isinstance(pretrained, str) else pretrained,
             device=device,
             dtype=dtype,
+            max_batch_size=64 if max_batch_size is None else max_batch_size,  # HFLM's own default, for its generation
             **kwargs,
         )
         self.model.requires_grad_(False)
@@ -220,7 +226,7 @@ class MariLM(GenerationMixin, HFLM):
         indices, continuations) cut into the batches lm-eval's ``batch_size`` asks for."""
         if self.shared is not None:  # the shared pass goes question by question (SharedPass.run_many)
             return self.shared, [[q] for q in range(len(ordered))]
-        how = batching.Batching.of(self.batch_size_per_gpu, self.max_batch_size, self.model)
+        how = batching.Batching.of(self.batch_size_per_gpu, self.request_cap, self.model, self.batch_tokens)
         runs = OwnRuns(self.model, self.plan, max_tokens=how.max_tokens)
         rows = [sum(map(len, conts)) for *_, conts in ordered]
         batches = batching.question_batches([q[2][:-1] for q in ordered], rows, [len(q[3]) for q in ordered], how)
