@@ -70,7 +70,8 @@ class Settings:
     device: str = "cuda"
     dtype: str = "bfloat16"
     seed: int = 0
-    max_batch_size: int = 64  # lm-eval's default cap for batch_size=auto, for hf and MariLM alike
+    max_batch_size: int = 64  # lm-eval's default cap on hf's batch_size=auto
+    mari_batches: str = "tokens"  # MariLM's auto batches: sized by tokens, uncapped (issue 59.1; earlier runs: capped as hf)
     # Training (TruthfulQA D_train; None = the whole split): tiny settings, the time is not the point.
     max_train: int | None = None
     max_ctrl: int | None = 8  # D_ctrl per source (MARI's gate calibration)

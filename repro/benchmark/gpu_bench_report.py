@@ -218,7 +218,8 @@ def markdown(raw: dict, derived: dict) -> str:
         f"{model['tokenizer']}.",
         f"- Documents: truthfulqa_mc2 first {s['tqa_limit']}; 5-shot MMLU {', '.join(s['mmlu_subjects'])} "
         f"(first {s['mmlu_limit']} each); bbq first {s['bbq_limit']}; the same documents for every entry. "
-        f"Batch size `auto` is capped at {s['max_batch_size']} (lm-eval's default) for hf and MariLM alike.",
+        f"Batch size `auto` is capped at {s['max_batch_size']} (lm-eval's default) for hf"
+        + (" and MariLM alike." if s.get("mari_batches") != "tokens" else "; MariLM's passes are sized by tokens."),
         "- Entries: `hf` is lm-eval's HFLM; the others are `MariLM` without a bundle (vanilla) or with the bundle "
         "named (bundles trained by this run); `mari_open`: MARI with its gate's threshold forced to -inf (the gate "
         "opens on every question); `mari_gate_off`: `gate=false` (experts without the probe).",

@@ -99,9 +99,9 @@ class Bench:
             if entry.method not in self.bundles:
                 raise LookupError(f"no {entry.method} bundle: its training step did not finish")
             bundle = self.bundles[entry.method]
-        lm = MariLM(pretrained=self.model, tokenizer=self.tokenizer, batch_size=batch_size,
-                    max_batch_size=self.max_batch_size, device=self.device, dtype=self.dtype, bundle=bundle,
-                    **entry.options)
+        # no max_batch_size, as `lm_eval --model mari` without the flag: MariLM's batches are sized by tokens
+        lm = MariLM(pretrained=self.model, tokenizer=self.tokenizer, batch_size=batch_size, device=self.device,
+                    dtype=self.dtype, bundle=bundle, **entry.options)
         if entry.tau is not None:
             lm.intervention.tau = entry.tau  # read by the gate at every prompt (MARI.screen)
         return lm
