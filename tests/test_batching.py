@@ -149,3 +149,32 @@ def test_a_shared_preamble_is_computed_once_per_batch_sequence(model, tokenizer)
         handle.remove()
     preamble = len(tokenizer(PREAMBLE)["input_ids"])
     assert len(seen) > 3 and sum(n >= preamble for n in seen) == 1  # several batches, one pass holding the preamble
+
+
+def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, tokenizer, bundles):
+    # Issue 59.2: ReFT edits the first and last prompt tokens, so a few-shot preamble under its edit is the
+    # same for every question; it is computed once, then every prompt's own tokens in one packed pass,
+    # with the keys and values of each prompt computed alone under the edit.
+    import torch
+
+    from mari_eval.evaluation.shared_pass import EditedPrefix
+
+    plan = _lm(model, tokenizer, bundles["reft"], 4).plan
+    contexts = [tokenizer(f"{PREAMBLE}Q: {question}\nA:")["input_ids"] for question, *_ in QUESTIONS]
+    assert all(plan.prompt_sites(len(c)) for c in contexts)  # the prompts themselves are edited
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        packed = EditedPrefix(model, plan).encode_many(contexts)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # the edited preamble, then the prompts' own tokens together (was one pass per prompt)
+    assert packed.shared >= len(tokenizer(PREAMBLE)["input_ids"]) - 1
+    for i, context in enumerate(contexts):
+        alone = EditedPrefix(model, plan).encode(context)
+        start, stop = packed.shared + packed.spans[i][0], packed.shared + packed.spans[i][1]
+        for layer, own in zip(packed.cache.layers, alone.cache.layers):
+            keys = torch.cat([layer.keys[..., :packed.shared, :], layer.keys[..., start:stop, :]], dim=-2)
+            assert torch.allclose(keys, own.keys, atol=1e-5)
+            values = torch.cat([layer.values[..., :packed.shared, :], layer.values[..., start:stop, :]], dim=-2)
+            assert torch.allclose(values, own.values, atol=1e-5)

@@ -261,18 +261,30 @@ def spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
     return [(stop - n, stop) for stop, n in zip(itertools.accumulate(lengths), lengths)]
 
 
-def encode_prompts(model: torch.nn.Module, shared: Prefix, prompts: Sequence[Sequence[int]]) -> PackedPrompts | None:
+def encode_prompts(model: torch.nn.Module, shared: Prefix, prompts: Sequence[Sequence[int]],
+                   apply: ApplyEdits | None = None, sites: Sequence[Sequence[int]] | None = None) -> PackedPrompts | None:
     """The frozen model's cache of ``prompts`` (each beginning with ``shared.tokens``) in one pass:
     their own tokens packed after the shared cache, each seeing the shared tokens and its own
     earlier ones only, at its own positions. The same keys and values as one prompt at a time;
-    None when the model holds some layer's tokens in a sliding window (nothing to pack into)."""
+    None when the model holds some layer's tokens in a sliding window (nothing to pack into).
+    With ``sites`` (prompt i's edited positions, ``Plan.prompt_sites``), the pass runs under
+    ``apply``'s edit at each prompt's sites beyond the shared tokens (those within them must be
+    ``shared.sites``): an edit of one position's state alone gives what ``encode_prefix`` gives."""
     past = len(shared.tokens)
     owns = [list(p[past:]) for p in prompts]
     cache = broadcast_cache(shared.cache, 1)
     if any(owns):
         rows = [own for own in owns if own]
         inputs = packed_inputs(model, past, rows, [], [past] * len(rows))
-        cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
+        edit, cols = contextlib.nullcontext(), []
+        if sites is not None:
+            starts = itertools.accumulate([0] + [len(own) for own in owns])
+            cols = [start + s - past for start, own_sites in zip(starts, sites) for s in own_sites if s >= past]
+        if cols:
+            cols = torch.tensor(cols, device=devices.input_device(model))
+            edit = apply(None, (torch.zeros_like(cols), cols))
+        with torch.set_grad_enabled(bool(len(cols)) and torch.is_grad_enabled()), edit:
+            cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
     if cache is not None and not all(map(_full_attention, cache.layers)):
         return None
     return PackedPrompts(cache, past, spans(list(map(len, owns))))

@@ -58,8 +58,8 @@ import torch
 from mari_eval.evaluation import row_passes, runner
 from mari_eval.injection import layer_spans
 from mari_eval.injection.plan import BASE, Plan, VariantRun
-from mari_eval.evaluation.prefix_cache import (MIN_SHARED, Prefix, PrefixCache, common_prefix, encode_prefix, encode_prompts,
-                                               join_prompts, truncated)
+from mari_eval.evaluation.prefix_cache import (MIN_SHARED, PackedPrompts, Prefix, PrefixCache, common_prefix, encode_prefix,
+                                               encode_prompts, join_prompts, truncated)
 
 if TYPE_CHECKING:
     from mari_eval.methods.intervention import Intervention
@@ -90,8 +90,8 @@ class OwnRuns:
         contexts = [context for context, _ in questions]
         packed = None
         if len(questions) > 1 and row_passes.packable(self.model, max(map(len, contexts)), 1):
-            if any(self.plan.prompt_sites(len(context)) for context in contexts):  # edited prompts (ReFT): each its own, then joined
-                packed = join_prompts([self.edited.encode(context) for context in contexts])
+            if any(self.plan.prompt_sites(len(context)) for context in contexts):  # edited prompts (ReFT)
+                packed = self.edited.encode_many(contexts)
             else:
                 prompts = [tuple(context[:-1]) for context in contexts]
                 packed = encode_prompts(self.model, self.prefixes.encode(common_prefix(prompts)), prompts)
@@ -115,6 +115,7 @@ class EditedPrefix:
     def __init__(self, model: torch.nn.Module, plan: Plan, min_shared: int = MIN_SHARED):
         self.model, self.plan, self.min_shared = model, plan, min_shared
         self.last: Prefix | None = None
+        self.preamble: Prefix | None = None  # the last shared edited preamble of ``encode_many``
 
     def encode(self, context: Sequence[int]) -> Prefix:
         tokens = tuple(context[:-1])
@@ -129,6 +130,24 @@ class EditedPrefix:
                 base = truncated(self.last, shared)
         self.last = encode_prefix(self.model, tokens, base=base, apply=self.plan.apply, sites=sites)
         return self.last
+
+    def encode_many(self, contexts: Sequence[Sequence[int]]) -> PackedPrompts | None:
+        """The prompts before p* of ``contexts`` under the plan's edit, in two passes where they share
+        a preamble whose edited positions are the same in every prompt (ReFT's first ones in a
+        few-shot preamble): that preamble once (``encode``), then every prompt's own tokens packed
+        after it under the edit at its own positions (``encode_prompts``). Otherwise each prompt is
+        computed on its own and the caches joined. None: the model cannot pack (sliding windows)."""
+        prompts = [tuple(context[:-1]) for context in contexts]
+        sites = [self.plan.prompt_sites(len(context)) for context in contexts]
+        common = min(len(common_prefix(prompts)), *(len(p) - 1 for p in prompts))
+        inside = [{s for s in own if s < common} for own in sites]
+        shared = min([common, *(s for own in inside[1:] for s in own.symmetric_difference(inside[0]))])
+        if shared < self.min_shared:
+            return join_prompts([self.encode(context) for context in contexts])
+        tokens, below = prompts[0][:shared], tuple(sorted(s for s in inside[0] if s < shared))  # every prompt's alike
+        if self.preamble is None or (self.preamble.tokens, self.preamble.sites) != (tokens, below):
+            self.preamble = encode_prefix(self.model, tokens, apply=self.plan.apply, sites=below)
+        return encode_prompts(self.model, self.preamble, prompts, apply=self.plan.apply, sites=sites)
 
 
 @dataclass(eq=False)
