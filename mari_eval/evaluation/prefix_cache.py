@@ -57,6 +57,14 @@ def cache_of(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def _edited_at(model: torch.nn.Module, apply: ApplyEdits | None, cols: Sequence[int]):
+    """``apply``'s edit of the states at columns ``cols`` of a one-row pass (no edit when there are none)."""
+    if not cols:
+        return contextlib.nullcontext()
+    cols = torch.tensor(list(cols), device=devices.input_device(model))
+    return apply(None, (torch.zeros_like(cols), cols))
+
+
 def encode_prefix(
     model: torch.nn.Module,
     tokens: Sequence[int],
@@ -83,11 +91,7 @@ def encode_prefix(
             raise ValueError(f"a prompt edited at {list(sites)} cannot extend a prefix cache edited at {list(base.sites)}: "
                              "the edited positions within the prefix must be the same")
         cache = broadcast_cache(base.cache, 1)  # extends a copy; base is never written
-    edit = contextlib.nullcontext()
-    cols = [s - start for s in sites if s >= start]  # positions in the part computed now
-    if cols:
-        cols = torch.tensor(cols, device=device)
-        edit = apply(None, (torch.zeros_like(cols), cols))
+    edit = _edited_at(model, apply, [s - start for s in sites if s >= start])  # positions in the part computed now
     with torch.set_grad_enabled(bool(sites) and torch.is_grad_enabled()), edit:
         out = model(input_ids=torch.tensor([tokens[start:]], device=device), **with_cache(model, cache), use_cache=True,
                     logits_to_keep=1)
@@ -276,14 +280,10 @@ def encode_prompts(model: torch.nn.Module, shared: Prefix, prompts: Sequence[Seq
     if any(owns):
         rows = [own for own in owns if own]
         inputs = packed_inputs(model, past, rows, [], [past] * len(rows))
-        edit, cols = contextlib.nullcontext(), []
-        if sites is not None:
-            starts = itertools.accumulate([0] + [len(own) for own in owns])
-            cols = [start + s - past for start, own_sites in zip(starts, sites) for s in own_sites if s >= past]
-        if cols:
-            cols = torch.tensor(cols, device=devices.input_device(model))
-            edit = apply(None, (torch.zeros_like(cols), cols))
-        with torch.set_grad_enabled(bool(len(cols)) and torch.is_grad_enabled()), edit:
+        cols = []  # each prompt's sites beyond the shared tokens, as columns of the packed pass
+        for start, own_sites in zip(itertools.accumulate([0] + [len(own) for own in owns]), sites or ()):
+            cols += [start + s - past for s in own_sites if s >= past]
+        with torch.set_grad_enabled(bool(cols) and torch.is_grad_enabled()), _edited_at(model, apply, cols):
             cache = cache_of(model(**with_cache(model, cache), use_cache=True, logits_to_keep=1, **inputs))
     if cache is not None and not all(map(_full_attention, cache.layers)):
         return None

@@ -134,7 +134,7 @@ class EditedPrefix:
     def encode_many(self, contexts: Sequence[Sequence[int]]) -> PackedPrompts | None:
         """The prompts before p* of ``contexts`` under the plan's edit, in two passes where they share
         a preamble whose edited positions are the same in every prompt (ReFT's first ones in a
-        few-shot preamble): that preamble once (``encode``), then every prompt's own tokens packed
+        few-shot preamble): that preamble once (kept for the next batch), then every prompt's own tokens packed
         after it under the edit at its own positions (``encode_prompts``). Otherwise each prompt is
         computed on its own and the caches joined. None: the model cannot pack (sliding windows)."""
         prompts = [tuple(context[:-1]) for context in contexts]

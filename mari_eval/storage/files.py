@@ -73,13 +73,11 @@ def _check_creatable(folder: Path, named: str) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=folder, prefix=".check-", suffix=".tmp"):
                 return
-        except FileNotFoundError as e:
-            # Another process's check (a second torchrun rank, a parallel run) removed the folder it made
-            # between our mkdir and our file: check again, and refuse only a folder that stays missing.
-            if attempt + 1 == _CHECK_ATTEMPTS:
-                raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
         except OSError as e:
-            raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
+            # Another process's check (a second torchrun rank, a parallel run) may have removed the folder it
+            # made between our mkdir and our file: check again, and refuse only a folder that stays missing.
+            if not isinstance(e, FileNotFoundError) or attempt + 1 == _CHECK_ATTEMPTS:
+                raise ValueError(f"{named} cannot be written ({e.strerror or e}): choose a writable path") from None
         finally:
             if first_missing is not None:
                 _remove_empty(folder, first_missing)

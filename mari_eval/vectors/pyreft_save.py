@@ -45,7 +45,6 @@ where pyreft's cap leaves no position, still has p* edited here.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import time
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 
 from mari_eval.methods.bundle_spec import BundleError, check_bundle_directory
+from mari_eval.storage.files import file_sha256
 from mari_eval.vectors.control_vector import _model_description
 
 FORMAT = "pyreft"
@@ -243,7 +243,7 @@ def import_pyreft_save(folder: str | Path, model: str | torch.nn.Module, out: st
         rank = rep.get("low_rank_dimension")
         source, state = read_tensors(folder, key)
         edits[layer] = edit_tensors(source, kind, state, hidden, rank if isinstance(rank, int) else None, name)
-        files[source.name] = hashlib.sha256(source.read_bytes()).hexdigest()
+        files[source.name] = file_sha256(source)
         kinds.append(kind)
     layers = sorted(edits)
     rank = max(edits[layer][0].shape[0] for layer in layers)
@@ -258,7 +258,7 @@ def import_pyreft_save(folder: str | Path, model: str | torch.nn.Module, out: st
         "hyperparameters": {"first": first, "last": last, "rank": rank, "layers": layers, "recipe": "imported",
                             "positions": positions.strip()},
         "source": {"format": FORMAT, "folder": folder.resolve().name, "interventions": kinds, "files": files,
-                   "config_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                   "config_sha256": file_sha256(path),
                    "transformers_version": str(config.get("transformers_version", ""))},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return method_class("reft")(bundle_config, tensors).save(out)

@@ -26,7 +26,6 @@ differs); the config it builds is imported as above, the SAE files' digests reco
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Obj, Str, TensorSpec, check_bundle_directory
 from mari_eval.vectors.control_vector import ControlVector, _model_description
 from mari_eval.methods.registry import register_method
+from mari_eval.storage.files import file_sha256
 
 FORMAT = "lm_eval.steered"
 CSV_FORMAT = "lm_eval.steered.csv"  # SAE features (mari_eval/vectors/sae_features.py)
@@ -183,6 +183,6 @@ def import_steer_file(path: str | Path, model: str | torch.nn.Module, out: str |
                      "site": {"layer": layers[0], "position": "every position (prompt, options, generated tokens) after each layer"},
                      "hyperparameters": {"layers": layers, "actions": [e[1] for e in entries],
                                          "coefficients": [e[3] for e in entries]},
-                     "source": {**source, "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
+                     "source": {**source, "file": path.name, "sha256": file_sha256(path)},
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return SteeredConfig(bundle_config, {"vectors": vectors, "biases": biases}).save(out)

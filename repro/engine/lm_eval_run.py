@@ -113,8 +113,8 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
 def judge_label(out: dict, task: str) -> str | None:
     """The judge a SORRY-Bench task's verdicts came from, as the task records it in lm-eval's results
     (``configs``/TASK/``metadata``/``judge``/``label``: mari_eval/judge/sorry_bench.py); None for other tasks."""
-    metadata = ((out.get("configs") or {}).get(task) or {}).get("metadata") or {}
-    label = (metadata.get("judge") or {}).get("label") if isinstance(metadata.get("judge"), dict) else None
+    judge = ((((out.get("configs") or {}).get(task) or {}).get("metadata") or {}).get("judge"))
+    label = judge.get("label") if isinstance(judge, dict) else None
     return label if isinstance(label, str) and label else None
 
 
