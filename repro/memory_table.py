@@ -16,6 +16,7 @@ results/memory.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,8 @@ import transformers
 
 from mari_eval.training import memory
 from mari_eval.storage.files import atomic_write, write_results_json
-from mari_eval.training.train import Session, attribute_data
+from mari_eval import mari
+from mari_eval.training.train import Example, Session, attribute_data
 from repro.analysis.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,8 +66,19 @@ def token_counts(model_name: str, seed: int) -> dict[str, list[dict]]:
         for name, examples in sets:
             common, own_tokens, row_tokens = memory.token_counts(examples)  # as Session.prepare counts them
             out[attribute].append({"set": name, "examples": len(examples), "shared_tokens": len(common),
-                                   "own_tokens": own_tokens, "row_tokens": row_tokens})
-    return out
+                                   "own_tokens": own_tokens, "row_tokens": row_tokens,
+                                   "shapes": [(len(ex.context), [len(o) for o in ex.options]) for ex in examples]})
+    return out, session
+
+
+def largest_step(model, layer: int, shapes: list[tuple[int, list[int]]], batch: int, K: int) -> int:
+    """Bytes of a MARI training step (``memory.step_estimate``) over the ``batch`` examples of D_train
+    whose own steps are largest: an upper bound on any batch of that size."""
+    probe = Session.__new__(Session)  # only what step_estimate reads
+    probe.model, probe.layer, probe.max_tokens = model, layer, 1024
+    examples = [Example("", [0] * context, [[0] * n for n in options], None) for context, options in shapes]
+    alone = sorted(examples, key=lambda ex: probe.step_estimate([ex], K).saved_bytes, reverse=True)
+    return probe.step_estimate(alone[:batch], K).total
 
 
 def model_rows(counts: dict[str, list[dict]]) -> dict[str, dict]:
@@ -82,12 +95,50 @@ def model_rows(counts: dict[str, list[dict]]) -> dict[str, dict]:
                 e = memory.estimate(model, s["shared_tokens"], s["own_tokens"], s["row_tokens"], lower=True)
                 now += e.total
                 before += e.total - e.shared_bytes + s["examples"] * e.shared_bytes  # the preamble copied per example
-            row["attributes"][attribute] = {"now_bytes": now, "before_bytes": before}
+            step = largest_step(model, config.num_hidden_layers // 2, sets[0]["shapes"], mari.DEFAULTS["batch_size"],
+                                mari.DEFAULTS["K"])  # sets[0]: D_train; MARI's default site is the middle layer
+            row["attributes"][attribute] = {"now_bytes": now, "before_bytes": before, "step_bytes": step}
         rows[name] = row
     return rows
 
 
-def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int) -> str:
+def checked_gpu_runs(session: Session, paths: list[Path]) -> list[dict]:
+    """Each recorded GPU run's MARI training (repro/gpu_bench.py) against the estimate with its step
+    term: the run's D_train (the embedded tokenizer, as the runs used), the batches its seeded order
+    drew, a meta model of its shape and vocabulary. Runs recorded before the step term was added
+    get it here; later runs carry it themselves (``step_estimate_bytes``)."""
+    from mari_eval.mari import fit  # deferred: only this check needs training's own draws
+    from repro.benchmark import random_model
+
+    out = []
+    for path in paths:
+        raw = json.loads(path.read_text())
+        step = next((s for s in raw["steps"] if s.get("step") == "train/mari" and s.get("status") == "done"), None)
+        if step is None or step["memory"].get("peak_allocated_bytes") is None:
+            continue
+        settings, hp, recorded = raw["settings"], step["hyperparameters"], step["memory"]
+        config = random_model.hf_config(random_model.load_shape(settings["shape"]), vocab_size=raw["model"]["vocab_size"])
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, settings["dtype"]))
+        examples = attribute_data(session, "truthfulqa", settings["seed"], max_train=settings["max_train"],
+                                  max_ctrl=settings["max_ctrl"], max_pca=settings["max_pca"]).train
+        probe = Session.__new__(Session)  # only what step_estimate reads
+        probe.model, probe.layer, probe.max_tokens, probe.largest_step = model, step["layer"], session.max_tokens, 0
+        gen = torch.Generator().manual_seed(settings["seed"])
+        fit._lowrank_params(hp["K"], config.hidden_size, hp["rank"], hp["init_scale"], gen)  # training's draws before its batches
+        for _ in range(hp["epochs"]):
+            for batch in fit._batches(examples, hp["batch_size"], gen):
+                probe.step_estimate(batch, hp["K"])
+        estimate = recorded["weights_bytes"] + recorded["held_estimate_bytes"] + probe.largest_step
+        out.append({"run": path.name, "shape": settings["shape"], "batch_size": hp["batch_size"], "K": hp["K"],
+                    "weights_bytes": recorded["weights_bytes"], "held_estimate_bytes": recorded["held_estimate_bytes"],
+                    "step_estimate_bytes": probe.largest_step, "estimate_bytes": estimate,
+                    "peak_allocated_bytes": recorded["peak_allocated_bytes"],
+                    "peak_over_estimate": recorded["peak_allocated_bytes"] / estimate})
+    return out
+
+
+def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int, runs: list[dict]) -> str:
     gib = lambda n: f"{n / 2**30:.1f}"
     lines = ["# Training memory of the paper's models (MARI, bf16)\n",
              f"Generated by `{command}`: split seed {seed}, full D_train and D_ctrl of each attribute, token counts "
@@ -99,20 +150,35 @@ def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int) 
     headers = ["model", "parameters", "weights (GiB)", "c (KiB/token)"]
     for a in counts:
         headers += [f"{a}: held now (GiB)", f"{a}: before, preamble per example (GiB)"]
-    headers.append("peak now, largest attribute (GiB)")
+    headers += ["largest training step (GiB)", "peak now, largest attribute (GiB)"]
     table = []
     for name, row in rows.items():
         cells = [name, f"{row['parameters'] / 1e9:.2f} B", gib(row["weights_bytes"]), f"{row['cache_bytes_per_token'] / 1024:.0f}"]
         for a in counts:
             cells += [gib(row["attributes"][a]["now_bytes"]), gib(row["attributes"][a]["before_bytes"])]
-        largest = max(v["now_bytes"] for v in row["attributes"].values())
-        cells.append(gib(row["weights_bytes"] + largest))
+        largest = max(v["now_bytes"] + v["step_bytes"] for v in row["attributes"].values())
+        cells += [gib(max(v["step_bytes"] for v in row["attributes"].values())), gib(row["weights_bytes"] + largest)]
         table.append(cells)
     lines.append(markdown_table(headers, table))
-    lines.append("\nPeak = weights + the largest attribute's training state; one training step adds its own "
-                 "activations (a few option rows through the layers above l*), small beside these. Past "
+    lines.append("\nPeak = weights + the largest attribute's training state and training step. A step is MARI's "
+                 f"default (batch {mari.DEFAULTS['batch_size']}, K = {mari.DEFAULTS['K']}, l* the middle layer) "
+                 "over the D_train examples whose own steps are largest, an upper bound on any batch: the "
+                 "activations autograd keeps for the backward of its option rows through the layers above l*, "
+                 "and one pass's logits (`memory.step_estimate`; the formula and its source are in "
+                 "docs/benchmark.md). Past "
                  "`mari-eval train --max-memory` (default: half the free memory of the site layer's device), "
                  "the per-example caches are recomputed at each use instead of kept.")
+    if runs:
+        lines += ["\n## The estimate against the GPU runs\n",
+                  "MARI's training in each run of results/gpu_bench_runs (an H200, random weights of the shape named; "
+                  "repro/gpu_bench.py): the weights and M as the run recorded them, the step recomputed for the "
+                  "batches that run's seeded order drew, against its peak allocated GPU memory. The goal is "
+                  "within 10%.\n",
+                  markdown_table(["run", "shape", "batch", "K", "weights", "M", "largest step", "estimate", "peak",
+                                  "peak / estimate"],
+                                 [[r["run"], r["shape"], str(r["batch_size"]), str(r["K"]), gib(r["weights_bytes"]),
+                                   gib(r["held_estimate_bytes"]), gib(r["step_estimate_bytes"]), gib(r["estimate_bytes"]),
+                                   gib(r["peak_allocated_bytes"]), f"{r['peak_over_estimate']:.3f}"] for r in runs])]
     return "\n".join(lines) + "\n"
 
 
@@ -121,20 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-model", default="smollm2-135m-instruct")
     parser.add_argument("--out", default=str(REPO / "results"))
+    parser.add_argument("--gpu-runs", default=str(REPO / "results" / "gpu_bench_runs"),
+                        help="a folder of repro/gpu_bench.py's raw runs to check the estimate against")
     args = parser.parse_args(argv)
     start = time.time()
-    counts = token_counts(args.tokenizer_model, args.seed)
+    counts, session = token_counts(args.tokenizer_model, args.seed)
     rows = model_rows(counts)
+    runs = checked_gpu_runs(session, sorted(Path(args.gpu_runs).glob("run*.json")))
     command = "python repro/memory_table.py" + (f" --seed {args.seed}" if args.seed else "")
     out = Path(args.out)
-    summary = {a: [{k: v for k, v in s.items() if k not in ("own_tokens", "row_tokens")} |
+    summary = {a: [{k: v for k, v in s.items() if k not in ("own_tokens", "row_tokens", "shapes")} |
                    {"own_tokens_total": sum(s["own_tokens"]), "row_tokens_total": sum(s["row_tokens"])} for s in sets]
                for a, sets in counts.items()}
     write_results_json(out / "memory.json", {"command": command, "seed": args.seed, "tokenizer": args.tokenizer_model,
-                                             "dtype": "bfloat16", "sets": summary, "models": rows,
+                                             "dtype": "bfloat16", "sets": summary, "models": rows, "gpu_runs": runs,
                                              "wall_time_s": round(time.time() - start, 1)})
-    atomic_write(out / "memory.md", markdown(rows, counts, command, args.tokenizer_model, args.seed).encode())
-    print(markdown(rows, counts, command, args.tokenizer_model, args.seed))
+    atomic_write(out / "memory.md", markdown(rows, counts, command, args.tokenizer_model, args.seed, runs).encode())
+    print(markdown(rows, counts, command, args.tokenizer_model, args.seed, runs))
     return 0
 
 

@@ -122,3 +122,59 @@ def test_prepare_holds_what_it_estimated_on_the_embedded_model():
     assert memory.held_bytes(_state_tensors(data.train)) == plan.estimate.total
     # Before this change every example held its own copy of the preamble: 6 copies instead of one.
     assert plan.estimate.total < 6 * plan.estimate.shared_bytes
+
+
+def _saved_and_peak(session, batch, variants, edit):
+    """Bytes autograd keeps for the backward of a step scoring ``batch`` (distinct storages, weights
+    excluded), and the step's peak of CPU tensor memory above its start (the profiler's allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    weights = {p.untyped_storage().data_ptr() for p in session.model.parameters()}
+    seen, alive = {}, []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = storage.nbytes()
+            alive.append(t)  # held, so that no later tensor reuses the address
+        return t
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = sum(session.run(ex, list(range(variants)), edit).logprobs.float().sum() for ex in batch)
+        alive.clear()
+        loss.backward()
+    running = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return sum(seen.values()), peak
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16)])
+def test_a_training_steps_activations_are_the_formula(family, dtype):
+    """memory.step_estimate against what autograd really keeps, and against the step's measured peak."""
+    from .tiny import byte_llama, byte_tokenizer
+
+    config = byte_llama(byte_tokenizer(), layers=6, hidden=128).config
+    config = (transformers.Qwen2Config(**{k: getattr(config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")}) if family == "qwen2" else config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)  # frozen, as MariLM loads it
+    session = tiny_session(model)
+    session.num_layers, session.hidden_size, session.layer, session.max_tokens = 6, 128, 2, 40
+    session.memory_budget = 10 * GiB
+    g = torch.Generator().manual_seed(5)
+    examples = [Example(f"ex{i}", torch.randint(1, 200, (30 + 7 * i,), generator=g).tolist(),
+                        [torch.randint(1, 200, (3 + (i + k) % 5,), generator=g).tolist() for k in range(4)], 0)
+                for i in range(3)]
+    session.prepare(examples, "test")
+    U = torch.zeros(3, 128, requires_grad=True)
+    edit = lambda h, ids: h + U[ids].to(h)
+    step = session.step_estimate(examples, 3)
+    assert step.passes > len(examples)  # max_tokens=40 splits each example's 3 x 4 rows into several passes
+    saved, peak = _saved_and_peak(session, examples, 3, edit)
+    assert abs(saved - step.saved_bytes) <= 0.02 * saved, (saved, step.saved_bytes)
+    assert abs(peak - step.total) <= 0.10 * peak, (peak, step.total)
+    assert session.largest_step == step.total

@@ -265,7 +265,7 @@ def _run(rows: list[_Rows], asks: dict[int, tuple[list[int], tuple[int, list[tor
     # Rows that start from kept states and rows that do not run in separate passes.
     for starts in (True, False):
         part = [item for item in items if (asks[item[0]][1] is not None) == starts]
-        for chunk in _chunks(part, list(map(size, part)), first.max_tokens):
+        for chunk in chunks(part, list(map(size, part)), first.max_tokens):
             tokens = [rows[i].tokens(m) for i, _, m in chunk]
             variant_ids = torch.tensor([plan.variants[v] for _, v, _ in chunk], device=first.device)
             start = None
@@ -285,7 +285,8 @@ def _run(rows: list[_Rows], asks: dict[int, tuple[list[int], tuple[int, list[tor
             for i, by_layer in kept.items()}
 
 
-def _chunks(items: list, sizes: list[int], max_tokens: int) -> list[list]:
+def chunks(items: list, sizes: list[int], max_tokens: int) -> list[list]:
+    """``items`` in order, cut into packed passes of at most ``max_tokens`` row tokens (one item alone may exceed it)."""
     out, current, total = [], [], 0
     for item, size in zip(items, sizes):
         if current and total + size > max_tokens:
@@ -303,7 +304,7 @@ def _lower_states(model: torch.nn.Module, prompts: PackedPrompts, rows: list[_Ro
     items = [(i, m) for i in which for m in range(len(rows[i].continuations))
              if packable(model, prompts.length(i), max(map(len, rows[i].continuations)))]
     got: dict[int, dict[int, torch.Tensor]] = {}
-    for chunk in _chunks(items, [len(rows[i].tokens(m)) for i, m in items], rows[0].max_tokens):
+    for chunk in chunks(items, [len(rows[i].tokens(m)) for i, m in items], rows[0].max_tokens):
         states = packed_lower_states(model, prompts, [i for i, _ in chunk], [rows[i].tokens(m) for i, m in chunk], layer)
         for (i, m), h in zip(chunk, states):
             got.setdefault(i, {})[m] = h

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mari_eval.evaluation import generation, runner
 from mari_eval.injection import devices
+from mari_eval.training import memory
 from mari_eval.training.epochs import EpochLoop, weighted_means
 from mari_eval.mari import gate_labels
 from mari_eval.mari.equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
@@ -83,6 +84,7 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
         return h + gamma * lowrank_delta(h, q["U"][ids], q["V"][ids], q["b"][ids])
 
     def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
+        session.step_estimate(batch, K)
         losses = torch.stack([task_losses(session.run(ex, list(range(K)), edit).logprobs, ex.gold)
                               for ex in batch]).to(session.site_device)
         hidden = torch.stack([ex.hidden for ex in batch]).float()  # [B, d]
@@ -105,6 +107,9 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
         return record
 
     history = loop.run(lambda epoch: _batches(examples, hp["batch_size"], gen), loss, end_epoch)
+    if session.largest_step:
+        log.info("%s: a training step kept up to %s of activations for its backward (estimate: memory.step_estimate)",
+                 label, memory.format_size(session.largest_step))
     return {k: v.detach() for k, v in p.items()}, history
 
 
@@ -121,6 +126,7 @@ def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tenso
     alpha = hp["alpha_probe"]
 
     def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
+        session.step_estimate(batch, 1)
         task = torch.stack([task_losses(session.run(ex, [0], lambda h, ids: h + alpha * probe_delta(h, like(p, h))).logprobs,
                                         ex.gold)[0] for ex in batch]).mean().to(session.site_device)
         off = offsubspace_penalty(probe_delta(pca_states, p), basis).mean() / state_scale

@@ -30,6 +30,28 @@ recomputed from the shared preamble when the example runs (one forward pass of i
 question, as evaluation does). If the states after l* do not fit either, they are
 recomputed too (edited rows then run every layer). Results are the same either way
 (tested); only time changes.
+
+A training step adds the activations autograd keeps for its backward (``step_estimate``).
+A step of MARI scores each example of its batch under K variants: its option rows (T
+tokens, p* and each option but its last token, per variant) run the n = L - l* - 1 layers
+above the edit in packed passes of at most ``max_tokens`` tokens, each attending to the
+example's cached prompt (C tokens), so S = C + T keys. For a gated-MLP decoder (Llama,
+Mistral, Qwen2, Gemma) with SDPA, intermediate size I, H query heads of dimension d_h and
+vocabulary V, one pass keeps
+
+    A = n * [T (3 I b + 2 H d_h b + 8 d + 4 H) + 2 S H d_h b]      (per layer above l*)
+        + T (4 d + 4 V) + T S b + 2 T d_h b                         (final norm, log-softmax, mask, rope)
+
+and a step keeps the sum over its passes, plus the largest pass's logits (T V b) while they
+are live. The terms, per layer: the MLP's gate output, its activation and its up
+projection (3 I); the rotated queries and SDPA's output (2 H d_h); the two RMSNorms'
+float32 inputs (2 x 4 d); SDPA's float32 log-sum-exp (4 H); keys and values repeated to
+H heads over all S positions (2 S H d_h). Frozen linear layers keep no input. The
+counting follows Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
+Transformer Models", sec. 4.1, for this inference-style graph (no dropout, frozen
+weights, flash-style attention); each term was read off the tensors
+``torch.autograd.graph.saved_tensors_hooks`` sees in transformers 5's Llama and Qwen2
+layers (tests/test_memory.py checks the sum, and the step's peak, on CPU).
 """
 
 from __future__ import annotations
@@ -148,6 +170,31 @@ def default_budget(device: torch.device) -> int:
 
         free = psutil.virtual_memory().available
     return int(DEFAULT_BUDGET_FRACTION * free)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step's activations (bytes): kept for the backward, and the largest pass's live logits."""
+
+    passes: int
+    saved_bytes: int
+    transient_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.saved_bytes + self.transient_bytes
+
+
+def step_estimate(model: torch.nn.Module, layer: int, passes: Sequence[tuple[int, int]]) -> Step:
+    """A by the module docstring's formula for ``passes`` of (T row tokens, S keys each attends
+    to), run with gradients through the layers above ``layer`` (works on meta models)."""
+    config = model.config.get_text_config()
+    heads, head_dim = site.attention_heads(model)
+    d, inner, vocab = int(config.hidden_size), int(config.intermediate_size), int(config.vocab_size)
+    b, f, n = _itemsize(model), 4, site.num_layers(model) - layer - 1
+    saved = sum(n * (t * (3 * inner * b + 2 * heads * head_dim * b + 2 * f * d + f * heads) + 2 * s * heads * head_dim * b)
+                + t * (f * d + f * vocab) + t * s * b + 2 * t * head_dim * b for t, s in passes)
+    return Step(len(passes), saved, max((t for t, _ in passes), default=0) * vocab * b)
 
 
 def held_bytes(tensors) -> int:

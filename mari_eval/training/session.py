@@ -36,6 +36,7 @@ class Session:
     """The frozen model at one site, and the runner calls every method's training uses."""
 
     memory_held = 0  # bytes kept by earlier ``prepare`` calls
+    largest_step = 0  # bytes of the largest training step's activations so far (``step_estimate``)
     _memory_budget: int | None = None  # None: the default, read when first needed
 
     def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
@@ -207,6 +208,18 @@ class Session:
         """``ex``'s options under each variant; ``edit(hidden [R, d], variant_ids [R])`` edits (l*, p*)."""
         plan = Plan.at_site(self.model, self.layer, edit, variants, capture, site_only)
         return self.score(ex, plan)
+
+    def step_estimate(self, batch: Sequence[Example], variants: int) -> memory.Step:
+        """The activations a training step keeps for its backward when it scores ``batch`` under
+        ``variants`` edits at l* (``memory.step_estimate``: ``run``'s packed passes of rows)."""
+        passes = []
+        for ex in batch:
+            sizes = [len(option) for _ in range(variants) for option in ex.options]
+            for chunk in runner.chunks(sizes, sizes, self.max_tokens):
+                passes.append((sum(chunk), len(ex.context) - 1 + sum(chunk)))
+        step = memory.step_estimate(self.model, self.layer, passes)
+        self.largest_step = max(self.largest_step, step.total)
+        return step
 
     def score(self, ex: Example, plan: Plan) -> VariantRun:
         """``ex``'s options under each variant of ``plan``, from the frozen states it keeps below l*."""

@@ -249,14 +249,18 @@ def markdown(raw: dict, derived: dict) -> str:
         lines += ["## MARI training memory against mari_eval.training.memory's estimate", "",
                   "The held state is measured when the experts' training starts (allocated then, less what was "
                   "allocated before training); 'peak while preparing' is the peak up to then; 'a step adds' is how "
-                  "far a training step's peak rose above the held state ('-': it stayed below the peak while preparing).",
+                  "far a training step's peak rose above the held state ('-': it stayed below the peak while preparing); "
+                  "'a step (estimate)' is memory.step_estimate's largest step, part of the estimate since issue 59 "
+                  "('-': a run recorded before it, whose estimate is weights + M alone).",
                   "",
                   markdown_table(["run", "batch", "weights", "held state (estimate, M)", "held (measured)", "measured / M",
-                                  "estimate (weights + M)", "peak while preparing", "a step adds", "peak allocated",
+                                  "a step (estimate)", "estimate (weights + M + step)", "peak while preparing",
+                                  "a step adds", "peak allocated",
                                   "peak / estimate"],
                                  [[str(m["run"]), str(m.get("batch_size")), _gib(m["weights_bytes"]),
                                    _gib(m["held_estimate_bytes"]), _gib(m.get("held_measured_bytes")),
-                                   _f(m.get("held_measured_over_estimate"), 3), _gib(m["estimate_bytes"]),
+                                   _f(m.get("held_measured_over_estimate"), 3), _gib(m.get("step_estimate_bytes")),
+                                   _gib(m["estimate_bytes"]),
                                    _gib(m.get("prepare_peak_bytes")), _gib(m.get("training_step_above_held_bytes")),
                                    _gib(m["peak_allocated_bytes"]), _f(m["peak_over_estimate"], 3)]
                                   for m in derived["memories"]]), ""]

@@ -3,7 +3,8 @@
 * ``train``: a method's bundle on TruthfulQA's D_train through the already built model (``train.train``
   with ``lm=``), wall time; for MARI also the peak GPU memory of training against the memory
   model's estimate (``mari_eval.training.memory``: the weights, N parameters x b bytes, plus the training
-  state M that ``Session.prepare`` plans to keep for each prepared set).
+  state M that ``Session.prepare`` plans to keep for each prepared set, plus the largest training step's
+  activations, ``memory.step_estimate``; runs before issue 59 recorded no step term).
 * ``evaluate``: one ``lm_eval.simple_evaluate`` call of an entry (lm-eval's ``hf`` or ``MariLM`` with a
   method's bundle) on a task group, with a fresh model object each time (as each lm-eval command
   has its own), wall time end to end and the time spent inside the model's request methods.
@@ -141,6 +142,7 @@ class PlannedMemory:
 
     def __init__(self):
         self.plans: list = []
+        self.largest_step = 0  # the largest training step's activations, by ``memory.step_estimate``
         self.marks: list[dict] = []  # on CUDA: memory allocated and the peak so far, at each stage's start and end
 
     def mark(self, what: str) -> None:
@@ -149,7 +151,12 @@ class PlannedMemory:
                                "peak_so_far_bytes": torch.cuda.max_memory_allocated()})
 
     def __enter__(self):
-        self._original, self._run = memory.plan, EpochLoop.run
+        self._original, self._run, self._step = memory.plan, EpochLoop.run, memory.step_estimate
+
+        def step(*args, **kwargs):
+            made = self._step(*args, **kwargs)
+            self.largest_step = max(self.largest_step, made.total)
+            return made
 
         def recorded(estimate, budget):
             made = self._original(estimate, budget)
@@ -164,12 +171,12 @@ class PlannedMemory:
             finally:
                 self.mark(f"{loop.stage} end")
 
-        memory.plan, EpochLoop.run = recorded, run
+        memory.plan, EpochLoop.run, memory.step_estimate = recorded, run, step
         return self
 
     def __exit__(self, *exc):
         self.mark("end")
-        memory.plan, EpochLoop.run = self._original, self._run
+        memory.plan, EpochLoop.run, memory.step_estimate = self._original, self._run, self._step
 
     @property
     def held_bytes(self) -> int:
@@ -207,8 +214,9 @@ def train(bench: Bench, method: str, hyperparameters: dict, seed: int, max_train
               "train_examples": len(splits.get("train_used", [])), "ctrl_examples": len(splits.get("ctrl_used", [])),
               "layer": config.get("site", {}).get("layer")}
     weights = weights_bytes(bench.model)
-    estimate = weights + planned.held_bytes
-    result["memory"] = {"weights_bytes": weights, "held_estimate_bytes": planned.held_bytes, "estimate_bytes": estimate,
+    estimate = weights + planned.held_bytes + planned.largest_step
+    result["memory"] = {"weights_bytes": weights, "held_estimate_bytes": planned.held_bytes,
+                        "step_estimate_bytes": planned.largest_step, "estimate_bytes": estimate,
                         "allocated_before_bytes": before, "peak_allocated_bytes": peak,
                         "peak_over_estimate": None if peak is None else peak / estimate,
                         "above_before_over_held": None if peak is None or not planned.held_bytes
