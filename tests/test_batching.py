@@ -178,3 +178,31 @@ def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, token
             assert torch.allclose(keys, own.keys, atol=1e-5)
             values = torch.cat([layer.values[..., :packed.shared, :], layer.values[..., start:stop, :]], dim=-2)
             assert torch.allclose(values, own.values, atol=1e-5)
+
+
+def _generations(n: int = 6) -> list[Instance]:
+    prompts = [f"Q: {q}\nA:" for q, _, _ in (QUESTIONS + MORE)][:n]
+    return [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_new_tokens": 10}), i) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("name", ["vanilla", "mari"])
+def test_auto_generation_batches_are_sized_by_tokens_and_generate_as_one_prompt_at_a_time(model, tokenizer, bundles, name):
+    """Issue 59: batch_size=auto sizes generation batches from the token budget (batch_tokens=N here),
+    the longest prompt plus its max_new_tokens (lm-eval's alias of max_gen_toks), and the rows
+    each prompt runs (MARI's variants), not by HFLM's search; the answers are one prompt's at a time."""
+    probe = _lm(model, tokenizer, bundles.get(name), "auto")
+    longest = max(len(probe.tok_encode(r.args[0])) for r in _generations()) + 10
+    rows = len(probe.plan.variants)
+    budget = 2 * longest * rows + 1  # two prompts' rows per batch
+    lm = _lm(model, tokenizer, bundles.get(name), "auto", batch_tokens=budget)
+    want = 2
+    seen = []
+    original = lm._model_generate
+    lm._model_generate = lambda context, *args, **kwargs: seen.append(len(context)) or original(context, *args, **kwargs)
+    batched = lm.generate_until(_generations())
+    assert seen and max(seen) == want and sum(seen) == len(_generations()), (seen, want)
+    assert want < len(_generations())  # the budget, not the number of prompts, cut the batches
+    alone = [_lm(model, tokenizer, bundles.get(name), 1).generate_until([r])[0] for r in _generations()]
+    assert batched == alone
+    assert batching.generation_batch(longest, rows, budget, max_requests=1) == 1  # a --max_batch_size the user gives caps it
+    assert batching.generation_batch(longest, rows, budget, max_requests=None) == 2

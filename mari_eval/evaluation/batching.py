@@ -18,6 +18,12 @@ Every batch also keeps its prompts' own tokens (after the preamble they share) a
 option rows within the token budget, so one pass's attention mask and logits stay bounded:
 ``batch_tokens=N`` in ``--model_args``, else ``token_budget`` (the device's free memory).
 Scores equal one question at a time to float rounding (tests/test_batching.py).
+
+Generation (``generate_until``) keeps HFLM's left-padded batches of prompts; with ``auto`` their
+size is read from the same kind of budget, in prompt and generated tokens: ``batch_tokens``, else
+``generation_token_budget`` (the keys and values the device's free memory holds), divided by the
+longest prompt plus its ``max_gen_toks`` and by the rows each prompt runs (``generation_batch``),
+instead of HFLM's search for the largest batch that does not run out of memory.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from mari_eval.injection import devices
+from mari_eval.injection import devices, site
 from mari_eval.evaluation.prefix_cache import common_prefix
 
 ONE_AT_A_TIME_TOKENS = 1024  # row tokens per pass when questions go one at a time (the runner's default)
@@ -83,6 +89,33 @@ def token_budget(model: torch.nn.Module) -> int:
         + hidden * itemsize * 8
     free, _ = torch.cuda.mem_get_info(device)
     return max(ONE_AT_A_TIME_TOKENS, min(MAX_TOKENS, free // 4 // per_token))
+
+
+def generation_token_budget(model: torch.nn.Module) -> int:
+    """Prompt and generated tokens per generation batch that a quarter of the input device's free
+    memory holds: per token, its keys and values in every layer (2 L H_kv d_h b) and the prefill's
+    MLP and hidden states (only the last position's logits are computed); ``CPU_TOKENS`` on a CPU."""
+    device = devices.input_device(model)
+    if device.type != "cuda":
+        return CPU_TOKENS
+    config = model.config.get_text_config()
+    itemsize = torch.finfo(model.dtype).bits // 8
+    heads, head_dim = site.attention_heads(model)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    hidden = int(config.hidden_size)
+    per_token = 2 * site.num_layers(model) * kv_heads * head_dim * itemsize \
+        + int(getattr(config, "intermediate_size", 4 * hidden)) * itemsize * 4 + hidden * itemsize * 8
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(ONE_AT_A_TIME_TOKENS, free // 4 // per_token)
+
+
+def generation_batch(row_tokens: int, rows_per_prompt: int, budget: int, max_requests: int | None) -> int:
+    """Prompts per generation batch for ``batch_size=auto``: as many rows of ``row_tokens`` (the
+    longest prompt and the most tokens it may generate) as ``budget`` holds, ``rows_per_prompt``
+    rows each (a routed method runs every variant over its window), capped at ``max_requests``
+    when the user gave one; at least 1."""
+    prompts = max(1, budget // max(1, row_tokens * rows_per_prompt))
+    return prompts if max_requests is None else max(1, min(prompts, max_requests))
 
 
 def question_batches(prompts: Sequence[Sequence[int]], rows: Sequence[int], requests: Sequence[int],

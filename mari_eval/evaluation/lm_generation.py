@@ -21,11 +21,11 @@ import logging
 from collections import deque
 
 import torch
-from lm_eval.models.utils import Collator
+from lm_eval.models.utils import Collator, normalize_gen_kwargs
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from transformers import LogitsProcessorList
 
-from mari_eval.evaluation import generation, lm_checks as checks, runner
+from mari_eval.evaluation import batching, generation, lm_checks as checks, runner
 from mari_eval.evaluation.choice_log import prompt_order
 
 # A doc field (harness_tasks/utils.py, SORRY-Bench) holding the prompt as one chat user turn:
@@ -66,10 +66,11 @@ class GenerationMixin:
 
         def generate(unique):
             self._generation_docs = generation_order(unique)
+            self._generation_batch = self._auto_generation_batch(unique) if str(self.batch_size).startswith("auto") else None
             try:
                 return super(GenerationMixin, self).generate_until(unique, disable_tqdm)
             finally:
-                self._generation_docs, self._batch_docs = None, []
+                self._generation_docs, self._batch_docs, self._generation_batch = None, [], None
 
         try:
             answers = self._once_per_request(requests, generate)
@@ -96,6 +97,29 @@ class GenerationMixin:
         log.warning("a generation batch holds a prompt not among this call's requests; its diagnostics record "
                     "has doc_id None (prompt %r)", prompt[:80])
         return self._generation_task, None
+
+    _generation_batch: int | None = None  # prompts per batch for batch_size=auto, while generating
+
+    def _auto_generation_batch(self, requests) -> int:
+        """Prompts per generation batch under ``batch_size=auto`` (``batching.generation_batch``):
+        the budget in tokens over the longest prompt (as HFLM cuts it) plus its ``max_gen_toks``."""
+        longest = 0
+        for request in requests:
+            kwargs = request.args[1] if len(request.args) > 1 and isinstance(request.args[1], dict) else {}
+            new = int(normalize_gen_kwargs(dict(kwargs), self.max_gen_toks)["max_gen_toks"])  # as HFLM reads it
+            longest = max(longest, min(len(self.tok_encode(request.args[0])), max(1, self.max_length - new)) + new)
+        budget = self.batch_tokens or batching.generation_token_budget(self.model)
+        size = batching.generation_batch(longest, len(self.plan.variants), budget, self.request_cap)
+        log.info("generation: %d prompts per batch (batch_size=auto: %d tokens, rows of up to %d tokens, %d per prompt)",
+                 size, budget, longest, len(self.plan.variants))
+        return size
+
+    def _detect_batch_size(self, requests=None, pos: int = 0) -> int:
+        # HFLM's generate_until asks here under batch_size=auto; its own answer is a search for
+        # the largest batch that does not run out of memory, capped at 64 requests.
+        if self._generation_batch is None:
+            return super()._detect_batch_size(requests, pos)
+        return self._generation_batch
 
     def chat_turn_prompt(self, user: str) -> str:
         """The prompt of a task whose doc carries CHAT_TURN_FIELD (SORRY-Bench), as generated
