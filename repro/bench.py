@@ -62,7 +62,8 @@ from repro.benchmark.timing import gate_rate, sorry_prompt_ids, time_generation
 REPO = Path(__file__).resolve().parents[1]
 # The methods --from-runs times, MARI first: MARI and the paper's four baselines (results/bench.*, as committed).
 BENCH_METHODS = ("mari", "caa", "iti", "nl_iti", "reft")
-WORKLOADS = ("mc", "gen")  # truthfulqa_mc2 log-likelihoods; SORRY-Bench generations
+WORKLOADS = ("mc", "bbq", "gen")  # truthfulqa_mc2 and lm-eval's bbq log-likelihoods; SORRY-Bench generations
+TASKS = {"mc": "truthfulqa_mc2", "bbq": "bbq"}  # the log-likelihood workloads' lm-eval tasks
 
 
 # ----------------------------------------------------------------------------- one measurement (subprocess)
@@ -86,7 +87,15 @@ def _placement_argv(placement) -> list[str]:
     return argv
 
 
-def _lm(entry: str, model: str, bundle: str | None, batch_size: int, model_args: str = "", placement=None):
+def batch_size_option(text: str) -> int | str:
+    """--batch-size: a number of requests (at least 1) or ``auto``, as lm-eval takes them."""
+    return "auto" if text == "auto" else at_least(1)(text)
+
+
+batch_size_option.__name__ = "batch size (an integer >= 1 or auto)"
+
+
+def _lm(entry: str, model: str, bundle: str | None, batch_size: int | str, model_args: str = "", placement=None):
     import torch  # deferred: torch is heavy; only this path needs it
     from lm_eval.api.registry import get_model  # deferred: lm-eval is heavy; only this path needs it
 
@@ -104,12 +113,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def measure_mc(lm, limit: int | None, repeats: int) -> dict:
+def measure_task(lm, task: str, limit: int | None, repeats: int) -> dict:
     from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
     from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
 
     manager = TaskManager(include_path=str(REPO / "harness_tasks"))
-    run = lambda n: simple_evaluate(model=lm, tasks=["truthfulqa_mc2"], limit=n, task_manager=manager, bootstrap_iters=0)
+    run = lambda n: simple_evaluate(model=lm, tasks=[task], limit=n, task_manager=manager, bootstrap_iters=0)
     run(1)  # warm-up, not timed
     walls, acc = [], None
     for _ in range(repeats):
@@ -118,8 +127,8 @@ def measure_mc(lm, limit: int | None, repeats: int) -> dict:
         t = time.perf_counter()
         out = run(limit)
         walls.append(time.perf_counter() - t)
-        acc = out["results"]["truthfulqa_mc2"]["acc,none"]
-    return {"wall_s": walls, "acc": acc, "questions": out["n-samples"]["truthfulqa_mc2"]["effective"],
+        acc = out["results"][task]["acc,none"]
+    return {"wall_s": walls, "acc": acc, "questions": out["n-samples"][task]["effective"],
             "gate_rate": gate_rate(lm)}
 
 
@@ -130,8 +139,8 @@ def measure_gen(lm, prompts: int, tokens: int, repeats: int) -> dict:
 
 def worker(args) -> None:
     lm = _lm(args.entry, args.model, args.bundle_dir, args.batch_size, args.model_args or "", placement_of(args))
-    if args.workload == "mc":
-        result = measure_mc(lm, args.limit or None, args.repeats)
+    if args.workload in TASKS:
+        result = measure_task(lm, TASKS[args.workload], args.limit or None, args.repeats)
     else:
         result = measure_gen(lm, args.gen_prompts, args.gen_tokens, args.repeats)
     result["peak_rss_mib"] = _peak_rss_mib()
@@ -159,27 +168,31 @@ def run_one(args, entry: str, bundle: str | None, workload: str) -> dict:
 
 def table(results: dict, tokens: int) -> list[str]:
     """The Markdown table of ``results`` (repro.analysis.tables.markdown_table), ratios to lm-eval's ``hf``."""
-    hf_mc, hf_gen = results["hf"].get("mc"), results["hf"].get("gen")
-    headers = ["entry", "TQA MC2 wall (s)", "x hf", "acc", "first token (ms)", "x hf", "tokens/s", "x hf",
-               f"{tokens}-token latency (s)", "x hf", "gate rate (mc / gen)", "peak RSS (MiB)"]
+    hf = results["hf"]
+    tasks = [w for w in TASKS if any(w in r for r in results.values())]
+    names = {"mc": "TQA MC2", "bbq": "BBQ"}
+    headers = ["entry"] + [h for w in tasks for h in (f"{names[w]} wall (s)", "x hf", "acc")] + [
+        "first token (ms)", "x hf", "tokens/s", "x hf", f"{tokens}-token latency (s)", "x hf",
+        "gate rate (" + " / ".join(tasks + ["gen"]) + ")", "peak RSS (MiB)"]
     rows = []
     for entry, r in results.items():
-        mc, gen = r.get("mc"), r.get("gen")
         cells = [entry]
-        if mc:
-            wall = statistics.median(mc["wall_s"])
-            cells += [f"{wall:.1f}", f"{wall / statistics.median(hf_mc['wall_s']):.3f}", f"{100 * mc['acc']:.2f}"]
-        else:
-            cells += ["-"] * 3
-        if gen:
+        for w in tasks:
+            if r.get(w) and hf.get(w):
+                wall = statistics.median(r[w]["wall_s"])
+                cells += [f"{wall:.1f}", f"{wall / statistics.median(hf[w]['wall_s']):.3f}", f"{100 * r[w]['acc']:.2f}"]
+            else:
+                cells += ["-"] * 3
+        gen, hf_gen = r.get("gen"), hf.get("gen")
+        if gen and hf_gen:
             cells += [f"{1000 * gen['first_token_s']:.0f}", f"{gen['first_token_s'] / hf_gen['first_token_s']:.2f}",
                       f"{gen['tokens_per_s']:.1f}", f"{gen['tokens_per_s'] / hf_gen['tokens_per_s']:.2f}",
                       f"{gen['total_s']:.2f}", f"{gen['total_s'] / hf_gen['total_s']:.2f}"]
         else:
             cells += ["-"] * 6
-        rates = [(x or {}).get("gate_rate") for x in (mc, gen)]
-        cells.append(" / ".join("-" if r is None else f"{r:.2f}" for r in rates))
-        cells.append(f"{max(x.get('peak_rss_mib', 0) for x in (mc or {}, gen or {})):.0f}")
+        rates = [(r.get(w) or {}).get("gate_rate") for w in tasks + ["gen"]]
+        cells.append(" / ".join("-" if x is None else f"{x:.2f}" for x in rates))
+        cells.append(f"{max((x or {}).get('peak_rss_mib', 0) for x in r.values()):.0f}")
         rows.append(cells)
     return markdown_table(headers, rows).split("\n")
 
@@ -208,12 +221,15 @@ def main() -> int:
                    help="a trained bundle to time (repeatable); ARGS: model args, e.g. mari_open=DIR,gate=false")
     p.add_argument("--gen-bundle", action="append", default=[], metavar="NAME=DIR",
                    help="the bundle NAME is timed with on the gen workload (default: its --bundle)")
-    p.add_argument("--limit", type=at_least(0), default=0, help="truthfulqa_mc2 questions (0 = all 817)")
+    p.add_argument("--limit", type=at_least(0), default=0, help="truthfulqa_mc2 and bbq questions (0 = all)")
     p.add_argument("--gen-prompts", type=at_least(1), default=50)
     p.add_argument("--gen-tokens", type=at_least(1), default=128)
-    p.add_argument("--batch-size", type=at_least(1), default=8)
+    p.add_argument("--batch-size", type=batch_size_option, default=8,
+                   help="lm-eval's batch_size for every entry: requests per batch, or auto (hf: its own search; "
+                        "mari: a token budget, mari_eval/evaluation/batching.py)")
     p.add_argument("--repeats", type=at_least(1), default=1)
-    p.add_argument("--workloads", default="mc,gen", help="comma-separated, of: " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default="mc,gen", help="comma-separated, of: " + ", ".join(WORKLOADS)
+                   + " (bbq is timed with each entry's mc bundle)")
     p.add_argument("--out", default=str(REPO / "results"))
     add_placement_arguments(p.add_argument_group(
         "placement", "Where every entry (hf included) loads the model: mari-eval train's flags."))
@@ -263,7 +279,8 @@ def main() -> int:
         mc_bundles, gen_bundles = {**cached_mc, **mc_bundles}, {**cached_gen, **gen_bundles}
     entries = {"hf": {}, "vanilla": {}}
     for name in [*mc_bundles, *gen_bundles]:
-        entries[name] = {"mc": mc_bundles.get(name), "gen": gen_bundles.get(name, mc_bundles.get(name))}
+        entries[name] = {"mc": mc_bundles.get(name), "bbq": mc_bundles.get(name),
+                         "gen": gen_bundles.get(name, mc_bundles.get(name))}
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "command": "python repro/bench.py " + " ".join(sys.argv[1:]),
@@ -302,7 +319,9 @@ def main() -> int:
              f"Generated by `{record['command'].strip()}` on {record['machine']} in {record['wall_time_s']:.0f} s"
              + (f" ({len(record['kept_from_earlier_run'])} measurements kept from an earlier run of it with the same "
                 "settings, bench.json `kept_from_earlier_run`). " if record["kept_from_earlier_run"] else ". ") +
-             f"Model `{args.model}` ({placed}); truthfulqa_mc2 ({record['limit']} questions, batch size {args.batch_size}); "
+             f"Model `{args.model}` ({placed}); "
+             + ", ".join(f"{TASKS[w]} ({record['limit']} questions)" for w in workloads if w in TASKS)
+             + f" at batch size {args.batch_size} (bbq with each entry's mc bundle); "
              f"{args.gen_prompts} SORRY-Bench generations of {args.gen_tokens} tokens, one at a time. "
              f"Medians of {args.repeats} repeat(s); warm-up excluded; ratios are to lm-eval's `--model hf`.\n"]
     lines += [f"- `{name}`: " + ", ".join(f"{w} bundle `{d}`" for w, d in dirs.items() if d) for name, dirs in entries.items() if dirs]

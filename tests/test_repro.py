@@ -28,22 +28,25 @@ def _strict(text: str):
 
 
 def test_bench_times_hf_and_ours_on_the_same_requests(tmp_path):
-    # The multiple-choice workload alone: the generation timings are bench's code too, run by the
-    # latency smoke test (test_every_repro_script_runs_in_smoke_mode).
+    # One log-likelihood workload (BBQ, at lm-eval's batch_size auto: hf's own search, our token
+    # budget); truthfulqa_mc2 runs through the same measure_task, and the generation timings are
+    # bench's code too, run by the latency smoke test (test_every_repro_script_runs_in_smoke_mode).
     proc = subprocess.run(
-        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--workloads", "mc", "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--workloads", "bbq", "--batch-size", "auto",
+         "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = _strict((tmp_path / "bench.json").read_text())
-    assert set(record["results"]) == {"hf", "vanilla"}
+    assert set(record["results"]) == {"hf", "vanilla"} and record["batch_size"] == "auto"
     hf, ours = record["results"]["hf"], record["results"]["vanilla"]
-    assert hf["mc"]["questions"] == ours["mc"]["questions"] == 1
-    assert hf["mc"]["acc"] == pytest.approx(ours["mc"]["acc"], abs=1e-4)  # same requests, same answers
+    assert hf["bbq"]["questions"] == ours["bbq"]["questions"] == 1
+    assert hf["bbq"]["acc"] == pytest.approx(ours["bbq"]["acc"], abs=1e-4)  # same requests, same answers
     for r in (hf, ours):
-        assert r["mc"]["peak_rss_mib"] > 0 and "gen" not in r
+        assert r["bbq"]["peak_rss_mib"] > 0 and set(r) == {"bbq"}
     table = (tmp_path / "bench.md").read_text()
     assert re.search(r"^\| hf +\| ", table, re.M) and re.search(r"^\| vanilla +\| ", table, re.M)
+    assert "BBQ wall (s)" in table and "TQA MC2" not in table
 
 
 def test_bench_refuses_a_bundle_argument_without_a_bundle(tmp_path):
@@ -53,7 +56,8 @@ def test_bench_refuses_a_bundle_argument_without_a_bundle(tmp_path):
 
 
 @pytest.mark.parametrize("args, error", [
-    (["--workloads", "mc,gpu"], "--workloads 'mc,gpu': unknown ['gpu']; choose from mc, gen"),  # timed as gen before
+    (["--workloads", "mc,gpu"], "--workloads 'mc,gpu': unknown ['gpu']; choose from mc, bbq, gen"),  # timed as gen before
+    (["--batch-size", "0"], "argument --batch-size: 0 is below 1"),
     (["--workloads", ""], "--workloads is empty"),  # an unset shell variable: timed as gen before
     (["--repeats", "0"], "argument --repeats: 0 is below 1"),  # a median of no repeats
     (["--gen-prompts", "-1"], "argument --gen-prompts: -1 is below 1"),  # a slice from the end
