@@ -15,7 +15,7 @@ from repro import gpu_bench
 from repro.benchmark import gpu_bench_report, random_model
 
 # The published sizes (results/memory.md, counted from the same configurations with their own vocabularies).
-PUBLISHED = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "qwen2_5_14b": 14.77e9}
+PUBLISHED = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "qwen2_5_7b": 7.61e9, "qwen2_5_14b": 14.77e9}
 TINY = {"max_train": 4, "max_ctrl": 1, "max_pca": 16, "methods": ["mari", "caa"], "tqa_limit": 2,
         "mmlu_subjects": ["anatomy"], "mmlu_limit": 1, "tasks": ["truthfulqa_mc2", "mmlu"], "gen_prompts": 1,
         "gen_tokens": 3, "max_batch_size": 2, "auto_entries": ["hf", "mari"], "batch_one_first": ["vanilla"],
@@ -98,6 +98,22 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     for heading in ("## Goals", "## Evaluation wall time", "## Training", "## MARI training memory", "## Generation"):
         assert heading in md
     assert "Issue 41's goals are set for the 7B shape" in md
+
+    # repro/engine/costs.py priced against the same run's steps (issue 59.4)
+    from repro.benchmark import cost_check
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "run1.json").write_text(raw_path.read_text())
+    assert cost_check.main(["--runs", str(runs), "--out", str(out)]) == 0
+    checked = json.loads((out / "cost_check.json").read_text(), parse_constant=pytest.fail)
+    rows = checked["runs"][0]["steps"]
+    assert {"train mari", "train caa", "evaluate truthfulqa_mc2 (batch auto)", "evaluate mmlu (batch auto)",
+            "generate one prompt (base)"} <= {r["kind"] for r in rows}
+    assert not any("/hf/" in r["step"] for r in rows)  # lm-eval's own model is not what costs.py prices
+    for r in rows:
+        assert r["estimated_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["estimated_s"])
+    assert "| train mari" in (out / "cost_check.md").read_text()
 
 
 @pytest.mark.needs_data

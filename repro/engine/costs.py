@@ -26,8 +26,8 @@ H200 at Llama-2-7B's shape (results/gpu_bench.json, run 1) it scored 100 truthfu
 questions in 2.8 s inside the model, i.e. 100 x (186 + 7.4 x 10.9) tokens x 2 x 6.88e9 in 2.8 s,
 about 1.3e14 FLOP/s (13% of the card's bf16 peak: short, varied sequences). Training steps are
 charged at the same rate. A step needs ``gpus_needed`` GPUs of ``GPU_GIB``: the bf16 weights with
-20% headroom when evaluating, and the training state of results/memory.json for MARI's training
-(the largest; the baselines' are charged the same).
+20% headroom when evaluating, and the training state and largest step of results/memory.json for
+MARI's training (the largest; the baselines' are charged the same).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def gpus_needed(model: str, training: bool) -> int:
     row = _memory()[name]
     need = row["weights_bytes"] * HEADROOM
     if training:
-        need = row["weights_bytes"] + max(a["now_bytes"] for a in row["attributes"].values())
+        need = row["weights_bytes"] + max(a["now_bytes"] + a.get("step_bytes", 0) for a in row["attributes"].values())
     return max(1, math.ceil(need / 2**30 / GPU_GIB))
 
 
@@ -122,9 +122,11 @@ def variants(method: str | None) -> int:
     return MARI_K + 2 if method == "mari" else 1
 
 
-def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None) -> float:
-    """One task under a group of rows (their methods; None for the untouched model) in one shared pass."""
-    n = parameters(model)
+def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
+                     n_parameters: int | None = None) -> float:
+    """One task under a group of rows (their methods; None for the untouched model) in one shared pass;
+    ``n_parameters``: N of a model the profiles do not name (a benchmark's random-weight model)."""
+    n = n_parameters or parameters(model)
     if size.generation:
         generated = gen_tokens or DEFAULT_GENERATION
         per_row = [size.prompt + generated + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods]
@@ -134,8 +136,10 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
     return 2 * n * size.documents * (size.prompt * readers + options)
 
 
-def training_flops(model: str, method: str, attribute: str, profile: Profile, epochs: int | None) -> float:
-    """Training ``method`` on ``attribute`` (module docstring); ``epochs``: the method's (None: closed form)."""
+def training_flops(model: str, method: str, attribute: str, profile: Profile, epochs: int | None,
+                   n_parameters: int | None = None) -> float:
+    """Training ``method`` on ``attribute`` (module docstring); ``epochs``: the method's (None: closed form);
+    ``n_parameters`` as for ``evaluation_flops``."""
     counts = token_counts.load()
     split = counts["splits"][attribute]
     size = TaskSize.of(split["task"], None)
@@ -144,7 +148,7 @@ def training_flops(model: str, method: str, attribute: str, profile: Profile, ep
     n_pca = min(split["pca"], profile.max_pca or split["pca"])
     example = size.prompt + size.requests * size.option if not size.generation else size.prompt + 32
     rows = size.requests * size.option if not size.generation else 32
-    n = parameters(model)
+    n = n_parameters or parameters(model)
     if method == "prompting":
         return 0.0
     if method == "mari":
