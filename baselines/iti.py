@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -68,7 +67,8 @@ from mari_eval.methods.registry import register_method
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, prepare_validation,
                      validation_losses, validation_record, validation_split)
 from .iti_heads import HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summary, rank_heads
-from .iti_published import ITI_RECIPE, NL_ITI_RECIPE, Recipe, fit_published
+from .iti_activations import ITI_RECIPE, NL_ITI_RECIPE, Recipe
+from .iti_published import fit_published
 
 if TYPE_CHECKING:
     from mari_eval.training.examples import AttributeData, Example
@@ -278,7 +278,7 @@ class ITI(ScaledVector):
         "probe_C": Float(0, lo_open=True, optional=True), "probe_max_iter": Int(1, optional=True),
         "probe_width": Int(1, optional=True), "probe_epochs": Int(1, optional=True), "probe_lr": Float(0, lo_open=True, optional=True),
         "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
-        # What the published recipe's probe rows are (iti_published.probe_answers); absent before issue 36 (MC1's options).
+        # What the published recipe's probe rows are (iti_activations.probe_answers); absent before issue 36 (MC1's options).
         "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")),
         "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True), **VALIDATION_FIELDS,
     }
@@ -302,7 +302,7 @@ class ITI(ScaledVector):
         return layer_shifts(model, self.tensors["heads"], vectors)
 
     def applied(self, model: torch.nn.Module, positions: Positions,
-                variant_ids: torch.Tensor | None = None) -> AbstractContextManager:
+                variant_ids: torch.Tensor | None = None) -> contextlib.AbstractContextManager:
         # ITI's published recipe shifts the answer's tokens only (after p*); other bundles from p* on.
         at_site = self.config["hyperparameters"].get("shift_from", "last_prompt_token") == "last_prompt_token"
         return site.shift_attention_from_site(model, self.shifts(model), positions, at_site=at_site)

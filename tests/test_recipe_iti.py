@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines import iti, iti_heads, iti_published
+from baselines import iti, iti_activations, iti_heads, iti_published
 from baselines.common import SELECTION_KEY
 from mari_eval.evaluation import runner
 from mari_eval.methods.bundle_spec import BundleError
@@ -37,7 +37,7 @@ def _mc2(examples):
 def mc2(monkeypatch):
     """The examples' MC2 answers, served where the published fit reads TruthfulQA's data file."""
     served = {}
-    monkeypatch.setattr(iti_published, "truthfulqa_mc2", lambda: served)
+    monkeypatch.setattr(iti_activations, "truthfulqa_mc2", lambda: served)
     return served
 
 
@@ -85,9 +85,9 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
         seen.update(fit=y_fit.clone(), val=y_val.clone())
         return scored(x_fit, y_fit, x_val, y_val, seed)
 
-    read = iti_published.window_outputs
+    read = iti_activations.window_outputs
     monkeypatch.setattr(iti_published, "logistic_accuracy", spy)
-    monkeypatch.setattr(iti_published, "window_outputs", lambda s, t, w: texts.extend(t) or read(s, t, w))
+    monkeypatch.setattr(iti_activations, "window_outputs", lambda s, t, w: texts.extend(t) or read(s, t, w))
     fitted = iti.ITI.fit(session, attribute_of(examples), tiny_config(model), {"recipe": "published"}, seed=0)
     val_ids = set(fitted.config["diagnostics"]["validation_ids"])
     for part, ids in (("fit", {ex.id for ex in examples} - val_ids), ("val", val_ids)):
@@ -102,16 +102,16 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
 def test_probe_rows_elsewhere_are_the_options_or_the_refusal():
     session = chat_free_session(tiny_model("llama"))
     examples = char_examples(session, n=2)
-    kind, answers = iti_published.probe_answers("bbq", examples)
+    kind, answers = iti_activations.probe_answers("bbq", examples)
     assert kind == "options" and answers[1] == ([examples[1].choices[1]], [examples[1].choices[0], examples[1].choices[2]])
     refusal = Example("s", [1], [[2]], None, question="Do it", choices=["I can't."])
-    assert iti_published.probe_answers("sorry_bench", [refusal]) == ("refusal", [(["I can't."], [iti_published.COMPLIANCE_TARGET])])
+    assert iti_activations.probe_answers("sorry_bench", [refusal]) == ("refusal", [(["I can't."], [iti_activations.COMPLIANCE_TARGET])])
 
 
 def test_a_training_question_missing_from_the_truthfulqa_file_is_named(mc2):
     session = chat_free_session(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"probes TruthfulQA's MC2 answers, but 2 training example\(s\) \(ex0, ex1\).*MARI_DATA_DIR"):
-        iti_published.probe_answers("truthfulqa", char_examples(session, n=2))
+        iti_activations.probe_answers("truthfulqa", char_examples(session, n=2))
 
 
 def test_published_recipe_refuses_the_adapted_grid():
@@ -265,7 +265,7 @@ def test_window_outputs_average_the_heads_over_the_targets_last_tokens(windows):
     model = tiny_model("llama")
     session = chat_free_session(model)
     texts = [("Q: Why?\nA:", " Because it is"), ("Q: Why?\nA:", " No"), ("Q: Why?\nA: No\n\nQ:", " Where is it?")]
-    got = iti_published.window_outputs(session, texts, windows)
+    got = iti_activations.window_outputs(session, texts, windows)
     for r, (before, target) in enumerate(texts):
         ids = session.encode_prompt(before + target)
         seen = {}
@@ -279,6 +279,27 @@ def test_window_outputs_average_the_heads_over_the_targets_last_tokens(windows):
             span = min(w, len(target))  # never the text before the target (" No" has 3 tokens here)
             expected = torch.stack([seen[i][len(ids) - span :].mean(0) for i in range(len(model.model.layers))])
             torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("other", ["Why not?", "A long other question, " * 12 + "as BBQ's contexts are?"])
+def test_answer_and_sigma_rows_read_the_same_in_one_pass_or_two(monkeypatch, other):
+    """recipe_activations runs the answer rows and sigma's rows apart when one pass would pad the
+    short answer rows to a long other question (BBQ); both layouts read the same head outputs."""
+    session = chat_free_session(tiny_model("llama"))
+    examples = [Example("q0", [1, 2, 3], [[4], [5]], 0)]
+    examples[0].question = "Which is it?"
+    answers = [(["It is this one."], ["That.", "Neither of them, I think."])]
+    recipe = iti_activations.NL_ITI_RECIPE
+    texts = [recipe.qa("Which is it?", a) for a in answers[0][0] + answers[0][1]]
+    ends = [recipe.end_q("Which is it?", a, other) for a in answers[0][0] + answers[0][1]]
+    one = iti_activations.padded_tokens(session, texts + ends)
+    two = iti_activations.padded_tokens(session, texts) + iti_activations.padded_tokens(session, ends)
+    assert one > two or len(other) < 100  # a long other question makes two passes cheaper
+    got = iti_activations.recipe_activations(session, recipe, examples, [other], answers)
+    monkeypatch.setattr(iti_activations, "padded_tokens", lambda s, t: -len(t))  # force one pass for all rows
+    merged = iti_activations.recipe_activations(session, recipe, examples, [other], answers)
+    for key in ("probe", "direction", "sigma"):
+        torch.testing.assert_close(got[key], merged[key], atol=1e-5, rtol=1e-4)
 
 
 def _published_bundle(model, shift_from):
