@@ -25,9 +25,11 @@ import torch
 import transformers
 
 from mari_eval.training import memory
+from mari_eval.injection import site
 from mari_eval.storage.files import atomic_write, write_results_json
 from mari_eval import mari
-from mari_eval.training.train import Example, Session, attribute_data
+from mari_eval.training.session import MAX_TOKENS
+from mari_eval.training.train import Session, attribute_data
 from repro.analysis.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,19 +76,18 @@ def token_counts(model_name: str, seed: int) -> dict[str, list[dict]]:
 def largest_step(model, layer: int, shapes: list[tuple[int, list[int]]], batch: int, K: int) -> int:
     """Bytes of a MARI training step (``memory.step_estimate``) over the ``batch`` examples of D_train
     whose own steps are largest: an upper bound on any batch of that size."""
-    probe = Session.__new__(Session)  # only what step_estimate reads
-    probe.model, probe.layer, probe.max_tokens = model, layer, 1024
-    examples = [Example("", [0] * context, [[0] * n for n in options], None) for context, options in shapes]
-    alone = sorted(examples, key=lambda ex: probe.step_estimate([ex], K).saved_bytes, reverse=True)
-    return probe.step_estimate(alone[:batch], K).total
+    def step(chosen: list[tuple[int, list[int]]]) -> memory.Step:
+        return memory.step_estimate(model, layer, memory.step_passes(chosen, K, MAX_TOKENS))
 
+    alone = sorted(shapes, key=lambda shape: step([shape]).saved_bytes, reverse=True)
+    return step(alone[:batch]).total
 
 def model_rows(counts: dict[str, list[dict]]) -> dict[str, dict]:
     rows = {}
     for name, config in PAPER_SHAPES.items():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        c = memory.cache_bytes_per_token(model)
+        c = site.kv_bytes_per_token(model)
         row = {"parameters": sum(p.numel() for p in model.parameters()), "cache_bytes_per_token": c,
                "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "attributes": {}}
         for attribute, sets in counts.items():
@@ -122,17 +123,15 @@ def checked_gpu_runs(session: Session, paths: list[Path]) -> list[dict]:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, settings["dtype"]))
         examples = attribute_data(session, "truthfulqa", settings["seed"], max_train=settings["max_train"],
                                   max_ctrl=settings["max_ctrl"], max_pca=settings["max_pca"]).train
-        probe = Session.__new__(Session)  # only what step_estimate reads
-        probe.model, probe.layer, probe.max_tokens, probe.largest_step = model, step["layer"], session.max_tokens, 0
         gen = torch.Generator().manual_seed(settings["seed"])
-        fit._lowrank_params(hp["K"], config.hidden_size, hp["rank"], hp["init_scale"], gen)  # training's draws before its batches
-        for _ in range(hp["epochs"]):
-            for batch in fit._batches(examples, hp["batch_size"], gen):
-                probe.step_estimate(batch, hp["K"])
-        estimate = recorded["weights_bytes"] + recorded["held_estimate_bytes"] + probe.largest_step
+        fit.lowrank_params(hp["K"], config.hidden_size, hp["rank"], hp["init_scale"], gen)  # training's draws before its batches
+        largest = max(memory.step_estimate(model, step["layer"], memory.step_passes(
+            [(len(ex.context), [len(o) for o in ex.options]) for ex in batch], hp["K"], session.max_tokens)).total
+            for _ in range(hp["epochs"]) for batch in fit.epoch_batches(examples, hp["batch_size"], gen))
+        estimate = recorded["weights_bytes"] + recorded["held_estimate_bytes"] + largest
         out.append({"run": path.name, "shape": settings["shape"], "batch_size": hp["batch_size"], "K": hp["K"],
                     "weights_bytes": recorded["weights_bytes"], "held_estimate_bytes": recorded["held_estimate_bytes"],
-                    "step_estimate_bytes": probe.largest_step, "estimate_bytes": estimate,
+                    "step_estimate_bytes": largest, "estimate_bytes": estimate,
                     "peak_allocated_bytes": recorded["peak_allocated_bytes"],
                     "peak_over_estimate": recorded["peak_allocated_bytes"] / estimate})
     return out

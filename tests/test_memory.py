@@ -7,6 +7,7 @@ import transformers
 
 from mari_eval.evaluation import runner
 from mari_eval.training import memory
+from mari_eval.injection import site
 from mari_eval.injection.plan import Plan
 from mari_eval.evaluation.prefix_cache import encode_prefix
 from mari_eval.training.train import Example, Session
@@ -37,7 +38,7 @@ def test_estimate_for_paper_shaped_models_is_the_formula(config, layers, kv_head
     own, rows = [40, 55, 31], [12, 9, 20]
     got = memory.estimate(model, shared_tokens=600, own_tokens=own, row_tokens=rows, lower=True)
     c = 2 * layers * kv_heads * head_dim * 2  # keys and values, every layer, bf16
-    assert memory.cache_bytes_per_token(model) == c
+    assert site.kv_bytes_per_token(model) == c
     assert got.shared_bytes == 600 * c and got.cache_bytes == sum(own) * c and got.lower_bytes == sum(rows) * hidden * 2
     assert got.total == 600 * c + sum(own) * c + sum(rows) * hidden * 2
     assert memory.estimate(model, 600, own, rows, lower=False).lower_bytes == 0

@@ -82,13 +82,20 @@ def token_budget(model: torch.nn.Module) -> int:
     device = devices.input_device(model)
     if device.type != "cuda":
         return CPU_TOKENS
-    config = model.config.get_text_config()
-    itemsize = torch.finfo(model.dtype).bits // 8
-    hidden = int(config.hidden_size)
-    per_token = int(config.vocab_size) * (itemsize + 8) + int(getattr(config, "intermediate_size", 4 * hidden)) * itemsize * 4 \
-        + hidden * itemsize * 8
+    per_token = int(model.config.get_text_config().vocab_size) * (_itemsize(model) + 8) + _pass_bytes_per_token(model)
     free, _ = torch.cuda.mem_get_info(device)
     return max(ONE_AT_A_TIME_TOKENS, min(MAX_TOKENS, free // 4 // per_token))
+
+
+def _itemsize(model: torch.nn.Module) -> int:
+    return torch.empty((), dtype=model.dtype).element_size()
+
+
+def _pass_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes a token holds inside one forward pass: the MLP's activations and a few hidden states."""
+    config = model.config.get_text_config()
+    hidden = int(config.hidden_size)
+    return (int(getattr(config, "intermediate_size", 4 * hidden)) * 4 + hidden * 8) * _itemsize(model)
 
 
 def generation_token_budget(model: torch.nn.Module) -> int:
@@ -98,13 +105,7 @@ def generation_token_budget(model: torch.nn.Module) -> int:
     device = devices.input_device(model)
     if device.type != "cuda":
         return CPU_TOKENS
-    config = model.config.get_text_config()
-    itemsize = torch.finfo(model.dtype).bits // 8
-    heads, head_dim = site.attention_heads(model)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    hidden = int(config.hidden_size)
-    per_token = 2 * site.num_layers(model) * kv_heads * head_dim * itemsize \
-        + int(getattr(config, "intermediate_size", 4 * hidden)) * itemsize * 4 + hidden * itemsize * 8
+    per_token = site.kv_bytes_per_token(model) + _pass_bytes_per_token(model)
     free, _ = torch.cuda.mem_get_info(device)
     return max(ONE_AT_A_TIME_TOKENS, free // 4 // per_token)
 

@@ -117,6 +117,14 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of keys and values one token adds to the cache of every layer: 2 L H_kv d_h b
+    (works on meta models)."""
+    heads, head_dim = attention_heads(model)
+    kv_heads = int(getattr(model.config.get_text_config(), "num_key_value_heads", None) or heads)
+    return 2 * num_layers(model) * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+
+
 def check_layer(model: nn.Module, layer: int) -> int:
     n = num_layers(model)
     if not isinstance(layer, int) or not 0 <= layer < n:

@@ -47,7 +47,7 @@ def probe_alpha_grid(trained: float) -> list[float]:
     return sorted({*PROBE_ALPHAS, float(trained)})
 
 
-def _lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator,
+def lowrank_params(K: int, d: int, r: int, scale: float, gen: torch.Generator,
                     device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """U small (the edit starts near the identity), V a random projection, b zero.
 
@@ -65,7 +65,8 @@ def like(params: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, tor
     return {name: value.to(hidden) for name, value in params.items()}
 
 
-def _batches(examples: list, size: int, gen: torch.Generator) -> list[list]:
+def epoch_batches(examples: list, size: int, gen: torch.Generator) -> list[list]:
+    """One epoch's batches of ``examples``: a permutation drawn from ``gen``, cut into ``size``s."""
     order = torch.randperm(len(examples), generator=gen).tolist()
     return [[examples[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
 
@@ -75,7 +76,7 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
     """Competitive training of K experts (eq:hard_route .. eq:out_ortho); returns tensors and the epoch log.
 
     Checkpointed after every epoch as ``stage`` (``session.checkpoints``); a killed run resumes there."""
-    p = _lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen, session.site_device)
+    p = lowrank_params(K, session.hidden_size, hp["rank"], hp["init_scale"], gen, session.site_device)
     loop = EpochLoop(stage, label, hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
     gamma = hp["gamma"]
 
@@ -106,7 +107,7 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
             log.warning("%s epoch %d: expert usage %s has an expert below 1/(4K): it is collapsing", label, epoch + 1, record["usage"])
         return record
 
-    history = loop.run(lambda epoch: _batches(examples, hp["batch_size"], gen), loss, end_epoch)
+    history = loop.run(lambda epoch: epoch_batches(examples, hp["batch_size"], gen), loss, end_epoch)
     if session.largest_step:
         log.info("%s: a training step kept up to %s of activations for its backward (estimate: memory.step_estimate)",
                  label, memory.format_size(session.largest_step))
@@ -118,7 +119,7 @@ def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tenso
     """Calibrator g_phi: task loss under h + alpha_probe delta_phi(h) plus lambda_off R_off (eq:cal_objective,
     eq:offsubspace_penalty). Trained at the strength the gate uses it at (eq:probe_update), so a
     smaller alpha_probe is not merely a rescaled probe: the delta learns to be larger."""
-    p = _lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
+    p = lowrank_params(1, session.hidden_size, hp["probe_rank"], hp["init_scale"], gen, session.site_device)
     p = {"probe_U": p["U"][0].detach().requires_grad_(), "probe_V": p["V"][0].detach().requires_grad_(),
          "probe_b": p["b"][0].detach().requires_grad_()}
     loop = EpochLoop("probe", "probe", hp["epochs"], p, torch.optim.Adam(p.values(), lr=hp["lr"]), session.checkpoints, gen)
@@ -137,7 +138,7 @@ def fit_probe(session: Session, examples: list[Example], pca_states: torch.Tenso
         log.info("probe epoch %d: task loss %.4f, R_off %.4f", epoch + 1, record["task"], record["off"])
         return record
 
-    history = loop.run(lambda epoch: _batches(examples, hp["batch_size"], gen), loss, end_epoch)
+    history = loop.run(lambda epoch: epoch_batches(examples, hp["batch_size"], gen), loss, end_epoch)
     return {k: v.detach() for k, v in p.items()}, history
 
 

@@ -63,6 +63,7 @@ from typing import Sequence
 import torch
 
 from mari_eval.injection import site
+from mari_eval.evaluation import runner
 from mari_eval.evaluation.prefix_cache import common_prefix
 
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -86,14 +87,6 @@ def format_size(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError
-
-
-def cache_bytes_per_token(model: torch.nn.Module) -> int:
-    """c: bytes of keys and values one token adds to the cache of every layer (works on meta models)."""
-    config = model.config.get_text_config()
-    heads, head_dim = site.attention_heads(model)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    return 2 * site.num_layers(model) * kv_heads * head_dim * _itemsize(model)
 
 
 def _itemsize(model: torch.nn.Module) -> int:
@@ -127,7 +120,7 @@ def estimate(model: torch.nn.Module, shared_tokens: int, own_tokens: Sequence[in
              lower: bool) -> Estimate:
     """M for examples with ``own_tokens[i]`` prompt tokens after the shared preamble and
     ``row_tokens[i]`` option-row tokens; ``lower``: whether the states after l* are kept."""
-    c = cache_bytes_per_token(model)
+    c = site.kv_bytes_per_token(model)
     d = int(model.config.get_text_config().hidden_size)
     return Estimate(len(own_tokens), shared_tokens, shared_tokens * c, sum(own_tokens) * c,
                     sum(row_tokens) * d * _itemsize(model) if lower else 0)
@@ -183,6 +176,18 @@ class Step:
     @property
     def total(self) -> int:
         return self.saved_bytes + self.transient_bytes
+
+
+def step_passes(shapes: Sequence[tuple[int, Sequence[int]]], variants: int, max_tokens: int) -> list[tuple[int, int]]:
+    """The packed passes of rows a training step runs over examples of ``shapes`` (each: its
+    prompt's length with p*, its options' lengths) under ``variants`` edits at l*, as
+    ``runner.score_variants`` packs them: (T row tokens, S = T + the prompt's C cached keys) each."""
+    passes = []
+    for context, options in shapes:
+        sizes = [len_ for _ in range(variants) for len_ in options]
+        for chunk in runner.chunks(sizes, sizes, max_tokens):
+            passes.append((sum(chunk), context - 1 + sum(chunk)))
+    return passes
 
 
 def step_estimate(model: torch.nn.Module, layer: int, passes: Sequence[tuple[int, int]]) -> Step:

@@ -32,6 +32,9 @@ from mari_eval.evaluation.prefix_cache import (Prefix, broadcast_cache, common_p
 log = logging.getLogger(__name__)
 
 
+MAX_TOKENS = 1024  # row tokens per packed pass, by default
+
+
 class Session:
     """The frozen model at one site, and the runner calls every method's training uses."""
 
@@ -40,7 +43,7 @@ class Session:
     _memory_budget: int | None = None  # None: the default, read when first needed
 
     def __init__(self, model_name: str, layer: int | None = None, placement: "Placement | None" = None,
-                 max_tokens: int = 1024, max_memory: str | int | None = None, lm=None):
+                 max_tokens: int = MAX_TOKENS, max_memory: str | int | None = None, lm=None):
         """``lm``: an already loaded ``MariLM`` to train through (``model_name`` then only names it)."""
         self.model_name = model_name
         self.placement = placement or Placement()
@@ -212,11 +215,8 @@ class Session:
     def step_estimate(self, batch: Sequence[Example], variants: int) -> memory.Step:
         """The activations a training step keeps for its backward when it scores ``batch`` under
         ``variants`` edits at l* (``memory.step_estimate``: ``run``'s packed passes of rows)."""
-        passes = []
-        for ex in batch:
-            sizes = [len(option) for _ in range(variants) for option in ex.options]
-            for chunk in runner.chunks(sizes, sizes, self.max_tokens):
-                passes.append((sum(chunk), len(ex.context) - 1 + sum(chunk)))
+        shapes = [(len(ex.context), [len(option) for option in ex.options]) for ex in batch]
+        passes = memory.step_passes(shapes, variants, self.max_tokens)
         step = memory.step_estimate(self.model, self.layer, passes)
         self.largest_step = max(self.largest_step, step.total)
         return step
