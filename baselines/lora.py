@@ -54,6 +54,7 @@ from mari_eval.evaluation import runner
 from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Str, TensorSpec
 from mari_eval.training.epochs import EpochLoop
 from mari_eval.methods.intervention import Intervention
+from mari_eval.training import memory
 from mari_eval.training.objectives import task_losses
 from mari_eval.injection.plan import Plan, Positions
 from mari_eval.evaluation.prefix_cache import encode_prefix
@@ -70,6 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Targets that read the same tensor (a decoder layer's normed input to attention, or to the MLP).
+SAME_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "gate_proj": "mlp", "up_proj": "mlp"}
 DEFAULTS = {"rank": 8, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "lr": 9e-4, "epochs": 10, "batch": 8}
 
 
@@ -165,6 +168,7 @@ class LoRA(Baseline):
             return params
 
         def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+            session.record_step(step_estimate(session, batch, hp))
             value = torch.stack([task_loss(session, ex, hp, weights, scaling) for ex in batch]).mean()
             return value, {"loss": value.item()}
 
@@ -196,6 +200,28 @@ class LoRA(Baseline):
         config["diagnostics"] = {"history": history, SELECTION_KEY: best[0], "validation_loss_base": base,
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, {k: v.detach().float().cpu().contiguous() for k, v in kept.items()})
+
+
+def step_estimate(session: Session, batch: list[Example], hp: dict[str, Any]) -> memory.Step:
+    """The activations a training step keeps for its backward (``memory.step_estimate``): every
+    example of ``batch`` at once (the batch's loss is one mean), each its prompt's pass under the
+    adapter and its options' packed passes, through every layer from the first adapted one; plus
+    the adapter's own inputs per adapted layer and token: each target's input in float32 (one
+    tensor for the targets that read the same input, when the model is float32 already) and its
+    A x (r float32)."""
+    model, targets = session.model, hp["targets"]
+    passes = []
+    for ex in batch:
+        prompt = len(ex.context) - 1
+        passes += [memory.Pass(prompt, prompt, scored=0, masked=False),
+                   *memory.step_passes([(len(ex.context), [len(o) for o in ex.options])], 1, session.max_tokens)]
+    made = memory.step_estimate(model, min(hp["layers"]) - 1, passes)
+    inputs = {target: module.in_features for (target, j), module in target_modules(model, hp["layers"][:1], targets).items()}
+    b = torch.empty((), dtype=model.dtype).element_size()
+    shared = {SAME_INPUT.get(target, target): width for target, width in inputs.items()}  # float32 models: no copies
+    per_token = 4 * (sum(inputs.values()) if b < 4 else sum(shared.values())) + 4 * int(hp["rank"]) * len(targets)
+    tokens = sum(p.tokens for p in passes)
+    return memory.Step(made.passes, made.saved_bytes + len(hp["layers"]) * tokens * per_token, made.transient_bytes)
 
 
 def initial_weights(model: torch.nn.Module, layers: list[int], targets: list[str], rank: int, seed: int,

@@ -62,6 +62,7 @@ from mari_eval.evaluation import runner
 from mari_eval.methods.bundle_spec import Float, Int, List, Str, TensorSpec
 from mari_eval.training.epochs import EpochLoop
 from mari_eval.methods.intervention import Intervention
+from mari_eval.training import memory
 from mari_eval.training.objectives import task_losses
 from mari_eval.injection.plan import Plan, Positions
 from mari_eval.evaluation.prefix_cache import encode_prefix
@@ -187,6 +188,9 @@ class ReFT(Baseline):
             return shuffled_batches(fit_examples, hp["batch"], order)
 
         def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+            shapes = [(len(ex.context), [len(o) for o in ex.options]) for ex in batch]
+            session.record_step(memory.step_estimate(session.model, session.layer,
+                                                     memory.edited_prompt_passes(shapes, session.max_tokens)))
             value = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
             return value, {"loss": value.item()}
 

@@ -57,7 +57,7 @@ from .common import (SELECTION_KEY, prepare_validation, shuffled_batches, valida
                      validation_split)
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
-from .reft_step import batch_gradient, shared_length
+from .reft_step import batch_gradient, shared_length, step_estimate
 
 if TYPE_CHECKING:
     from mari_eval.training.examples import AttributeData, Example
@@ -176,6 +176,7 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
 
         plan = Plan((0,), lambda variant_ids, positions: edits_at_layers(session.model, layers, edit_at, positions))
         sites = lambda length: pyreft_positions(length, hp["first"], hp["last"])
+        session.record_step(step_estimate(session, batch, sites, shared, packed, layers, rank))
         total, grads = batch_gradient(session, batch, plan, sites, params, shared, packed)
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads.values()))
         scale = min(1.0, hp["max_grad_norm"] / (float(norm) + 1e-6))

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from mari_eval.evaluation import runner
-from mari_eval.injection import devices
+from mari_eval.injection import devices, site
+from mari_eval.training import memory
 from mari_eval.injection.plan import Plan
 from mari_eval.evaluation.prefix_cache import (Prefix, broadcast_cache, cache_of, common_prefix, encode_prefix, packed_inputs,
                                                with_cache)
@@ -80,6 +81,16 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
         leaves = [c for t, c in zip(kv, carried) if t.requires_grad]
         leaf_head = Prefix(head.tokens, _with_tensors(head.cache, carried))
         leaf_grads = [torch.zeros_like(t) for t in leaves]
+
+    def one_nll(ex: Example) -> torch.Tensor:  # one prompt at a time; its cache and scores go with this call
+        positions = sites(len(ex.context))
+        if head is None:
+            prefix = encode_prefix(model, ex.context[:-1], apply=plan.apply, sites=positions)
+        else:
+            prefix = _extended(model, leaf_head, ex.context[:-1], [p - shared for p in positions if p >= shared], plan)
+        run = runner.score_variants(model, prefix, ex.context[-1], [answer_of(ex)], plan, max_tokens=session.max_tokens)
+        return -run.logprobs[0, 0]
+
     total = 0.0
     start = len(head.tokens) if head is not None else 0
     packed = packed and (head is not None or not shared)  # a sliding-window head: one prompt at a time
@@ -87,17 +98,10 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
         if packed:
             part = packed_nll(model, leaf_head if head is not None else None, group, plan, sites) / tokens
         else:
-            (ex,) = group
-            positions = sites(len(ex.context))
-            if head is None:
-                prefix = encode_prefix(model, ex.context[:-1], apply=plan.apply, sites=positions)
-            else:
-                prefix = _extended(model, leaf_head, ex.context[:-1], [p - shared for p in positions if p >= shared], plan)
-            run = runner.score_variants(model, prefix, ex.context[-1], [answer_of(ex)], plan, max_tokens=session.max_tokens)
-            part = -run.logprobs[0, 0] / tokens
+            part = one_nll(*group) / tokens
         inputs = list(params.values()) + (leaves or [])
         # retain_graph: R's orthonormalisation (and the shared part) is shared by the batch's
-        # examples; the example's own graph is freed when ``part`` and ``run`` are rebound.
+        # examples; the group's own graph is freed when ``part`` goes, below.
         got = torch.autograd.grad(part, inputs, allow_unused=True, retain_graph=True)
         for k, g in zip(names, got):
             if g is not None:
@@ -106,12 +110,54 @@ def batch_gradient(session: Session, batch: list[Example], plan: Plan, sites: Ca
             if g is not None:
                 acc += g
         total += float(part.detach())
+        del part, got  # the group's graph, before the next group's forward builds its own
     if head is not None and outputs:  # the shared part's share of the gradient, in one backward pass
         got = torch.autograd.grad(outputs, list(params.values()), grad_outputs=leaf_grads, allow_unused=True)
         for k, g in zip(names, got):
             if g is not None:
                 grads[k] += g
     return total, grads
+
+
+def step_estimate(session: Session, batch: list[Example], sites: Callable[[int], list[int]], shared: int, packed: bool,
+                  layers: list[int], rank: int) -> memory.Step:
+    """The activations ``batch_gradient`` holds at its peak (``memory.step_estimate``'s passes,
+    through the layers above the lowest edited one): the shared preamble's pass under the edit,
+    with the gradients of its keys and values, kept through the step; and the largest group's
+    (packed) or example's (one at a time: its prompt after the preamble, then its answer) passes,
+    each freed by its backward. Plus the edit's own: each edited position's hidden state in every
+    edited layer, and R and W in the model's dtype. Sliding-window layers hold fewer keys than
+    counted (their prompts run whole): an upper bound there."""
+    model, low = session.model, min(layers)
+    heads, head_dim = site.attention_heads(model)
+    kv_heads = int(getattr(model.config.get_text_config(), "num_key_value_heads", None) or heads)
+    b, d = torch.empty((), dtype=model.dtype).element_size(), session.hidden_size
+    above = session.num_layers - low - 1  # layers whose input depends on the edit
+
+    def edit_bytes(positions: int) -> int:
+        return len(layers) * (positions * d + 2 * rank * d) * b
+
+    def step(passes: list[memory.Pass], positions: int) -> memory.Step:
+        made = memory.step_estimate(model, low, passes)
+        return memory.Step(made.passes, made.saved_bytes + edit_bytes(positions), made.transient_bytes)
+
+    kept = 0
+    if shared:
+        head = step([memory.Pass(shared, shared, scored=0, masked=False)], sum(p < shared for p in sites(len(batch[0].context))))
+        kept = head.saved_bytes + 2 * above * shared * kv_heads * head_dim * b  # the keys' and values' gradients
+    parts = []
+    if packed:
+        for group in _token_groups(batch, shared, session.max_tokens):
+            tokens = sum(len(ex.context) - shared + len(answer_of(ex)) - 1 for ex in group)
+            parts.append(step([memory.Pass(tokens, shared + tokens, scored=sum(len(answer_of(ex)) for ex in group))],
+                              sum(1 + sum(p >= shared for p in sites(len(ex.context))) for ex in group)))
+    else:
+        for ex in batch:
+            prompt, answer = len(ex.context) - 1, len(answer_of(ex))
+            passes = [memory.Pass(prompt - shared, prompt, scored=0, masked=bool(shared)), memory.Pass(answer, prompt + answer)]
+            parts.append(step(passes, 1 + sum(p >= shared for p in sites(len(ex.context)))))
+    largest = max(parts, key=lambda part: part.total)
+    return memory.Step(largest.passes + bool(shared), kept + largest.saved_bytes, largest.transient_bytes)
 
 
 def _token_groups(batch: list[Example], start: int, max_tokens: int) -> list[list[Example]]:

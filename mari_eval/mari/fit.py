@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from mari_eval.evaluation import generation, runner
 from mari_eval.injection import devices
-from mari_eval.training import memory
 from mari_eval.training.epochs import EpochLoop, weighted_means
 from mari_eval.mari import gate_labels
 from mari_eval.mari.equations import (apply_variants, balance_loss, energy_threshold, inter_ortho_loss, lowrank_delta,
@@ -108,9 +107,6 @@ def fit_experts(session: Session, examples: list[Example], K: int, hp: dict[str,
         return record
 
     history = loop.run(lambda epoch: epoch_batches(examples, hp["batch_size"], gen), loss, end_epoch)
-    if session.largest_step:
-        log.info("%s: a training step kept up to %s of activations for its backward (estimate: memory.step_estimate)",
-                 label, memory.format_size(session.largest_step))
     return {k: v.detach() for k, v in p.items()}, history
 
 

@@ -51,14 +51,24 @@ counting follows Korthikanti et al. (2022), "Reducing Activation Recomputation i
 Transformer Models", sec. 4.1, for this inference-style graph (no dropout, frozen
 weights, flash-style attention); each term was read off the tensors
 ``torch.autograd.graph.saved_tensors_hooks`` sees in transformers 5's Llama and Qwen2
-layers (tests/test_memory.py checks the sum, and the step's peak, on CPU).
+layers (tests/test_memory_steps.py checks the sum, and the step's peak, on CPU).
+
+Other passes (``Pass``) change two terms. A pass that reads the log-softmax of some of its
+tokens only (ReFT's answers after a packed prompt) keeps 4 V for those; one that keeps none (a
+prompt encoded under the edit) keeps only the final norm's input. A pass from scratch, without
+a cache or packed rows, has no mask (SDPA's causal flag): no T S b, and its keys and values are
+kept at their H_kv heads, unrepeated. Which passes a method's step runs, and which of them are
+alive at once, is the method's: ``Session.step_estimate`` (MARI), ``edited_prompt_passes``
+(LoRA, the adapted ReFT: every example's prompt and options until the batch's backward),
+``baselines.reft_step.step_estimate`` (published ReFT: the shared preamble through the step,
+one packed group at a time).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -178,28 +188,52 @@ class Step:
         return self.saved_bytes + self.transient_bytes
 
 
-def step_passes(shapes: Sequence[tuple[int, Sequence[int]]], variants: int, max_tokens: int) -> list[tuple[int, int]]:
+class Pass(NamedTuple):
+    """One forward pass a training step runs with gradients, as ``step_estimate`` counts it."""
+
+    tokens: int  # T: the tokens it runs
+    keys: int  # S: the keys each attends to (a cached prompt's and its own)
+    scored: int | None = None  # tokens whose float32 log-softmax the loss reads (None: all T; 0: none)
+    masked: bool = True  # an explicit mask (packed rows, a cache); False: SDPA's causal flag, keys and values unrepeated
+
+
+def step_passes(shapes: Sequence[tuple[int, Sequence[int]]], variants: int, max_tokens: int) -> list[Pass]:
     """The packed passes of rows a training step runs over examples of ``shapes`` (each: its
     prompt's length with p*, its options' lengths) under ``variants`` edits at l*, as
-    ``runner.score_variants`` packs them: (T row tokens, S = T + the prompt's C cached keys) each."""
+    ``runner.score_variants`` packs them: T row tokens attending to S = T + the prompt's C cached keys."""
     passes = []
     for context, options in shapes:
         sizes = [len_ for _ in range(variants) for len_ in options]
         for chunk in runner.chunks(sizes, sizes, max_tokens):
-            passes.append((sum(chunk), context - 1 + sum(chunk)))
+            passes.append(Pass(sum(chunk), context - 1 + sum(chunk)))
     return passes
 
 
-def step_estimate(model: torch.nn.Module, layer: int, passes: Sequence[tuple[int, int]]) -> Step:
-    """A by the module docstring's formula for ``passes`` of (T row tokens, S keys each attends
-    to), run with gradients through the layers above ``layer`` (works on meta models)."""
+def edited_prompt_passes(shapes: Sequence[tuple[int, Sequence[int]]], max_tokens: int) -> list[Pass]:
+    """The passes of a step that encodes each prompt under the edit (from scratch: SDPA's causal
+    flag, no logits kept) and then scores its options after it (``step_passes``, one variant), every
+    example's kept until the batch's backward: LoRA's and the adapted ReFT's steps."""
+    return [p for context, options in shapes
+            for p in (Pass(context - 1, context - 1, scored=0, masked=False), *step_passes([(context, options)], 1, max_tokens))]
+
+
+def step_estimate(model: torch.nn.Module, layer: int, passes: Sequence[Pass]) -> Step:
+    """A by the module docstring's formula for ``passes``, run with gradients through the layers
+    above ``layer`` (-1: every layer; works on meta models): what autograd keeps while all of
+    them are alive, and the largest pass's logits."""
     config = model.config.get_text_config()
     heads, head_dim = site.attention_heads(model)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     d, inner, vocab = int(config.hidden_size), int(config.intermediate_size), int(config.vocab_size)
     b, f, n = _itemsize(model), 4, site.num_layers(model) - layer - 1
-    saved = sum(n * (t * (3 * inner * b + 2 * heads * head_dim * b + 2 * f * d + f * heads) + 2 * s * heads * head_dim * b)
-                + t * (f * d + f * vocab) + t * s * b + 2 * t * head_dim * b for t, s in passes)
-    return Step(len(passes), saved, max((t for t, _ in passes), default=0) * vocab * b)
+    saved = 0
+    for p in passes:
+        t, s, scored = p.tokens, p.keys, p.tokens if p.scored is None else p.scored
+        repeated = heads if p.masked else kv_heads  # SDPA takes GQA's heads unrepeated only without a mask
+        saved += n * (t * (3 * inner * b + 2 * heads * head_dim * b + 2 * f * d + f * heads) + 2 * s * repeated * head_dim * b) \
+            + t * f * d + scored * f * vocab + (t * s * b if p.masked else 0) + 2 * t * head_dim * b
+    largest = max((p.tokens if p.scored is None else p.scored for p in passes), default=0)
+    return Step(len(passes), saved, largest * vocab * b)
 
 
 def held_bytes(tensors) -> int:

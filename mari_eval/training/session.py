@@ -216,8 +216,11 @@ class Session:
         """The activations a training step keeps for its backward when it scores ``batch`` under
         ``variants`` edits at l* (``memory.step_estimate``: ``run``'s packed passes of rows)."""
         shapes = [(len(ex.context), [len(option) for option in ex.options]) for ex in batch]
-        passes = memory.step_passes(shapes, variants, self.max_tokens)
-        step = memory.step_estimate(self.model, self.layer, passes)
+        return self.record_step(memory.step_estimate(self.model, self.layer, memory.step_passes(shapes, variants, self.max_tokens)))
+
+    def record_step(self, step: memory.Step) -> memory.Step:
+        """Note a training step's activations (a method's ``memory.step_estimate``); ``largest_step``
+        keeps the largest, logged when the bundle is trained."""
         self.largest_step = max(self.largest_step, step.total)
         return step
 

@@ -30,6 +30,7 @@ import torch
 from mari_eval import methods
 from mari_eval.benchmarks import data_splits
 from mari_eval.injection import devices
+from mari_eval.training import memory
 from mari_eval.storage.checkpoint import EpochCheckpoints, checkpoint_dir
 from mari_eval.injection.devices import Placement
 # The examples live in mari_eval.training.examples and the Session in mari_eval.training.session; these names are read as train.X
@@ -103,6 +104,9 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
             session.checkpoints = EpochCheckpoints(checkpoints or checkpoint_dir(out),
                                                    hashlib.sha256(json.dumps(run_key, sort_keys=True).encode()).hexdigest())
             intervention = cls.fit(session, attr, config, dict(hyperparameters or {}), seed)
+            if session.largest_step:
+                log.info("%s: a training step kept up to %s of activations for its backward (estimate: memory.step_estimate)",
+                         method, memory.format_size(session.largest_step))
         intervention.config["train_seconds"] = round(time.time() - t0, 1)
         path = save_or_keep(intervention, Path(out))
         session.checkpoints.clear()

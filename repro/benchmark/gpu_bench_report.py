@@ -8,7 +8,7 @@ number, each evaluation is compared with lm-eval's ``hf`` of its own run, and a 
 one run but done in another counts as done.
 
 Every figure comes from the raw file: wall times per (entry, task) and their ratios to lm-eval's
-``hf`` on the same documents, training time per method, MARI's peak training memory against the
+``hf`` on the same documents, training time per method, the peak training memory of MARI and ReFT against the
 memory model's estimate, generation figures and their ratios to the base model beside the
 paper's Table 4 ratios (results/paper/table4_latency.csv), and issue 41's goals, each computed
 from the measured numbers. The JSON is the raw record plus ``derived`` (the tables' rows), strict
@@ -152,18 +152,21 @@ def goals(rows: list[dict], gen: list[dict], memories: list[dict]) -> list[dict]
               lambda v: v <= FIRST_TOKEN_GOAL),
         _goal("the same, routing over T_ent = 1 greedy step (T_ent=1) instead of the bundle's 8",
               f"<= {FIRST_TOKEN_GOAL}x", first_token("mari_gate_open_t1"), lambda v: v <= FIRST_TOKEN_GOAL),
-        _goal("MARI training: peak GPU memory / estimate", f"within {MEMORY_TOLERANCE:.0%}",
-              [(f"ratio (run {m['run']}, batch {m.get('batch_size')})", m.get("peak_over_estimate")) for m in memories],
+        _goal("training (MARI, ReFT, LoRA): peak GPU memory / estimate", f"within {MEMORY_TOLERANCE:.0%}",
+              [(f"ratio ({m['method']}, run {m['run']}, batch {m.get('batch_size') or m.get('batch')})", m.get("peak_over_estimate"))
+               for m in memories],
               lambda v: abs(v - 1) <= MEMORY_TOLERANCE),
     ]
 
 
 def memory_stages(memory: dict) -> dict:
-    """What the marks taken during MARI's training say (CUDA only): the state held when the experts'
-    training starts (allocated then, less what was allocated before training) against the memory
-    model's M, the peak reached while preparing, and what a training step adds above the held state."""
+    """What the marks taken during a method's training say (CUDA only): the state held when its first
+    training stage starts (MARI's experts, ReFT's epochs; allocated then, less what was allocated
+    before training) against the memory model's M, the peak reached while preparing, and what a
+    training step adds above the held state."""
     marks = {m["at"]: m for m in memory.get("marks") or []}
-    start, end = marks.get("experts start"), marks.get("experts end")
+    first = next((at for at in marks if at.endswith(" start")), None)
+    start, end = marks.get(first), marks.get(first and first[:-len("start")] + "end")
     if start is None or end is None:
         return {}
     held = start["allocated_bytes"] - memory["allocated_before_bytes"]
@@ -178,8 +181,10 @@ def derive(raw: dict) -> dict:
     training = [{"run": s.get("run"), "method": s["method"], "wall_s": s["wall_s"], "train_examples": s["train_examples"],
                  "ctrl_examples": s["ctrl_examples"], "hyperparameters_given": s["hyperparameters_given"],
                  "peak_allocated_bytes": s["memory"]["peak_allocated_bytes"]} for s in _done(raw, "train/")]
-    memories = [{"run": s.get("run"), "batch_size": (s.get("hyperparameters") or {}).get("batch_size"), **s["memory"],
-                 **memory_stages(s["memory"])} for s in _done(raw, "train/mari")]
+    # The methods that backpropagate through the model record their largest step (runs before issue 59: MARI only).
+    memories = [{"run": s.get("run"), "method": s["method"], "batch_size": (s.get("hyperparameters") or {}).get("batch_size"),
+                 "batch": (s.get("hyperparameters") or {}).get("batch"), **s["memory"], **memory_stages(s["memory"])}
+                for s in _done(raw, "train/") if s["method"] == "mari" or s["memory"].get("step_estimate_bytes")]
     memory = memories[0] if memories else None
     gen = generation(raw, paper_ratios())
     not_done = [{"run": s.get("run"), "step": s["step"], "status": s["status"], "why": s.get("reason") or s.get("error")}
@@ -246,18 +251,18 @@ def markdown(raw: dict, derived: dict) -> str:
                                json.dumps(t["hyperparameters_given"]), _gib(t["peak_allocated_bytes"])]
                               for t in derived["training"]]), ""]
     if derived["memories"]:
-        lines += ["## MARI training memory against mari_eval.training.memory's estimate", "",
-                  "The held state is measured when the experts' training starts (allocated then, less what was "
+        lines += ["## Training memory against mari_eval.training.memory's estimate", "",
+                  "The held state is measured when the first training stage starts (MARI's experts, ReFT's epochs) (allocated then, less what was "
                   "allocated before training); 'peak while preparing' is the peak up to then; 'a step adds' is how "
                   "far a training step's peak rose above the held state ('-': it stayed below the peak while preparing); "
                   "'a step (estimate)' is memory.step_estimate's largest step, part of the estimate since issue 59 "
                   "('-': a run recorded before it, whose estimate is weights + M alone).",
                   "",
-                  markdown_table(["run", "batch", "weights", "held state (estimate, M)", "held (measured)", "measured / M",
+                  markdown_table(["run", "method", "batch", "weights", "held state (estimate, M)", "held (measured)", "measured / M",
                                   "a step (estimate)", "estimate (weights + M + step)", "peak while preparing",
                                   "a step adds", "peak allocated",
                                   "peak / estimate"],
-                                 [[str(m["run"]), str(m.get("batch_size")), _gib(m["weights_bytes"]),
+                                 [[str(m["run"]), m["method"], str(m.get("batch_size") or m.get("batch")), _gib(m["weights_bytes"]),
                                    _gib(m["held_estimate_bytes"]), _gib(m.get("held_measured_bytes")),
                                    _f(m.get("held_measured_over_estimate"), 3), _gib(m.get("step_estimate_bytes")),
                                    _gib(m["estimate_bytes"]),

@@ -1,10 +1,10 @@
 """What repro/gpu_bench.py measures, one step at a time, on one random-weight model (issue 41).
 
 * ``train``: a method's bundle on TruthfulQA's D_train through the already built model (``train.train``
-  with ``lm=``), wall time; for MARI also the peak GPU memory of training against the memory
-  model's estimate (``mari_eval.training.memory``: the weights, N parameters x b bytes, plus the training
-  state M that ``Session.prepare`` plans to keep for each prepared set, plus the largest training step's
-  activations, ``memory.step_estimate``; runs before issue 59 recorded no step term).
+  with ``lm=``), wall time, and the peak GPU memory of training against the memory model's estimate
+  (``mari_eval.training.memory``: the weights, N parameters x b bytes, plus the training state M that
+  ``Session.prepare`` plans to keep for each prepared set, plus the largest training step's activations
+  that MARI, ReFT and LoRA record, ``Session.record_step``; runs before issue 59 recorded no step term).
 * ``evaluate``: one ``lm_eval.simple_evaluate`` call of an entry (lm-eval's ``hf`` or ``MariLM`` with a
   method's bundle) on a task group, with a fresh model object each time (as each lm-eval command
   has its own), wall time end to end and the time spent inside the model's request methods.
@@ -25,6 +25,7 @@ import torch
 
 from mari_eval.training import memory
 from mari_eval.training.epochs import EpochLoop
+from mari_eval.training.session import Session
 from mari_eval.evaluation.lm import MariLM
 from mari_eval.methods import load_bundle
 from mari_eval.training.train import train as train_bundle
@@ -142,7 +143,7 @@ class PlannedMemory:
 
     def __init__(self):
         self.plans: list = []
-        self.largest_step = 0  # the largest training step's activations, by ``memory.step_estimate``
+        self.largest_step = 0  # the largest training step's activations a method recorded (``Session.record_step``)
         self.marks: list[dict] = []  # on CUDA: memory allocated and the peak so far, at each stage's start and end
 
     def mark(self, what: str) -> None:
@@ -151,12 +152,11 @@ class PlannedMemory:
                                "peak_so_far_bytes": torch.cuda.max_memory_allocated()})
 
     def __enter__(self):
-        self._original, self._run, self._step = memory.plan, EpochLoop.run, memory.step_estimate
+        self._original, self._run, self._step = memory.plan, EpochLoop.run, Session.record_step
 
-        def step(*args, **kwargs):
-            made = self._step(*args, **kwargs)
+        def step(session, made):
             self.largest_step = max(self.largest_step, made.total)
-            return made
+            return self._step(session, made)
 
         def recorded(estimate, budget):
             made = self._original(estimate, budget)
@@ -171,12 +171,12 @@ class PlannedMemory:
             finally:
                 self.mark(f"{loop.stage} end")
 
-        memory.plan, EpochLoop.run, memory.step_estimate = recorded, run, step
+        memory.plan, EpochLoop.run, Session.record_step = recorded, run, step
         return self
 
     def __exit__(self, *exc):
         self.mark("end")
-        memory.plan, EpochLoop.run, memory.step_estimate = self._original, self._run, self._step
+        memory.plan, EpochLoop.run, Session.record_step = self._original, self._run, self._step
 
     @property
     def held_bytes(self) -> int:
