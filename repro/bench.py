@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from mari_eval.benchmarks.tasks import task_manager
 from mari_eval.cli import add_placement_arguments
 from mari_eval.injection.devices import Placement
 from mari_eval.storage.files import check_writable_dir, write_results_json
@@ -115,9 +116,7 @@ def _peak_rss_mib() -> float:
 
 def measure_task(lm, task: str, limit: int | None, repeats: int) -> dict:
     from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
-    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
-
-    manager = TaskManager(include_path=str(REPO / "harness_tasks"))
+    manager = task_manager([task])
     run = lambda n: simple_evaluate(model=lm, tasks=[task], limit=n, task_manager=manager, bootstrap_iters=0)
     run(1)  # warm-up, not timed
     walls, acc = [], None

@@ -28,17 +28,19 @@ def _strict(text: str):
 
 
 def test_bench_times_hf_and_ours_on_the_same_requests(tmp_path):
-    # One log-likelihood workload (BBQ, at lm-eval's batch_size auto: hf's own search, our token
-    # budget); truthfulqa_mc2 runs through the same measure_task, and the generation timings are
-    # bench's code too, run by the latency smoke test (test_every_repro_script_runs_in_smoke_mode).
+    # One log-likelihood workload (BBQ); truthfulqa_mc2 runs through the same measure_task, and the
+    # generation timings are bench's code too, run by the latency smoke test
+    # (test_every_repro_script_runs_in_smoke_mode). A fixed batch size: at ``auto`` hf's own search
+    # runs batches of 64 long BBQ rows on the CPU (48 of 65 s here); MariLM's auto batches are
+    # tests/test_batching.py's.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--workloads", "bbq", "--batch-size", "auto",
+        [sys.executable, str(REPO / "repro" / "bench.py"), "--limit", "1", "--workloads", "bbq", "--batch-size", "2",
          "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = _strict((tmp_path / "bench.json").read_text())
-    assert set(record["results"]) == {"hf", "vanilla"} and record["batch_size"] == "auto"
+    assert set(record["results"]) == {"hf", "vanilla"} and record["batch_size"] == 2
     hf, ours = record["results"]["hf"], record["results"]["vanilla"]
     assert hf["bbq"]["questions"] == ours["bbq"]["questions"] == 1
     assert hf["bbq"]["acc"] == pytest.approx(ours["bbq"]["acc"], abs=1e-4)  # same requests, same answers
@@ -53,6 +55,12 @@ def test_bench_refuses_a_bundle_argument_without_a_bundle(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "repro" / "bench.py"), "--bundle", f"mari={tmp_path}"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "expected NAME=DIR with DIR/bundle.json" in proc.stderr
+
+
+def test_bench_takes_lm_evals_batch_sizes():
+    from repro.bench import batch_size_option
+
+    assert batch_size_option("auto") == "auto" and batch_size_option("3") == 3
 
 
 @pytest.mark.parametrize("args, error", [

@@ -35,7 +35,7 @@ import torch
 
 from mari_eval.benchmarks import data, data_splits
 from mari_eval.training.objectives import COMPLIANCE_TARGET, REFUSAL_TARGET
-from mari_eval.benchmarks.tasks import tasks_dir
+from mari_eval.benchmarks.tasks import task_manager
 
 if TYPE_CHECKING:
     from mari_eval.evaluation.lm import MariLM
@@ -161,10 +161,8 @@ class AttributeData:
 
 
 def _task_manager():
-    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
-
     # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
-    return TaskManager(include_path=str(tasks_dir()), include_defaults=False)
+    return task_manager(())
 
 
 def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:

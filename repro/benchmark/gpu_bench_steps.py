@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mari_eval.training import memory
+from mari_eval.benchmarks.tasks import task_manager
 from mari_eval.training.epochs import EpochLoop
 from mari_eval.training.session import Session
 from mari_eval.evaluation.lm import MariLM
@@ -80,13 +81,9 @@ class Bench:
 
     @property
     def manager(self):
-        """lm-eval's task index with this project's task folder (built once: it reads every YAML)."""
+        """lm-eval's task index of this project's task folder alone (every task the benchmark runs is there)."""
         if self._manager is None:
-            from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only the task index needs it
-
-            from mari_eval.benchmarks.tasks import tasks_dir  # deferred: with the task index above
-
-            self._manager = TaskManager(include_path=str(tasks_dir()))
+            self._manager = task_manager(())
         return self._manager
 
     def lm(self, entry: Entry, batch_size: int | str):

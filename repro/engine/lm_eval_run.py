@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mari_eval.benchmarks.tasks import task_manager
 from mari_eval.evaluation import divergence
 from mari_eval.benchmarks.data import load_general_text
 from mari_eval.injection.devices import Placement
@@ -24,7 +25,6 @@ from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
 from mari_eval.evaluation.lm import MariLM
 from mari_eval.evaluation.shared_pass import SharedPass
 from repro.engine.documents import check_against, document_scores
-from repro.engine.profiles import REPO
 
 LM_EVAL_BOOTSTRAP = 1000  # lm-eval's bootstrap iterations for its stderr of non-mean metrics
 
@@ -87,7 +87,7 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
     out = simple_evaluate(
         model=lm, tasks=list(tasks), limit=limit, bootstrap_iters=LM_EVAL_BOOTSTRAP, log_samples=True,
         gen_kwargs=f"max_gen_toks={gen_tokens}" if gen_tokens else None,
-        task_manager=_task_manager(split_seed or 0),
+        task_manager=_task_manager(split_seed or 0, tuple(sorted(tasks))),
     )
     seconds = round(time.time() - started, 1)
     results = {}
@@ -141,12 +141,10 @@ def general_text(lm: MariLM, limit: int | None) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _task_manager(split_seed: int):
-    """lm-eval's index of the tasks (ours and its built-ins), built once per split seed: it reads
-    every task YAML (about 4 s), and a table evaluates several rows per task group."""
-    from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only this path needs it
-
-    return TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": split_seed})
+def _task_manager(split_seed: int, tasks: tuple[str, ...]):
+    """lm-eval's index of ``tasks`` (ours, and lm-eval's built-ins only where a task is not ours),
+    built once per split seed and task group: a table evaluates several rows per task group."""
+    return task_manager(tasks, metadata={"split_seed": split_seed})
 
 
 _JUDGE = contextlib.ExitStack()
