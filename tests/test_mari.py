@@ -404,19 +404,19 @@ def test_train_cli_writes_a_bundle_lm_eval_can_score(tmp_path):
     out = tmp_path / "bundle"
     train = subprocess.run(
         ["mari-eval", "train", "--attribute", "truthfulqa", "--K", "2", "--epochs", "1", "--max-train", "8",
-         "--max-ctrl", "6", "--max-pca", "20", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
+         "--max-ctrl", "2", "--max-pca", "20", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "experts (K=2) epoch 1: routed loss" in train.stderr and "gate: tau_E" in train.stderr
     config = json.loads((out / "bundle.json").read_text())
     assert config["method"] == "mari" and config["hyperparameters"]["K"] == 2 and config["seed"] == 3
     assert config["base_model"] == {"name": "smollm2-135m-instruct", "hidden_size": 576, "num_layers": 30}
-    assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 18
+    assert len(config["splits"]["train_used"]) == 8 and len(config["splits"]["ctrl_used"]) == 6
     assert not set(config["splits"]["train_used"]) & set(config["splits"]["test"])
     # Every labelling of the control set is stored (issue 22): loss and flip labels, and the sources.
     assert config["gate"]["labels"] == config["hyperparameters"]["labels"] == "loss"
-    assert config["gate"]["ctrl_sources"] == ["attribute"] * 6 + ["arc_easy"] * 6 + ["mmlu"] * 6
+    assert config["gate"]["ctrl_sources"] == ["attribute"] * 2 + ["arc_easy"] * 2 + ["mmlu"] * 2
     loaded = methods.load_bundle(out)
-    assert {"ctrl_flip", "ctrl_flip_single"} <= set(loaded.tensors) and loaded.tensors["ctrl_flip"].numel() == 18
+    assert {"ctrl_flip", "ctrl_flip_single"} <= set(loaded.tensors) and loaded.tensors["ctrl_flip"].numel() == 6
     assert set(loaded.summarize([])["control_separation"]) == {"loss", "flip", "source"}
     # ... and the energies of its one probe at every stored strength (probe_alpha=, issue 36.7c)
     assert config["gate"]["probe_alphas"] == mari_fit.probe_alpha_grid(1.0) == [0.1, 0.3, 1.0]
