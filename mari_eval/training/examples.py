@@ -226,19 +226,19 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
     pca_ids = list(splits.pca)
     if max_pca is not None and len(pca_ids) > max_pca:  # smoke runs: a seeded subset of D_pca
         pca_ids = random.Random(f"max_pca:{seed}").sample(pca_ids, max_pca)
+    train_ids = list(splits.train)
+    if max_train is not None and len(train_ids) > max_train:  # a seeded subset, chosen before any is rendered
+        train_ids = random.Random(f"max_train:{seed}").sample(train_ids, max_train)
     manager = _task_manager()
     if attribute == "sorry_bench":
         records = {r["id"]: r for r in data.load_sorry_bench()}
         pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]
-        train = _sorry_examples(session, records, splits.train)
         render_attribute = functools.partial(_sorry_examples, session, records)
     else:
         task, docs = _task_docs(manager, ATTRIBUTE_TASKS[attribute], "validation" if attribute == "truthfulqa" else "test")
         pca = [session.encode_prompt(task.fewshot_context(docs[i], 0)) for i in pca_ids]
-        train = _mc_examples(session, task, docs, splits.train)
         render_attribute = functools.partial(_mc_examples, session, task, docs)
-    if max_train is not None and len(train) > max_train:
-        train = random.Random(f"max_train:{seed}").sample(train, max_train)
+    train = render_attribute(train_ids)
     attribute_ids = list(splits.ctrl)
     if max_ctrl is not None:  # smoke runs: a seeded subset of each control source
         attribute_ids = random.Random(f"max_ctrl:{seed}").sample(attribute_ids, min(max_ctrl, len(attribute_ids)))
