@@ -56,6 +56,7 @@ from mari_eval.training.epochs import EpochLoop
 from mari_eval.methods.intervention import Intervention
 from mari_eval.training import memory
 from mari_eval.training.objectives import task_losses
+from mari_eval.injection import site
 from mari_eval.injection.plan import Plan, Positions
 from mari_eval.evaluation.prefix_cache import encode_prefix
 from mari_eval.methods.registry import register_method
@@ -210,14 +211,10 @@ def step_estimate(session: Session, batch: list[Example], hp: dict[str, Any]) ->
     tensor for the targets that read the same input, when the model is float32 already) and its
     A x (r float32)."""
     model, targets = session.model, hp["targets"]
-    passes = []
-    for ex in batch:
-        prompt = len(ex.context) - 1
-        passes += [memory.Pass(prompt, prompt, scored=0, masked=False),
-                   *memory.step_passes([(len(ex.context), [len(o) for o in ex.options])], 1, session.max_tokens)]
+    passes = memory.edited_prompt_passes(memory.example_shapes(batch), session.max_tokens)
     made = memory.step_estimate(model, min(hp["layers"]) - 1, passes)
     inputs = {target: module.in_features for (target, j), module in target_modules(model, hp["layers"][:1], targets).items()}
-    b = torch.empty((), dtype=model.dtype).element_size()
+    b = site.element_bytes(model)
     shared = {SAME_INPUT.get(target, target): width for target, width in inputs.items()}  # float32 models: no copies
     per_token = 4 * (sum(inputs.values()) if b < 4 else sum(shared.values())) + 4 * int(hp["rank"]) * len(targets)
     tokens = sum(p.tokens for p in passes)

@@ -188,9 +188,8 @@ class ReFT(Baseline):
             return shuffled_batches(fit_examples, hp["batch"], order)
 
         def loss(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
-            shapes = [(len(ex.context), [len(o) for o in ex.options]) for ex in batch]
-            session.record_step(memory.step_estimate(session.model, session.layer,
-                                                     memory.edited_prompt_passes(shapes, session.max_tokens)))
+            passes = memory.edited_prompt_passes(memory.example_shapes(batch), session.max_tokens)
+            session.record_step(memory.step_estimate(session.model, session.layer, passes))
             value = torch.stack([task_loss(session, ex, hp, params) for ex in batch]).mean()
             return value, {"loss": value.item()}
 

@@ -129,9 +129,7 @@ def step_estimate(session: Session, batch: list[Example], sites: Callable[[int],
     edited layer, and R and W in the model's dtype. Sliding-window layers hold fewer keys than
     counted (their prompts run whole): an upper bound there."""
     model, low = session.model, min(layers)
-    heads, head_dim = site.attention_heads(model)
-    kv_heads = int(getattr(model.config.get_text_config(), "num_key_value_heads", None) or heads)
-    b, d = torch.empty((), dtype=model.dtype).element_size(), session.hidden_size
+    b, d = site.element_bytes(model), session.hidden_size
     above = session.num_layers - low - 1  # layers whose input depends on the edit
 
     def edit_bytes(positions: int) -> int:
@@ -144,7 +142,8 @@ def step_estimate(session: Session, batch: list[Example], sites: Callable[[int],
     kept = 0
     if shared:
         head = step([memory.Pass(shared, shared, scored=0, masked=False)], sum(p < shared for p in sites(len(batch[0].context))))
-        kept = head.saved_bytes + 2 * above * shared * kv_heads * head_dim * b  # the keys' and values' gradients
+        # the gradients of the keys and values of the layers above the edit: their share of the cache
+        kept = head.saved_bytes + shared * site.kv_bytes_per_token(model) * above // session.num_layers
     parts = []
     if packed:
         for group in _token_groups(batch, shared, session.max_tokens):

@@ -126,7 +126,7 @@ def checked_gpu_runs(session: Session, paths: list[Path]) -> list[dict]:
         gen = torch.Generator().manual_seed(settings["seed"])
         fit.lowrank_params(hp["K"], config.hidden_size, hp["rank"], hp["init_scale"], gen)  # training's draws before its batches
         largest = max(memory.step_estimate(model, step["layer"], memory.step_passes(
-            [(len(ex.context), [len(o) for o in ex.options]) for ex in batch], hp["K"], session.max_tokens)).total
+            memory.example_shapes(batch), hp["K"], session.max_tokens)).total
             for _ in range(hp["epochs"]) for batch in fit.epoch_batches(examples, hp["batch_size"], gen))
         estimate = recorded["weights_bytes"] + recorded["held_estimate_bytes"] + largest
         out.append({"run": path.name, "shape": settings["shape"], "batch_size": hp["batch_size"], "K": hp["K"],

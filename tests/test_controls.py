@@ -68,14 +68,15 @@ def test_the_control_set_is_rendered_only_when_read_and_then_as_the_whole_split_
     # control split and then drawing the seeded subset, as attribute_data did before.
     import random
 
-    from mari_eval.training.examples import ATTRIBUTE_TASKS, _mc_examples, _task_docs, _task_manager
+    from mari_eval.benchmarks.tasks import task_manager
+    from mari_eval.training.examples import ATTRIBUTE_TASKS, _mc_examples, _task_docs
 
     session = smollm2_session
     attr = attribute_data(session, "truthfulqa", seed=0, max_train=1, max_ctrl=3)
     assert not attr.ctrl.rendered and len(attr.ctrl) == len(attr.ctrl_source) == 9
     ids = attr.ctrl_ids
     assert not attr.ctrl.rendered  # ids and length render nothing
-    task, docs = _task_docs(_task_manager(), ATTRIBUTE_TASKS["truthfulqa"], "validation")
+    task, docs = _task_docs(task_manager(()), ATTRIBUTE_TASKS["truthfulqa"], "validation")
     whole = _mc_examples(session, task, docs, attr.splits.ctrl)
     drawn = random.Random("max_ctrl:0").sample(whole, 3)
     assert [ex.id for ex in attr.ctrl[:3]] == [ex.id for ex in drawn] == ids[:3]

@@ -82,20 +82,16 @@ def token_budget(model: torch.nn.Module) -> int:
     device = devices.input_device(model)
     if device.type != "cuda":
         return CPU_TOKENS
-    per_token = int(model.config.get_text_config().vocab_size) * (_itemsize(model) + 8) + _pass_bytes_per_token(model)
+    per_token = int(model.config.get_text_config().vocab_size) * (site.element_bytes(model) + 8) + _pass_bytes_per_token(model)
     free, _ = torch.cuda.mem_get_info(device)
     return max(ONE_AT_A_TIME_TOKENS, min(MAX_TOKENS, free // 4 // per_token))
-
-
-def _itemsize(model: torch.nn.Module) -> int:
-    return torch.empty((), dtype=model.dtype).element_size()
 
 
 def _pass_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes a token holds inside one forward pass: the MLP's activations and a few hidden states."""
     config = model.config.get_text_config()
     hidden = int(config.hidden_size)
-    return (int(getattr(config, "intermediate_size", 4 * hidden)) * 4 + hidden * 8) * _itemsize(model)
+    return (int(getattr(config, "intermediate_size", 4 * hidden)) * 4 + hidden * 8) * site.element_bytes(model)
 
 
 def generation_token_budget(model: torch.nn.Module) -> int:

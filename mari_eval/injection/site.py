@@ -117,12 +117,20 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
+def kv_heads(model: nn.Module) -> int:
+    """H_kv: the heads of keys and values (fewer than the query heads under grouped-query attention)."""
+    return int(getattr(model.config.get_text_config(), "num_key_value_heads", None) or attention_heads(model)[0])
+
+
+def element_bytes(model: nn.Module) -> int:
+    """b: bytes per element of the model's dtype (works on meta models)."""
+    return torch.empty((), dtype=model.dtype).element_size()
+
+
 def kv_bytes_per_token(model: nn.Module) -> int:
     """Bytes of keys and values one token adds to the cache of every layer: 2 L H_kv d_h b
     (works on meta models)."""
-    heads, head_dim = attention_heads(model)
-    kv_heads = int(getattr(model.config.get_text_config(), "num_key_value_heads", None) or heads)
-    return 2 * num_layers(model) * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+    return 2 * num_layers(model) * kv_heads(model) * attention_heads(model)[1] * element_bytes(model)
 
 
 def check_layer(model: nn.Module, layer: int) -> int:

@@ -160,11 +160,6 @@ class AttributeData:
             session.prepare([ex for ex, s in zip(self.ctrl, self.ctrl_source) if s == source], f"D_ctrl ({source})")
 
 
-def _task_manager():
-    # Our task folder alone: every task training renders is defined there (faster than indexing lm-eval's).
-    return task_manager(())
-
-
 def _task_docs(manager, name: str, split: str) -> tuple[Any, dict[str, dict]]:
     """``name``'s documents of ``split``: as the task serves them, or, for a split the task does not
     evaluate (MMLU's validation, the controls' source), from the task's dataset."""
@@ -229,7 +224,7 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
     train_ids = list(splits.train)
     if max_train is not None and len(train_ids) > max_train:  # a seeded subset, chosen before any is rendered
         train_ids = random.Random(f"max_train:{seed}").sample(train_ids, max_train)
-    manager = _task_manager()
+    manager = task_manager(())  # our task folder alone: every task training renders is there
     if attribute == "sorry_bench":
         records = {r["id"]: r for r in data.load_sorry_bench()}
         pca = [session.lm.generation_ids(session.lm.chat_turn_prompt(records[i]["turns"][0])) for i in pca_ids]

@@ -99,10 +99,6 @@ def format_size(n: float) -> str:
     raise AssertionError
 
 
-def _itemsize(model: torch.nn.Module) -> int:
-    return torch.empty((), dtype=model.dtype).element_size()
-
-
 @dataclass(frozen=True)
 class Estimate:
     """The training state of one set of examples (bytes), by the formula in the module docstring."""
@@ -133,7 +129,7 @@ def estimate(model: torch.nn.Module, shared_tokens: int, own_tokens: Sequence[in
     c = site.kv_bytes_per_token(model)
     d = int(model.config.get_text_config().hidden_size)
     return Estimate(len(own_tokens), shared_tokens, shared_tokens * c, sum(own_tokens) * c,
-                    sum(row_tokens) * d * _itemsize(model) if lower else 0)
+                    sum(row_tokens) * d * site.element_bytes(model) if lower else 0)
 
 
 @dataclass(frozen=True)
@@ -209,6 +205,11 @@ def step_passes(shapes: Sequence[tuple[int, Sequence[int]]], variants: int, max_
     return passes
 
 
+def example_shapes(examples) -> list[tuple[int, list[int]]]:
+    """(prompt length with p*, option lengths) of each of ``examples``: what the step's passes depend on."""
+    return [(len(ex.context), [len(option) for option in ex.options]) for ex in examples]
+
+
 def edited_prompt_passes(shapes: Sequence[tuple[int, Sequence[int]]], max_tokens: int) -> list[Pass]:
     """The passes of a step that encodes each prompt under the edit (from scratch: SDPA's causal
     flag, no logits kept) and then scores its options after it (``step_passes``, one variant), every
@@ -223,9 +224,9 @@ def step_estimate(model: torch.nn.Module, layer: int, passes: Sequence[Pass]) ->
     them are alive, and the largest pass's logits."""
     config = model.config.get_text_config()
     heads, head_dim = site.attention_heads(model)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kv_heads = site.kv_heads(model)
     d, inner, vocab = int(config.hidden_size), int(config.intermediate_size), int(config.vocab_size)
-    b, f, n = _itemsize(model), 4, site.num_layers(model) - layer - 1
+    b, f, n = site.element_bytes(model), 4, site.num_layers(model) - layer - 1
     saved = 0
     for p in passes:
         t, s, scored = p.tokens, p.keys, p.tokens if p.scored is None else p.scored

@@ -215,8 +215,8 @@ class Session:
     def step_estimate(self, batch: Sequence[Example], variants: int) -> memory.Step:
         """The activations a training step keeps for its backward when it scores ``batch`` under
         ``variants`` edits at l* (``memory.step_estimate``: ``run``'s packed passes of rows)."""
-        shapes = [(len(ex.context), [len(option) for option in ex.options]) for ex in batch]
-        return self.record_step(memory.step_estimate(self.model, self.layer, memory.step_passes(shapes, variants, self.max_tokens)))
+        passes = memory.step_passes(memory.example_shapes(batch), variants, self.max_tokens)
+        return self.record_step(memory.step_estimate(self.model, self.layer, passes))
 
     def record_step(self, step: memory.Step) -> memory.Step:
         """Note a training step's activations (a method's ``memory.step_estimate``); ``largest_step``
