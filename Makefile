@@ -5,6 +5,9 @@ PYTHON ?= python
 # Linux wheel is the CUDA build; the project's CI machines serve a CPU build from disk).
 # For the CPU build elsewhere: make install TORCH_INDEX=<PyTorch's CPU wheel index>.
 TORCH_INDEX ?=
+# The tests run in TEST_WORKERS pytest-xdist processes (one per core of a 2-core CI machine), a test
+# file to a worker (its module fixtures are built once); each worker computes on one thread (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: install repro test test-fast
 
@@ -23,9 +26,9 @@ repro: install
 	$(PYTHON) repro/main_table.py
 
 test: install
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # While editing (after `make install`): everything but the subprocess and real-model runs (marker
 # e2e) and the GPU tests; CI runs them all (`make test`).
 test-fast:
-	$(PYTHON) -m pytest -m "not e2e and not gpu"
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not gpu"
