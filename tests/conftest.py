@@ -13,12 +13,12 @@ HARNESS_TASKS = REPO / "harness_tasks"
 # Nothing here may reach the Hub; .ci/run sets this too.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# MARI_DATA_DIR may be relative (.ci/run uses ../shared/data from the repository root);
-# make it absolute so that subprocesses started in another directory see the same folder.
 # `make test` runs two pytest-xdist workers, one per core: each of them, and every subprocess it
 # starts, computes on one thread (two workers of two threads each would oversubscribe two cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# MARI_DATA_DIR may be relative (.ci/run uses ../shared/data from the repository root);
+# make it absolute so that subprocesses started in another directory see the same folder.
 if os.environ.get("MARI_DATA_DIR"):
     os.environ["MARI_DATA_DIR"] = str(Path(os.environ["MARI_DATA_DIR"]).resolve())
 

