@@ -4,6 +4,7 @@ evaluation-time ``scale=`` of the vector methods (CAA, ITI, NL-ITI)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +20,8 @@ from mari_eval.injection.plan import VANILLA, Plan
 if TYPE_CHECKING:
     from mari_eval.training.examples import AttributeData, Example
     from mari_eval.training.session import Session
+
+log = logging.getLogger(__name__)
 
 VALIDATION_FRACTION = 0.2
 # Where a baseline's selection examples come from (the training setting ``validation``, issue 55.2):
@@ -48,6 +51,25 @@ RECIPES = ("adapted", "published")
 IMPORTED = "imported"
 RECIPE_FIELD = Str(optional=True, choices=(*RECIPES, IMPORTED))
 SELECTION_KEY = "validation_loss_selected"
+
+
+def warn_if_worse_than_untouched(fitted: Intervention) -> bool:
+    """Warn (and return True) when the configuration a baseline kept does worse on its validation
+    examples than the untouched model (its diagnostics' ``validation_loss_base``): selection chose
+    the least bad of its candidates, and the bundle is still worse than no edit there (issue 55:
+    published ReFT on BBQ and TruthfulQA at this scale). A warning, not an error: the bundle is
+    what its recipe trains, and the tables score it as such."""
+    diagnostics = fitted.config.get("diagnostics") or {}
+    if SELECTION_KEY not in diagnostics or "validation_loss_base" not in diagnostics:
+        return False
+    selected, base = float(diagnostics[SELECTION_KEY]), float(diagnostics["validation_loss_base"])
+    if not selected > base:
+        return False
+    log.warning("%s (%s recipe): the kept configuration's validation loss %.4f is above the untouched model's "
+                "%.4f on the same %s validation examples: on held-out data this bundle does worse than no edit",
+                fitted.method, recipe_of(fitted.config.get("hyperparameters") or {}), selected, base,
+                len(diagnostics.get("validation_ids") or []) or "its")
+    return True
 
 
 def recipe_of(hyperparameters: dict[str, Any]) -> str:
@@ -155,8 +177,11 @@ class Baseline(Intervention):
     def fit(cls, session: Session, data, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
         if recipe_of(hyperparameters) == "published":
-            return cls.fit_published(session, data, config, cls.published_given(hyperparameters), seed)
-        return cls.fit_adapted(session, data, config, cls.training_hyperparameters(hyperparameters), seed)
+            fitted = cls.fit_published(session, data, config, cls.published_given(hyperparameters), seed)
+        else:
+            fitted = cls.fit_adapted(session, data, config, cls.training_hyperparameters(hyperparameters), seed)
+        warn_if_worse_than_untouched(fitted)
+        return fitted
 
     @classmethod
     def published_given(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:

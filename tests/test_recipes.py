@@ -1,6 +1,9 @@
 """The baselines' two training recipes (issue 24): how a bundle says which it was trained with,
 the validation loss each reports, and who may ask for one."""
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
 from baselines.common import SELECTION_KEY, recipe_of, selection_loss
@@ -39,3 +42,22 @@ def test_every_baseline_takes_both_recipes_and_no_other(method):
 def test_mari_refuses_a_recipe_naming_the_methods_that_take_one():
     with pytest.raises(ValueError, match="caa, iti, nl_iti, reft"):
         method_class("mari").training_hyperparameters({"recipe": "published"})
+
+
+@pytest.mark.parametrize("method,recipe", [("caa", "adapted"), ("reft", "published"), ("lora", None)])
+def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(method, recipe, monkeypatch, caplog):
+    cls = method_class(method)
+    hyperparameters = {"recipe": recipe} if recipe else {}
+    fitting = "fit_published" if recipe == "published" else "fit_adapted"
+    for selected, warned in ((1.3164, True), (1.1199, False), (0.87, False)):
+        fitted = SimpleNamespace(method=method, config={"hyperparameters": hyperparameters, "diagnostics": {
+            SELECTION_KEY: selected, "validation_loss_base": 1.1199, "validation_ids": ["a", "b", "c"]}})
+        monkeypatch.setattr(cls, fitting, classmethod(lambda c, *args: fitted))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="baselines.common"):
+            assert cls.fit(None, None, {}, dict(hyperparameters), 0) is fitted
+        messages = [r.getMessage() for r in caplog.records]
+        assert bool(messages) == warned, messages
+        if warned:
+            assert "1.3164 is above the untouched model's 1.1199 on the same 3 validation examples" in messages[0]
+            assert messages[0].startswith(f"{method} ({recipe or 'adapted'} recipe)")
