@@ -65,10 +65,10 @@ def warn_if_worse_than_untouched(fitted: Intervention) -> bool:
     selected, base = float(diagnostics[SELECTION_KEY]), float(diagnostics["validation_loss_base"])
     if not selected > base:
         return False
+    examples = f"{len(diagnostics['validation_ids'])} " if diagnostics.get("validation_ids") else ""
     log.warning("%s (%s recipe): the kept configuration's validation loss %.4f is above the untouched model's "
-                "%.4f on the same %s validation examples: on held-out data this bundle does worse than no edit",
-                fitted.method, recipe_of(fitted.config.get("hyperparameters") or {}), selected, base,
-                len(diagnostics.get("validation_ids") or []) or "its")
+                "%.4f on the same %svalidation examples: on held-out data this bundle does worse than no edit",
+                fitted.method, recipe_of(fitted.config.get("hyperparameters") or {}), selected, base, examples)
     return True
 
 
@@ -176,6 +176,8 @@ class Baseline(Intervention):
     @classmethod
     def fit(cls, session: Session, data, config: dict[str, Any], hyperparameters: dict[str, Any],
             seed: int) -> Intervention:
+        # A method with one recipe (LoRA) has no "recipe" training field: published_given's check
+        # refuses --recipe for it before fit_published is reached, and no recipe means fit_adapted.
         if recipe_of(hyperparameters) == "published":
             fitted = cls.fit_published(session, data, config, cls.published_given(hyperparameters), seed)
         else:

@@ -62,7 +62,7 @@ from mari_eval.evaluation.prefix_cache import encode_prefix
 from mari_eval.methods.registry import register_method
 
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, Baseline, shuffled_batches, validation_loss,
-                     validation_record, validation_split, warn_if_worse_than_untouched)
+                     validation_record, validation_split)
 from .lora_hooks import Weights, lora_applied, target_modules
 from .loreft import python_rng_state
 
@@ -141,13 +141,6 @@ class LoRA(Baseline):
                 raise BundleError(f"This LoRA bundle's {target} of layer {hp['layers'][j]} is {B.shape[0]} x "
                                   f"{A.shape[1]}; '{model_name}' has {module.out_features} x {module.in_features}: "
                                   "it was trained for another model, retrain it")
-
-    @classmethod
-    def fit(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
-            seed: int) -> Intervention:
-        fitted = cls.fit_adapted(session, data, config, cls.training_hyperparameters(hyperparameters), seed)
-        warn_if_worse_than_untouched(fitted)  # one recipe only: Baseline.fit's recipe choice is not needed
-        return fitted
 
     @classmethod
     def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],

@@ -61,3 +61,8 @@ def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(meth
         if warned:
             assert "1.3164 is above the untouched model's 1.1199 on the same 3 validation examples" in messages[0]
             assert messages[0].startswith(f"{method} ({recipe or 'adapted'} recipe)")
+
+
+def test_lora_has_one_recipe_and_its_fit_refuses_another():
+    with pytest.raises(ValueError, match="LoRA has one training recipe"):
+        method_class("lora").fit(None, None, {}, {"recipe": "published"}, 0)
