@@ -193,3 +193,27 @@ def test_only_the_methods_reading_the_control_set_are_keyed_by_its_size(tmp_path
     assert names[("caa", 2)] == names[("caa", None)]  # one CAA bundle: it never reads D_ctrl
     assert names[("mari", 2)] != names[("mari", None)]  # MARI's gate is calibrated on it
     assert trained == [("caa", None), ("mari", 2), ("mari", None)]
+
+
+def _stored_bundle(runs: Path, name: str, versions: dict) -> None:
+    (runs / "bundles" / name).mkdir(parents=True)
+    (runs / "bundles" / name / "bundle.json").write_text(json.dumps({"versions": {**versions, "python": "3.11.7"}}))
+
+
+def test_a_step_cache_stored_under_other_package_versions_is_named_before_any_work(tmp_path, caplog):
+    runs, current = tmp_path / "runs", cache_keys._versions()
+    older = {**current, "transformers": "5.0.0"}
+    for i in range(3):
+        _stored_bundle(runs, f"caa-truthfulqa-s{i}-0", older)
+    start = lambda: command_line.start("doc", "main_table.py", ["--runs", str(runs), "--out", str(tmp_path / "out")])
+    with caplog.at_level("WARNING", logger="repro"):
+        start()
+    (message,) = [r.getMessage() for r in caplog.records if "computed again" in r.getMessage()]
+    assert "3 bundle(s)" in message and "'transformers': '5.0.0'" in message and "pip install 'transformers==5.0.0'" in message
+    assert f"'transformers': '{current['transformers']}'" in message and "torch" not in message
+    # One bundle under this environment's versions: its steps are read back, nothing to say.
+    _stored_bundle(runs, "caa-bbq-s0-0", current)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="repro"):
+        start()
+    assert not [r for r in caplog.records if "computed again" in r.getMessage()]

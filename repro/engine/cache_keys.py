@@ -9,7 +9,9 @@ import hashlib
 import importlib.metadata as md
 import json
 import logging
+from collections import Counter
 from functools import lru_cache
+from pathlib import Path
 
 from mari_eval.benchmarks.tasks import tasks_dir
 
@@ -21,9 +23,12 @@ log = logging.getLogger("repro")
 DOCUMENTS_VERSION = 2
 
 
+KEYED_PACKAGES = ("mari-eval", "torch", "transformers", "lm_eval")  # their versions enter every key
+
+
 def _versions() -> dict[str, str | None]:
     out = {}
-    for pkg in ("mari-eval", "torch", "transformers", "lm_eval"):
+    for pkg in KEYED_PACKAGES:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -48,6 +53,31 @@ def config_key(config: dict) -> str:
     """The hash a step is stored under: its configuration plus the package versions."""
     text = json.dumps({"config": config, "versions": _versions()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def warn_if_stored_under_other_versions(root: str | Path) -> None:
+    """Say, before any work, when no bundle stored under ``root`` was trained under this environment's
+    versions of the keyed packages: their keys hash those versions, so none of them, and no evaluation of
+    them, would be read back, and every step would be computed again. The warning names the versions to
+    install to read them back (a committed step cache, results/budget_steps/, holds hours of work that
+    only its own versions reach). Reads each bundle's record (``versions`` in bundle.json); writes nothing."""
+    current = _versions()
+    found: Counter = Counter()
+    for record in Path(root).glob("bundles/*/bundle.json"):
+        try:
+            versions = json.loads(record.read_text()).get("versions") or {}
+        except (OSError, ValueError):
+            continue  # a damaged bundle is the cache's to report, when its step is reached
+        found[tuple((package, versions.get(package)) for package in KEYED_PACKAGES)] += 1
+    if not found or tuple(current.items()) in found:
+        return
+    stored, count = found.most_common(1)[0]
+    differ = {package: version for package, version in stored if version != current[package]}
+    log.warning("%d bundle(s) under %s were trained under %s, where this environment has %s: cache keys hash these "
+                "versions, so none of them will be read back and every step is computed again. To continue from them, "
+                "install those versions (pip install %s), or give --runs another folder to start afresh.",
+                count, root, differ, {package: current[package] for package in differ},
+                " ".join(f"'{package}=={version.split('+')[0]}'" for package, version in differ.items() if version))
 
 
 @lru_cache(maxsize=None)

@@ -17,6 +17,7 @@ from mari_eval.cli import add_placement_arguments
 from mari_eval.injection.devices import Placement
 from mari_eval.storage.files import check_writable_dir
 from repro.engine.cache import Store
+from repro.engine.cache_keys import warn_if_stored_under_other_versions
 from repro.engine.profiles import PROFILES, REPO, Profile
 
 PLACEMENT_HELP = """\
@@ -190,4 +191,5 @@ def start(doc: str, script: str, argv: list[str] | None, extra_args=None):
     except ValueError as e:
         parser.error(str(e))
     store = Store(args.runs, force=args.force, placement=placement, max_memory=args.max_memory, strict=args.strict_cache)
+    warn_if_stored_under_other_versions(args.runs)
     return args, profile, store, command
