@@ -105,8 +105,9 @@ def placement_key(placement, model: str) -> dict | None:
     Only the dtype enters the key, resolved ("auto" is the checkpoint's dtype): it changes what
     is computed (a bf16 evaluation is never read back for a float32 request, nor the reverse).
     The device, the device map and the memory caps do not: they change where layers run, which
-    moves results by rounding only (tests/test_scale.py: a device map equals one device), and
-    keys never told CPU from GPU hosts either (``--device`` defaults to whichever the host has).
+    moves results by rounding only (tests/test_scale.py: a device map equals one device). A host's
+    torch build does enter every key, through ``_versions``: torch's version carries its local
+    label ("2.13.0+cpu"), so a CPU build's steps are not read back by a CUDA build's run, nor the reverse.
 
     Nothing is added for float32 so that the steps cached before placements existed stay
     valid: every one of them ran in float32 (MariLM's and training's dtype until dtype auto
