@@ -65,9 +65,11 @@ def warn_if_stored_under_other_versions(root: str | Path) -> None:
     found: Counter = Counter()
     for record in Path(root).glob("bundles/*/bundle.json"):
         try:
-            versions = json.loads(record.read_text()).get("versions") or {}
-        except (OSError, ValueError):
+            versions = json.loads(record.read_text()).get("versions")
+        except (OSError, ValueError, AttributeError):
             continue  # a damaged bundle is the cache's to report, when its step is reached
+        if not isinstance(versions, dict):
+            continue  # made elsewhere without a record of its versions: nothing to compare
         found[tuple((package, versions.get(package)) for package in KEYED_PACKAGES)] += 1
     if not found or tuple(current.items()) in found:
         return
