@@ -53,8 +53,8 @@ from mari_eval.training.objectives import task_losses
 from mari_eval.injection.plan import Plan
 from mari_eval.evaluation.prefix_cache import encode_prefix
 
-from .common import (SELECTION_KEY, prepare_validation, shuffled_batches, validation_loss, validation_record,
-                     validation_split)
+from .common import (SELECTION_KEY, VALIDATION_FRACTION, prepare_validation, selects_on_ctrl, shuffled_batches,
+                     validation_loss, validation_record, validation_split)
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
 from .reft_step import batch_gradient, shared_length, step_estimate
@@ -120,6 +120,15 @@ def warmup_linear(step: int, total: int, warmup_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / (warmup + 1)
     return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def planned_epochs(n_train: int, given: dict[str, Any]) -> int:
+    """The epochs ``fit_published`` will train on ``n_train`` D_train examples under the settings ``given``
+    (``--set``): ``step_plan``'s, on the examples it fits (all of D_train under validation=ctrl, else
+    all but the validation slice). For a plan's cost, before any data is read."""
+    hp = {**PUBLISHED, **{k: v for k, v in given.items() if v is not None}}
+    n_fit = n_train if selects_on_ctrl(hp.get("validation")) else n_train - max(1, int(n_train * VALIDATION_FRACTION))
+    return step_plan(max(1, n_fit), hp["batch"], hp["epochs"], hp.get("min_steps"))[1]
 
 
 def fit_published(cls: type[Intervention], session: Session, data: AttributeData, config: dict[str, Any],

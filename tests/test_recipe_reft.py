@@ -117,6 +117,10 @@ def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_ad
     assert asked == [("reft", {"recipe": "published", "min_steps": QUICK_REFT_STEPS}), ("reft", None),
                      ("caa", {"recipe": "published"}), ("caa", None),
                      ("reft", {"recipe": "published", "min_steps": STANDARD_REFT_STEPS}), ("reft", {"recipe": "published"})]
+    # The budget profile keeps the recipe's own least step count (MIN_STEPS) and selects the epoch on D_ctrl.
+    asked.clear()
+    recipes.recipe_bundle(Store(), "reft", "bbq", "m", 0, PROFILES["budget"], "published")
+    assert asked == [("reft", {"recipe": "published", "epoch_selection": "best", "validation": "ctrl"})]
     # Methods other than the four baselines: the profile's settings (the quick profile's LoRA epochs), else none.
     assert recipes.table_settings("lora", PROFILES["quick"]) == {"epochs": 5}
     assert recipes.table_settings("lora", PROFILES["standard"]) is None and recipes.table_settings("mari", PROFILES["quick"]) is None
@@ -142,6 +146,11 @@ def test_the_step_rule_gives_at_least_100_steps_and_6_epochs():
         assert warmup_linear(0, total, 0.1) > 0  # the first step learns
     with pytest.raises(ValueError, match="at least 1"):
         step_plan(0, 32, 6)
+    # What a plan prices, from D_train's size and the settings alone: the budget profile's (validation=ctrl:
+    # fit on all of D_train) on BBQ's 200, TruthfulQA's 100 and SORRY-Bench's 45; the standard profile's 20
+    # steps on 24 examples less their 20% validation slice.
+    assert [reft_published.planned_epochs(n, {"validation": "ctrl"}) for n in (200, 100, 45)] == [15, 25, 50]
+    assert reft_published.planned_epochs(24, {"min_steps": 20}) == step_plan(20, 32, 6, min_steps=20)[1] == 20
 
 
 def test_the_fit_takes_the_rules_steps_on_the_schedule(tiny):

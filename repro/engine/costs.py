@@ -136,6 +136,12 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
     return 2 * n * size.documents * (size.prompt * readers + options)
 
 
+def train_examples(attribute: str, profile: Profile) -> int:
+    """How many examples of ``attribute``'s D_train ``profile`` trains on (its seeded subset, or all)."""
+    split = token_counts.load()["splits"][attribute]
+    return min(split["train"], profile.max_train.get(attribute) or split["train"])
+
+
 def training_flops(model: str, method: str, attribute: str, profile: Profile, epochs: int | None,
                    n_parameters: int | None = None) -> float:
     """Training ``method`` on ``attribute`` (module docstring); ``epochs``: the method's (None: closed form);
@@ -143,7 +149,7 @@ def training_flops(model: str, method: str, attribute: str, profile: Profile, ep
     counts = token_counts.load()
     split = counts["splits"][attribute]
     size = TaskSize.of(split["task"], None)
-    n_train = min(split["train"], profile.max_train.get(attribute) or split["train"])
+    n_train = train_examples(attribute, profile)
     n_ctrl = min(split["ctrl"], 3 * profile.max_ctrl) if profile.max_ctrl else split["ctrl"]
     n_pca = min(split["pca"], profile.max_pca or split["pca"])
     example = size.prompt + size.requests * size.option if not size.generation else size.prompt + 32
