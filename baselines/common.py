@@ -5,6 +5,7 @@ evaluation-time ``scale=`` of the vector methods (CAA, ITI, NL-ITI)."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,6 +70,32 @@ def warn_if_worse_than_untouched(fitted: Intervention) -> bool:
     log.warning("%s (%s recipe): the kept configuration's validation loss %.4f is above the untouched model's "
                 "%.4f on the same %svalidation examples: on held-out data this bundle does worse than no edit",
                 fitted.method, recipe_of(fitted.config.get("hyperparameters") or {}), selected, base, examples)
+    return True
+
+
+def still_falling_when_stopped(hyperparameters: dict[str, Any], diagnostics: dict[str, Any]) -> tuple[float, float] | None:
+    """(the validation loss at the epoch before the last, at the last) when a bundle that records one
+    per epoch (``diagnostics.history``) kept its last epoch (``epoch_kept``) and the loss still fell
+    into it; else None. Its length, not its validation examples, then chose where training stopped."""
+    history = diagnostics.get("history")
+    if not isinstance(history, list) or len(history) < 2 or hyperparameters.get("epoch_kept") != len(history):
+        return None
+    before, last = (h.get("validation_loss") if isinstance(h, dict) else None for h in history[-2:])
+    numbers = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (before, last))
+    return (float(before), float(last)) if numbers and last < before else None
+
+
+def warn_if_still_falling(fitted: Intervention) -> bool:
+    """Warn (and return True) when ``still_falling_when_stopped``: a longer run might keep a better
+    epoch (issue 55: published ReFT at the standard profile's 20 optimizer steps kept its last epoch
+    in every seed-0 bundle of the budget profile). A warning: the bundle is what its recipe trains."""
+    hyperparameters = fitted.config.get("hyperparameters") or {}
+    falling = still_falling_when_stopped(hyperparameters, fitted.config.get("diagnostics") or {})
+    if falling is None:
+        return False
+    log.warning("%s (%s recipe): the epoch kept is the last of %d and the validation loss still fell into it (%.4f, "
+                "then %.4f): the run's length, not its validation examples, chose where training stopped; a longer run "
+                "may keep a better epoch", fitted.method, recipe_of(hyperparameters), hyperparameters["epoch_kept"], *falling)
     return True
 
 
@@ -183,6 +210,7 @@ class Baseline(Intervention):
         else:
             fitted = cls.fit_adapted(session, data, config, cls.training_hyperparameters(hyperparameters), seed)
         warn_if_worse_than_untouched(fitted)
+        warn_if_still_falling(fitted)
         return fitted
 
     @classmethod

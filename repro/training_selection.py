@@ -15,8 +15,8 @@ of the methods that select on held-out data (CAA, ITI, NL-ITI, ReFT, LoRA):
   heads tie at the K-th accuracy and how many of those the seeded order chose, the selection's
   warnings, and the chosen heads;
 * ReFT's and LoRA's training length: the validation loss after every epoch, the epoch kept, and
-  whether the loss was still falling at the last epoch (the epoch kept is then the last, and a
-  longer run might have kept a better one).
+  whether the epoch kept is the last with the loss still falling into it (baselines/common.py
+  ``still_falling_when_stopped``: a longer run might have kept a better one).
 
 Writes OUT/training_selection.{json,md}.
 """
@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from baselines.common import still_falling_when_stopped
 from repro.analysis import tables
 from repro.engine import command_line, recipes
 from repro.engine.cache import Store
@@ -83,7 +84,7 @@ def _epochs(diagnostics: dict, hyperparameters: dict) -> dict | None:
     losses = [float(h["validation_loss"]) for h in history if h.get("validation_loss") is not None]
     return {"epochs": len(history), "epoch_kept": int(hyperparameters["epoch_kept"]), "validation_loss_by_epoch": losses,
             "selection": hyperparameters.get("epoch_selection") or ("best" if hyperparameters.get("recipe") != "published" else "last"),
-            "still_falling_at_last": len(losses) >= 2 and losses[-1] < losses[-2]}
+            "still_falling_at_last": still_falling_when_stopped(hyperparameters, diagnostics) is not None}
 
 
 def bundle_record(bundle: dict) -> dict:
@@ -153,8 +154,8 @@ def markdown(record: dict, command: str) -> str:
     epochs = [r for r in rows if r["epochs"]]
     if epochs:
         lines += ["", "## ReFT's and LoRA's training length", "",
-                  "The validation loss after every epoch, the kept epoch's in bold; 'still falling': lower at the last "
-                  "epoch than at the one before, so the epoch kept is the last and a longer run might have kept a better one.", ""]
+                  "The validation loss after every epoch, the kept epoch's in bold; 'still falling': the epoch kept is the "
+                  "last and the loss still fell into it, so a longer run might have kept a better one.", ""]
         lines.append(tables.markdown_table(
             ["method", "attribute", "seed", "selection", "epochs", "kept", "validation loss by epoch", ""],
             [[method_label(r["method"]), r["attribute"], str(r["seed"]), e["selection"], str(e["epochs"]), str(e["epoch_kept"]),

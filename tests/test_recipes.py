@@ -63,6 +63,28 @@ def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(meth
             assert messages[0].startswith(f"{method} ({recipe or 'adapted'} recipe)")
 
 
+@pytest.mark.parametrize("method,recipe", [("reft", "published"), ("lora", None)])
+def test_fit_warns_when_the_epoch_kept_is_the_last_and_the_loss_still_fell_into_it(method, recipe, monkeypatch, caplog):
+    cls = method_class(method)
+    hyperparameters = {"recipe": recipe} if recipe else {}
+    fitting = "fit_published" if recipe == "published" else "fit_adapted"
+    history = lambda *losses: [{"epoch": i + 1, "validation_loss": v} for i, v in enumerate(losses)]
+    for losses, kept, warned in (((1.52, 1.31, 1.27), 3, True),  # kept the last, still falling
+                                 ((1.52, 1.27, 1.31), 2, False),  # an earlier epoch kept: validation chose
+                                 ((1.52, 1.31, 1.31), 3, False),  # flat at the end
+                                 ((1.52,), 1, False)):  # one epoch: nothing to compare
+        fitted = SimpleNamespace(method=method, config={"hyperparameters": {**hyperparameters, "epoch_kept": kept},
+                                                        "diagnostics": {"history": history(*losses)}})
+        monkeypatch.setattr(cls, fitting, classmethod(lambda c, *args: fitted))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="baselines.common"):
+            assert cls.fit(None, None, {}, dict(hyperparameters), 0) is fitted
+        messages = [r.getMessage() for r in caplog.records]
+        assert bool(messages) == warned, messages
+        if warned:
+            assert "the epoch kept is the last of 3 and the validation loss still fell into it (1.3100, then 1.2700)" in messages[0]
+
+
 def test_lora_has_one_recipe_and_its_fit_refuses_another():
     with pytest.raises(ValueError, match="LoRA has one training recipe"):
         method_class("lora").fit(None, None, {}, {"recipe": "published"}, 0)
