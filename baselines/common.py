@@ -137,11 +137,16 @@ def validation_split(data: AttributeData, seed: int, source: str | None = None) 
     return held_out_slice(data.train, seed)
 
 
+def held_out_count(n: int) -> int:
+    """How many of ``n`` D_train examples ``held_out_slice`` holds out: VALIDATION_FRACTION, at least one."""
+    return max(1, int(n * VALIDATION_FRACTION))
+
+
 def held_out_slice(examples: list[Example], seed: int) -> tuple[list[Example], list[Example]]:
     """(fit, validation): a seeded VALIDATION_FRACTION of ``examples`` (D_train) held out."""
     order = list(range(len(examples)))
     random.Random(f"validation:{seed}").shuffle(order)
-    n_val = max(1, int(len(examples) * VALIDATION_FRACTION))
+    n_val = held_out_count(len(examples))
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]]
 
 

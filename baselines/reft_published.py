@@ -53,7 +53,7 @@ from mari_eval.training.objectives import task_losses
 from mari_eval.injection.plan import Plan
 from mari_eval.evaluation.prefix_cache import encode_prefix
 
-from .common import (SELECTION_KEY, VALIDATION_FRACTION, prepare_validation, selects_on_ctrl, shuffled_batches,
+from .common import (SELECTION_KEY, held_out_count, prepare_validation, selects_on_ctrl, shuffled_batches,
                      validation_loss, validation_record, validation_split)
 from .loreft import (continuous_rows, distance_from_init, dropped, edits_at_layers, initial_parameters, loreft,
                      pyreft_positions, python_rng_state)
@@ -127,7 +127,7 @@ def planned_epochs(n_train: int, given: dict[str, Any]) -> int:
     (``--set``): ``step_plan``'s, on the examples it fits (all of D_train under validation=ctrl, else
     all but the validation slice). For a plan's cost, before any data is read."""
     hp = {**PUBLISHED, **{k: v for k, v in given.items() if v is not None}}
-    n_fit = n_train if selects_on_ctrl(hp.get("validation")) else n_train - max(1, int(n_train * VALIDATION_FRACTION))
+    n_fit = n_train if selects_on_ctrl(hp.get("validation")) else n_train - held_out_count(n_train)
     return step_plan(max(1, n_fit), hp["batch"], hp["epochs"], hp.get("min_steps"))[1]
 
 

@@ -44,19 +44,25 @@ def test_mari_refuses_a_recipe_naming_the_methods_that_take_one():
         method_class("mari").training_hyperparameters({"recipe": "published"})
 
 
-@pytest.mark.parametrize("method,recipe", [("caa", "adapted"), ("reft", "published"), ("lora", None)])
-def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(method, recipe, monkeypatch, caplog):
+def _warnings_of_fit(method: str, recipe: str | None, config: dict, monkeypatch, caplog) -> list[str]:
+    """What ``Baseline.fit`` of ``method`` under ``recipe`` logs when its recipe's fit returns a bundle of
+    ``config`` (the fit itself replaced): the warnings' messages."""
     cls = method_class(method)
     hyperparameters = {"recipe": recipe} if recipe else {}
-    fitting = "fit_published" if recipe == "published" else "fit_adapted"
+    fitted = SimpleNamespace(method=method, config=config)
+    monkeypatch.setattr(cls, "fit_published" if recipe == "published" else "fit_adapted", classmethod(lambda c, *args: fitted))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="baselines.common"):
+        assert cls.fit(None, None, {}, dict(hyperparameters), 0) is fitted
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("method,recipe", [("caa", "adapted"), ("reft", "published"), ("lora", None)])
+def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(method, recipe, monkeypatch, caplog):
+    hyperparameters = {"recipe": recipe} if recipe else {}
     for selected, warned in ((1.3164, True), (1.1199, False), (0.87, False)):
-        fitted = SimpleNamespace(method=method, config={"hyperparameters": hyperparameters, "diagnostics": {
-            SELECTION_KEY: selected, "validation_loss_base": 1.1199, "validation_ids": ["a", "b", "c"]}})
-        monkeypatch.setattr(cls, fitting, classmethod(lambda c, *args: fitted))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="baselines.common"):
-            assert cls.fit(None, None, {}, dict(hyperparameters), 0) is fitted
-        messages = [r.getMessage() for r in caplog.records]
+        messages = _warnings_of_fit(method, recipe, {"hyperparameters": hyperparameters, "diagnostics": {
+            SELECTION_KEY: selected, "validation_loss_base": 1.1199, "validation_ids": ["a", "b", "c"]}}, monkeypatch, caplog)
         assert bool(messages) == warned, messages
         if warned:
             assert "1.3164 is above the untouched model's 1.1199 on the same 3 validation examples" in messages[0]
@@ -65,21 +71,14 @@ def test_fit_warns_when_the_kept_bundle_is_worse_than_no_edit_on_validation(meth
 
 @pytest.mark.parametrize("method,recipe", [("reft", "published"), ("lora", None)])
 def test_fit_warns_when_the_epoch_kept_is_the_last_and_the_loss_still_fell_into_it(method, recipe, monkeypatch, caplog):
-    cls = method_class(method)
     hyperparameters = {"recipe": recipe} if recipe else {}
-    fitting = "fit_published" if recipe == "published" else "fit_adapted"
     history = lambda *losses: [{"epoch": i + 1, "validation_loss": v} for i, v in enumerate(losses)]
     for losses, kept, warned in (((1.52, 1.31, 1.27), 3, True),  # kept the last, still falling
                                  ((1.52, 1.27, 1.31), 2, False),  # an earlier epoch kept: validation chose
                                  ((1.52, 1.31, 1.31), 3, False),  # flat at the end
                                  ((1.52,), 1, False)):  # one epoch: nothing to compare
-        fitted = SimpleNamespace(method=method, config={"hyperparameters": {**hyperparameters, "epoch_kept": kept},
-                                                        "diagnostics": {"history": history(*losses)}})
-        monkeypatch.setattr(cls, fitting, classmethod(lambda c, *args: fitted))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="baselines.common"):
-            assert cls.fit(None, None, {}, dict(hyperparameters), 0) is fitted
-        messages = [r.getMessage() for r in caplog.records]
+        messages = _warnings_of_fit(method, recipe, {"hyperparameters": {**hyperparameters, "epoch_kept": kept},
+                                                     "diagnostics": {"history": history(*losses)}}, monkeypatch, caplog)
         assert bool(messages) == warned, messages
         if warned:
             assert "the epoch kept is the last of 3 and the validation loss still fell into it (1.3100, then 1.2700)" in messages[0]

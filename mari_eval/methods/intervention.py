@@ -193,6 +193,12 @@ class Intervention(ABC):
         return hyperparameters
 
     @classmethod
+    def planned_epochs(cls, hyperparameters: dict[str, Any], n_train: int) -> int | None:
+        """The epochs training under ``hyperparameters`` (completed as the cache keys them) will run on
+        ``n_train`` D_train examples, for a plan's cost before any data is read; None for a fit without epochs."""
+        return hyperparameters.get("epochs") or cls.training_defaults.get("epochs")
+
+    @classmethod
     def fit(cls, session, data, config: dict[str, Any], hyperparameters: dict[str, Any], seed: int) -> "Intervention":
         """Train on ``data`` (a ``examples.AttributeData``) through ``session`` (a ``session.Session``).
 

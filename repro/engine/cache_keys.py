@@ -60,8 +60,10 @@ def warn_if_stored_under_other_versions(root: str | Path) -> None:
     versions of the keyed packages: their keys hash those versions, so none of them, and no evaluation of
     them, would be read back, and every step would be computed again. The warning names the versions to
     install to read them back (a committed step cache, results/budget_steps/, holds hours of work that
-    only its own versions reach). Reads each bundle's record (``versions`` in bundle.json); writes nothing."""
+    only its own versions reach). Reads bundles' records (``versions`` in bundle.json) until one has this
+    environment's versions; writes nothing."""
     current = _versions()
+    mine = tuple(current.items())
     found: Counter = Counter()
     for record in Path(root).glob("bundles/*/bundle.json"):
         try:
@@ -70,8 +72,11 @@ def warn_if_stored_under_other_versions(root: str | Path) -> None:
             continue  # a damaged bundle is the cache's to report, when its step is reached
         if not isinstance(versions, dict):
             continue  # made elsewhere without a record of its versions: nothing to compare
-        found[tuple((package, versions.get(package)) for package in KEYED_PACKAGES)] += 1
-    if not found or tuple(current.items()) in found:
+        recorded = tuple((package, versions.get(package)) for package in KEYED_PACKAGES)
+        if recorded == mine:
+            return  # its steps are read back: nothing to say, and no need to read the rest
+        found[recorded] += 1
+    if not found:
         return
     stored, count = found.most_common(1)[0]
     differ = {package: version for package, version in stored if version != current[package]}

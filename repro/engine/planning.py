@@ -17,7 +17,6 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from baselines import reft_published
 from mari_eval.methods import registry
 from repro.engine import costs, scoring, steps
 from repro.engine.cache import Store
@@ -47,10 +46,7 @@ def train_step(graph: steps.Graph, store: Store, profile: Profile, method: str, 
     """Add the step that trains ``method``'s bundle on ``attribute`` (``Store.bundle``'s arguments);
     returns the bundle's directory (a row's bundle in ``evaluation_steps``)."""
     final, config = store.bundle_target(method, attribute, model, seed, profile, settings)
-    hyperparameters = config["hyperparameters"]
-    epochs = hyperparameters.get("epochs") or registry.method_class(method).training_defaults.get("epochs")
-    if method == "reft" and hyperparameters.get("recipe") == "published":  # its epochs follow from its least step count
-        epochs = reft_published.planned_epochs(costs.train_examples(attribute, profile), hyperparameters)
+    epochs = registry.method_class(method).planned_epochs(config["hyperparameters"], costs.train_examples(attribute, profile))
     flops = costs.training_flops(model, method, attribute, profile, epochs)
     label = f"train {method} on {attribute}, {model}, seed {seed}" + (f" ({json.dumps(settings)})" if settings else "")
     graph.add(steps.Step(final.name, steps.TRAIN, label, cached=store.is_stored(final, config), flops=flops,
