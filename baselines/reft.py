@@ -72,7 +72,7 @@ from .common import (IMPORTED, RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELDS, B
                      validation_loss, validation_split,
                      prepare_validation, validation_record)
 from .loreft import edits_at_layers, first_and_last, loreft, orthonormal_rows, pyreft_positions, python_rng_state
-from .reft_published import fit_published, planned_epochs
+from .reft_published import fit_published, planned_epochs as published_epochs
 
 if TYPE_CHECKING:
     from mari_eval.training.examples import AttributeData, Example
@@ -220,11 +220,10 @@ class ReFT(Baseline):
                                  "validation_ids": [ex.id for ex in val_examples]}
         return cls(config, tensors)
 
-
     @classmethod
     def planned_epochs(cls, hyperparameters: dict[str, Any], n_train: int) -> int | None:
         if recipe_of(hyperparameters) == "published":  # its epochs follow from its least step count
-            return planned_epochs(n_train, hyperparameters)
+            return published_epochs(n_train, hyperparameters)
         return super().planned_epochs(hyperparameters, n_train)
 
     @classmethod
