@@ -69,6 +69,7 @@ class Settings:
     tokenizer: str = str(REPO / ".gpu_data" / "tokenizer")
     device: str = "cuda"
     dtype: str = "bfloat16"
+    vocab: str = "tokenizer"  # the random model's vocabulary: the tokenizer's, or the shape's "published" one
     seed: int = 0
     max_batch_size: int = 64  # lm-eval's default cap on hf's batch_size=auto
     mari_batches: str = "tokens"  # MariLM's auto batches: sized by tokens, uncapped (issue 59.1; earlier runs: capped as hf)
@@ -207,7 +208,8 @@ def run(settings: Settings, raw: Path, deadline_s: float | None, command: str) -
     shape = random_model.load_shape(settings.shape)
     tokenizer = random_model.load_tokenizer(settings.tokenizer)
     build_started = time.perf_counter()
-    model = random_model.build(shape, tokenizer, settings.device, getattr(torch, settings.dtype), settings.seed)
+    model = random_model.build(shape, tokenizer, settings.device, getattr(torch, settings.dtype), settings.seed,
+                               settings.vocab)
     if settings.device.startswith("cuda"):
         torch.cuda.synchronize()
     build_s = time.perf_counter() - build_started
@@ -280,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad or set(changes.get("tasks", ())) - {"truthfulqa_mc2", "mmlu", "bbq"}:
         p.error(f"--settings: unknown entries {bad} (known: {', '.join(steps.ENTRIES)}) or tasks "
                 f"{changes.get('tasks')} (known: truthfulqa_mc2, mmlu, bbq)")
+    if changes.get("vocab", defaults.vocab) not in random_model.VOCABULARIES:
+        p.error(f"--settings: vocab {changes['vocab']!r} (known: {', '.join(random_model.VOCABULARIES)})")
     changes = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in changes.items()}
     settings = Settings(**{**asdict(defaults), "shape": args.shape, "tokenizer": args.tokenizer, "device": args.device,
                            "dtype": args.dtype, **changes})

@@ -180,6 +180,32 @@ def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, token
             assert torch.allclose(values, own.values, atol=1e-5)
 
 
+def test_edited_prompts_without_a_shared_preamble_are_packed_in_one_pass(model, tokenizer, bundles):
+    # Issue 59.2 on zero-shot BBQ: prompts that share no preamble were encoded one at a time under ReFT's
+    # edit (1.2-1.3x hf's time on an H200); they now go through the model in one packed pass, each prompt
+    # edited at its own first and last positions, with the keys and values it has alone.
+    import torch
+
+    from mari_eval.evaluation.shared_pass import EditedPrefix
+
+    plan = _lm(model, tokenizer, bundles["reft"], 4).plan
+    contexts = [tokenizer(f"Q: {question}\nA:")["input_ids"] for question, *_ in QUESTIONS + MORE]
+    assert all(plan.prompt_sites(len(c)) for c in contexts) and len({len(c) for c in contexts}) > 1
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        packed = EditedPrefix(model, plan).encode_many(contexts)
+    finally:
+        handle.remove()
+    assert len(calls) == 1 and packed.shared == 0
+    for i, context in enumerate(contexts):
+        alone = EditedPrefix(model, plan).encode(context)
+        start, stop = packed.spans[i]
+        for layer, own in zip(packed.cache.layers, alone.cache.layers):
+            assert torch.allclose(layer.keys[..., start:stop, :], own.keys, atol=1e-5)
+            assert torch.allclose(layer.values[..., start:stop, :], own.values, atol=1e-5)
+
+
 def _generations(n: int = 6) -> list[Instance]:
     prompts = [f"Q: {q}\nA:" for q, _, _ in (QUESTIONS + MORE)][:n]
     return [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_new_tokens": 10}), i) for i, p in enumerate(prompts)]

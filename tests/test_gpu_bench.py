@@ -39,6 +39,26 @@ def tokenizer_dir(tmp_path_factory):
     return random_model.tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
 
 
+def test_published_vocabulary_keeps_the_shapes_rows_and_never_emits_them(tokenizer_dir):
+    import dataclasses
+
+    import torch
+
+    tokenizer = random_model.load_tokenizer(tokenizer_dir)
+    tiny = random_model.load_shape("tiny")
+    wide = dataclasses.replace(tiny, config={**tiny.config, "vocab_size": len(tokenizer) + 64})
+    assert random_model.vocabulary_size(wide, tokenizer, "tokenizer") == len(tokenizer)
+    model = random_model.build(wide, tokenizer, "cpu", torch.float32, vocab="published")
+    assert model.config.vocab_size == len(tokenizer) + 64
+    assert model.lm_head.weight[len(tokenizer):].abs().sum() == 0
+    assert model.lm_head.weight[:len(tokenizer)].abs().sum() > 0
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert int(out.max()) < len(tokenizer)
+    with pytest.raises(ValueError, match="choose one of tokenizer, published"):
+        random_model.vocabulary_size(wide, tokenizer, "128k")
+
+
 def _bench(tokenizer_dir, raw, *extra):
     return gpu_bench.main(["--shape", "tiny", "--device", "cpu", "--tokenizer", str(tokenizer_dir), "--raw", str(raw),
                            "--settings", json.dumps(TINY), *extra])

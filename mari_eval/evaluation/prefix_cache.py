@@ -290,22 +290,6 @@ def encode_prompts(model: torch.nn.Module, shared: Prefix, prompts: Sequence[Seq
     return PackedPrompts(cache, past, spans(list(map(len, owns))))
 
 
-def join_prompts(prefixes: Sequence[Prefix]) -> PackedPrompts | None:
-    """Separately computed prompt caches (e.g. each under its own edit) as one ``PackedPrompts``,
-    nothing shared; None when some layer holds a sliding window."""
-    caches = [p.cache for p in prefixes if p.cache is not None]
-    if not caches:
-        return PackedPrompts(None, 0, [(0, 0)] * len(prefixes))
-    if not all(_full_attention(layer) for cache in caches for layer in cache.layers):
-        return None
-
-    def concatenated(i, layer):
-        layer.keys = torch.cat([cache.layers[i].keys for cache in caches], dim=-2)
-        layer.values = torch.cat([cache.layers[i].values for cache in caches], dim=-2)
-
-    return PackedPrompts(_layerwise(caches[0], concatenated), 0, spans([len(p.tokens) for p in prefixes]))
-
-
 def packed_inputs(model: torch.nn.Module, past: int, rows: list[list[int]], context: list[tuple[int, int]],
                   first: list[int], width: int | None = None) -> dict[str, torch.Tensor]:
     """Token ids, positions and attention mask of ``rows`` packed in one sequence after a cache of

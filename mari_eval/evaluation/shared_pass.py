@@ -59,7 +59,7 @@ from mari_eval.evaluation import row_passes, runner
 from mari_eval.injection import layer_spans
 from mari_eval.injection.plan import BASE, Plan, VariantRun
 from mari_eval.evaluation.prefix_cache import (MIN_SHARED, PackedPrompts, Prefix, PrefixCache, common_prefix, encode_prefix,
-                                               encode_prompts, join_prompts, truncated)
+                                               encode_prompts, truncated)
 
 if TYPE_CHECKING:
     from mari_eval.methods.intervention import Intervention
@@ -135,15 +135,16 @@ class EditedPrefix:
         """The prompts before p* of ``contexts`` under the plan's edit, in two passes where they share
         a preamble whose edited positions are the same in every prompt (ReFT's first ones in a
         few-shot preamble): that preamble once (kept for the next batch), then every prompt's own tokens packed
-        after it under the edit at its own positions (``encode_prompts``). Otherwise each prompt is
-        computed on its own and the caches joined. None: the model cannot pack (sliding windows)."""
+        after it under the edit at its own positions (``encode_prompts``). Prompts that share fewer
+        than ``min_shared`` such tokens (zero-shot BBQ) are packed whole in one pass, each under the
+        edit at its own positions. None: the model cannot pack (sliding windows)."""
         prompts = [tuple(context[:-1]) for context in contexts]
         sites = [self.plan.prompt_sites(len(context)) for context in contexts]
         common = min(len(common_prefix(prompts)), *(len(p) - 1 for p in prompts))
         inside = [{s for s in own if s < common} for own in sites]
         shared = min([common, *(s for own in inside[1:] for s in own.symmetric_difference(inside[0]))])
         if shared < self.min_shared:
-            return join_prompts([self.encode(context) for context in contexts])
+            return encode_prompts(self.model, Prefix((), None), prompts, apply=self.plan.apply, sites=sites)
         tokens, below = prompts[0][:shared], tuple(sorted(s for s in inside[0] if s < shared))  # every prompt's alike
         if self.preamble is None or (self.preamble.tokens, self.preamble.sites) != (tokens, below):
             self.preamble = encode_prefix(self.model, tokens, apply=self.plan.apply, sites=below)

@@ -218,9 +218,11 @@ def markdown(raw: dict, derived: dict) -> str:
         f"{versions.get('datasets')}, Python {raw['python']}.",
         f"- Model: {shape['name']}'s shape ({shape['source']}) with random weights in {model['dtype']}, built on the "
         f"device in {_f(raw.get('build_s'), 1)} s: {model['num_layers']} layers, hidden size "
-        f"{shape['config']['hidden_size']}, {model['parameters'] / 1e9:.2f} B parameters with the tokenizer's "
-        f"{model['vocab_size']}-token vocabulary ({_gib(model['weights_bytes'])} of weights); tokenizer "
-        f"{model['tokenizer']}.",
+        f"{shape['config']['hidden_size']}, {model['parameters'] / 1e9:.2f} B parameters with "
+        + (f"the shape's published {model['vocab_size']:,}-token vocabulary (`vocab=published`: the rows past the "
+           "tokenizer's are zero, so no text reaches them)" if s.get("vocab") == "published" else
+           f"the tokenizer's {model['vocab_size']}-token vocabulary")
+        + f" ({_gib(model['weights_bytes'])} of weights); tokenizer {model['tokenizer']}.",
         f"- Documents: truthfulqa_mc2 first {s['tqa_limit']}; 5-shot MMLU {', '.join(s['mmlu_subjects'])} "
         f"(first {s['mmlu_limit']} each); bbq first {s['bbq_limit']}; the same documents for every entry. "
         f"Batch size `auto` is capped at {s['max_batch_size']} (lm-eval's default) for hf"

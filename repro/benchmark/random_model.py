@@ -5,8 +5,9 @@ suite: a model of the same shape does the same arithmetic. ``repro/benchmark/sha
 public ``config.json`` of Llama-2-7B, Llama-3-8B and Qwen2.5-14B (each file names its source)
 and a tiny Llama for the CPU tests. ``build`` makes that model in bf16 directly on the target
 device (no 7B copy in CPU memory), with the embedded SmolLM2 tokenizer, so that the benchmarks'
-real text is tokenised as users' would be; the vocabulary is set to the tokenizer's length and
-the special token ids to the tokenizer's (Llama-3's BOS id 128000 is beyond SmolLM2's 49,152).
+real text is tokenised as users' would be; the special token ids are the tokenizer's (Llama-3's BOS
+id 128000 is beyond SmolLM2's 49,152), and the vocabulary is the tokenizer's length or, with
+``vocab="published"``, the shape's own (its extra rows zero: ``build``).
 
 Weights: every matrix (embeddings, projections, LM head) drawn from N(0, 0.02^2), the shape's
 ``initializer_range`` (the initialisation transformers applies to these families), norms at
@@ -122,15 +123,34 @@ def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
             param.zero_()
 
 
-def build(shape: Shape, tokenizer, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+VOCABULARIES = ("tokenizer", "published")
+
+
+def vocabulary_size(shape: Shape, tokenizer, vocab: str = "tokenizer") -> int:
+    """The random model's vocabulary: the tokenizer's length (``tokenizer``), or the shape's published
+    vocabulary where it is larger (``published``: Llama-3's 128,256 or Qwen2.5's 152,064 rows of
+    embeddings, LM head and logits, so that their memory and time are the real model's)."""
+    if vocab not in VOCABULARIES:
+        raise ValueError(f"vocab={vocab!r}: choose one of {', '.join(VOCABULARIES)}")
+    if vocab == "tokenizer":
+        return len(tokenizer)
+    return max(len(tokenizer), int(shape.config["vocab_size"]))
+
+
+def build(shape: Shape, tokenizer, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+          vocab: str = "tokenizer"):
     """The random model of ``shape`` on ``device`` in ``dtype``, frozen, in eval mode, named
-    ``shape.model_name``; its vocabulary and special tokens are ``tokenizer``'s."""
+    ``shape.model_name``; its special tokens are ``tokenizer``'s, its vocabulary ``vocabulary_size``'s.
+
+    With the published vocabulary, the rows past the tokenizer's length (ids no text encodes to) are
+    zero in the embeddings and the LM head: their logits are 0, far below the largest of the
+    tokenizer's random logits, so greedy generation never emits an id the tokenizer cannot decode."""
     from transformers import \
         AutoModelForCausalLM  # deferred: transformers is heavy; only this path needs it
 
     specials = {f"{kind}_token_id": getattr(tokenizer, f"{kind}_token_id") for kind in ("bos", "eos", "pad")
                 if getattr(tokenizer, f"{kind}_token_id", None) is not None}
-    config = hf_config(shape, vocab_size=len(tokenizer), special_tokens=specials)
+    config = hf_config(shape, vocab_size=vocabulary_size(shape, tokenizer, vocab), special_tokens=specials)
     with torch.device(device):  # parameters are allocated on the device itself, never on the CPU first
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     placed = {p.device.type for p in model.parameters()}
@@ -138,6 +158,9 @@ def build(shape: Shape, tokenizer, device: str = "cuda", dtype: torch.dtype = to
         raise RuntimeError(f"the model of {shape.name}'s shape was built on {sorted(placed)}, not {device}: this "
                            "transformers version ignores the default device, and moving 7B weights would time the copy")
     randomize(model, float(shape.config.get("initializer_range", 0.02)), seed)
+    with torch.no_grad():
+        for matrix in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
+            matrix[len(tokenizer):].zero_()
     model.requires_grad_(False).eval()
     model.config.name_or_path = shape.model_name  # bundles and MariLM name the model by this
     model.name_or_path = shape.model_name
