@@ -42,7 +42,6 @@ from mari_eval.judge.sorry_bench import (  # noqa: F401
     agg_refusal_rate as sorry_agg_refusal_rate, document_scores as sorry_document_scores,
     process_results as sorry_process_results)
 
-from lm_eval.api.samplers import ContextSampler
 from lm_eval.tasks.bbq import utils as bbq_utils
 from lm_eval.tasks.truthfulqa import utils as truthfulqa_utils
 
@@ -347,20 +346,6 @@ def _bleurt_skipped() -> None:
 # BBQ (lm_eval/tasks/bbq/utils.py)
 bbq_process_docs = bbq_utils.process_docs
 bbq_process_docs_disambig = bbq_utils.process_docs_disambig
-
-
-class BBQZeroShot(ContextSampler):
-    """bbq.yaml's few-shot sampler: BBQ is zero-shot and has one split, the documents it scores.
-
-    Without a few-shot source, lm-eval lists every test document (17,628 for ``bbq``) as the
-    pool of shots each time the task is built, 2-3.5 s per evaluation that no zero-shot run reads;
-    bbq.yaml gives an empty pool (``samples: []``) and this sampler, which says so if shots are asked."""
-
-    def sample(self, n: int, eval_doc=None, df=None, **kwargs):
-        if n > 0:
-            raise ValueError(f"--num_fewshot {n}: the bbq tasks are zero-shot, and their only split is the documents "
-                             "they score, so there is nowhere to draw shots from; run them with --num_fewshot 0")
-        return []
 
 
 def bbq_process_results_multiple_choice(doc: dict, results) -> dict:
