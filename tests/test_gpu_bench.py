@@ -125,7 +125,7 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / "run1.json").write_text(raw_path.read_text())
-    assert cost_check.main(["--runs", str(runs), "--out", str(out)]) == 0
+    assert cost_check.main(["--runs", str(runs), "--out", str(out), "--calibration-runs", "run1.json"]) == 0
     checked = json.loads((out / "cost_check.json").read_text(), parse_constant=pytest.fail)
     rows = checked["runs"][0]["steps"]
     assert {"train mari", "train caa", "evaluate truthfulqa_mc2 (batch auto)", "evaluate mmlu (batch auto)",

@@ -21,13 +21,20 @@ Sec. 2.1), and 6 N per token where training back-propagates through the whole mo
   every epoch re-reads it); CAA, ITI, NL-ITI: their activations, 2 N (P + R O) n x 3 (CAA's
   A/B prompts and the grid's layers); Prompting: nothing.
 
-GPU-seconds are FLOPs / ``EFFECTIVE_FLOPS``, the rate ``--model mari`` reached on one GPU: on an
-H200 at Llama-2-7B's shape (results/gpu_bench.json, run 1) it scored 100 truthfulqa_mc2
-questions in 2.8 s inside the model, i.e. 100 x (186 + 7.4 x 10.9) tokens x 2 x 6.88e9 in 2.8 s,
-about 1.3e14 FLOP/s (13% of the card's bf16 peak: short, varied sequences). Training steps are
-charged at the same rate. A step needs ``gpus_needed`` GPUs of ``GPU_GIB``: the bf16 weights with
-20% headroom when evaluating, and the training state and largest step of results/memory.json for
-MARI's training (the largest; the baselines' are charged the same).
+FLOPs become seconds at ``EFFECTIVE_FLOPS``, the rate ``--model mari`` reached on one GPU before
+issue 59: on an H200 at Llama-2-7B's shape (results/gpu_bench.json, run 1) it scored 100
+truthfulqa_mc2 questions in 2.8 s inside the model, i.e. 100 x (186 + 7.4 x 10.9) tokens x 2 x
+6.88e9 in 2.8 s, about 1.3e14 FLOP/s. GPU-seconds are those seconds times the ratio measured /
+estimated of the step's kind on a GPU (``CALIBRATION``, issue 59.4: ``python -m
+repro.benchmark.cost_check`` derives it from repro/gpu_bench.py's runs and checks it across shapes):
+one ratio for batched log-likelihood evaluation, one per method for training. Generating is not
+priced by FLOPs: a greedy step reads every weight for a few tokens, so a batch of
+``GENERATION_BATCH`` prompts costs its prompts' FLOPs plus one measured step time per token
+generated (``decode_step_s``). The time on 2 CPU cores stays FLOPs / ``EFFECTIVE_FLOPS`` times
+``CPU_SLOWDOWN`` (``cpu_seconds``), the basis it was measured on. A step needs ``gpus_needed`` GPUs
+of ``GPU_GIB``: the bf16 weights with 20% headroom when evaluating, and the training state and
+largest step of results/memory.json for MARI's training (the largest; the baselines' are charged
+the same).
 """
 
 from __future__ import annotations
@@ -38,9 +45,36 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from repro.engine import token_counts
-from repro.engine.profiles import PAPER_MODELS, REPO, Profile
+from repro.engine.profiles import GENERATION_BATCH, PAPER_MODELS, REPO, Profile
 
-EFFECTIVE_FLOPS = 1.3e14  # FLOP/s of --model mari on one GPU (module docstring)
+EFFECTIVE_FLOPS = 1.3e14  # FLOP/s of --model mari on one GPU before issue 59 (module docstring)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured seconds over ``seconds(flops)`` per kind of step on one GPU (repro/benchmark/cost_check.py)."""
+
+    device: str
+    measured: str  # the dates of the runs
+    runs: tuple[str, ...]  # results/gpu_bench_runs/ files the training ratios are the medians of
+    evaluate: float  # batched log-likelihood evaluation, time inside the model's request methods
+    train: dict[str, float]  # per method, the bundle's training (wall)
+    decode_step_s: float  # one greedy step of a generation batch (a 128-token answer's total / 128)
+
+
+# From repro/gpu_bench.py's runs (results/cost_check.md derives each value and checks the training ratios
+# on the other shape). Training: the runs at Llama-3-8B's and Qwen2.5-7B's shapes (published
+# vocabularies) after issue 59, on TruthfulQA's 100 D_train questions with gpu_bench's small settings,
+# so a method's fixed costs (ITI's probes, MARI's PCA and gate calibration) weigh more than in a
+# profile's training: the ratios scale them with the FLOPs. LoRA was not run: it takes ReFT's ratio
+# (both back-propagate through the model over every prompt). Evaluation: the steps that scored one
+# question at a time (Llama-2-7B's shape, 2026-11-27), as the repro's shared pass scores; no GPU has
+# timed the shared pass itself, whose rows of several methods share a question's passes. A greedy step:
+# the base model's 128-token answers, one prompt at a time (a batch of 16 is assumed to step as fast).
+CALIBRATION = Calibration(
+    device="NVIDIA H200", measured="2026-11-27 and 2026-11-30", runs=("run5.json", "run6.json", "run7.json"),
+    evaluate=3.19, train={"caa": 1.42, "iti": 5.01, "nl_iti": 4.6, "reft": 1.24, "mari": 9.26, "lora": 1.24},
+    decode_step_s=0.0308)
 # How many times longer the same steps take on 2 CPU cores (this suite's test machine), measured on two
 # main tables run from an empty runs/ there (README, 2026-11-28): the quick profile's, priced at 4.83
 # GPU-seconds, took 4,088 s (x 846); the standard profile's, 16.24 GPU-seconds, 12,540 s (x 772). Their
@@ -167,4 +201,34 @@ def training_flops(model: str, method: str, attribute: str, profile: Profile, ep
 
 
 def seconds(flops: float) -> float:
+    """``flops`` at ``EFFECTIVE_FLOPS``: the uncalibrated estimate (cost_check's 'FLOPs' column)."""
     return flops / EFFECTIVE_FLOPS
+
+
+def cpu_seconds(flops: float) -> float:
+    """On 2 CPU cores, one step after another (``CPU_SLOWDOWN``, measured against ``seconds``)."""
+    return seconds(flops) * CPU_SLOWDOWN
+
+
+def training_seconds(model: str, method: str, attribute: str, profile: Profile, epochs: int | None,
+                     n_parameters: int | None = None, calibration: Calibration = CALIBRATION) -> float:
+    """GPU-seconds of ``training_flops``'s step: its FLOPs' seconds times the method's measured ratio
+    (1 for a method no GPU run trained)."""
+    flops = training_flops(model, method, attribute, profile, epochs, n_parameters)
+    return seconds(flops) * calibration.train.get(method, 1.0)
+
+
+def evaluation_seconds(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
+                       n_parameters: int | None = None, calibration: Calibration = CALIBRATION,
+                       batch: int = GENERATION_BATCH) -> float:
+    """GPU-seconds of ``evaluation_flops``'s step: a log-likelihood task's FLOPs at the measured
+    evaluation ratio; a generation task's prompts likewise, plus per row and batch of ``batch``
+    prompts one ``decode_step_s`` per generated token (MARI's K experts add their T_ent-step
+    routing window)."""
+    if not size.generation:
+        return seconds(evaluation_flops(model, size, methods, gen_tokens, n_parameters)) * calibration.evaluate
+    n = n_parameters or parameters(model)
+    generated = gen_tokens or DEFAULT_GENERATION
+    prompts = 2 * n * size.documents * size.prompt * len(methods)
+    steps = sum(generated + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods)
+    return seconds(prompts) * calibration.evaluate + math.ceil(size.documents / batch) * steps * calibration.decode_step_s

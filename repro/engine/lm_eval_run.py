@@ -25,6 +25,7 @@ from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
 from mari_eval.evaluation.lm import MariLM
 from mari_eval.evaluation.shared_pass import SharedPass
 from repro.engine.documents import check_against, document_scores
+from repro.engine.profiles import GENERATION_BATCH
 
 LM_EVAL_BOOTSTRAP = 1000  # lm-eval's bootstrap iterations for its stderr of non-mean metrics
 
@@ -32,11 +33,6 @@ log = logging.getLogger("repro")
 
 
 _BASE_MODELS: dict[tuple, tuple] = {}  # (model name, placement) -> (frozen model, tokenizer), loaded once per process
-# Prompts generated together (SORRY-Bench, GSM8K): lm-eval's batch_size, which MariLM uses for
-# generation only (log-likelihood requests go by question). Left-padded batches give each prompt
-# the answer it gets alone up to float rounding; 16 prompts cost about 3x less than one at a time
-# on 2 CPU cores. A row's model_args may still set batch_size.
-GENERATION_BATCH = 16
 
 
 def mari_lm(model: str, bundle: Path | None, model_args: str, placement=None, shared_pass=None):

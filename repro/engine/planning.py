@@ -48,9 +48,10 @@ def train_step(graph: steps.Graph, store: Store, profile: Profile, method: str, 
     final, config = store.bundle_target(method, attribute, model, seed, profile, settings)
     epochs = registry.method_class(method).planned_epochs(config["hyperparameters"], costs.train_examples(attribute, profile))
     flops = costs.training_flops(model, method, attribute, profile, epochs)
+    seconds = costs.training_seconds(model, method, attribute, profile, epochs)
     label = f"train {method} on {attribute}, {model}, seed {seed}" + (f" ({json.dumps(settings)})" if settings else "")
     graph.add(steps.Step(final.name, steps.TRAIN, label, cached=store.is_stored(final, config), flops=flops,
-                         seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=True),
+                         seconds=seconds, gpus=costs.gpus_needed(model, training=True),
                          action=steps.Train(method, attribute, model, seed, json.dumps(settings))))
     return final
 
@@ -64,13 +65,15 @@ def evaluation_steps(graph: steps.Graph, store: Store, profile: Profile, model: 
     for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, columns, rows).items():
         todo = [row for row, (_, missing) in members.items() if missing] or list(members)
         row_methods = [method_of[bundle] for bundle, _ in todo]
-        flops = sum(costs.evaluation_flops(model, costs.TaskSize.of(task, limit), row_methods, gen) for task in tasks)
+        sizes = [costs.TaskSize.of(task, limit) for task in tasks]
+        flops = sum(costs.evaluation_flops(model, size, row_methods, gen) for size in sizes)
+        seconds = sum(costs.evaluation_seconds(model, size, row_methods, gen) for size in sizes)
         key = f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}" + (f" ({part})" if part else "")
         graph.add(steps.Step(key, steps.EVALUATE,
                              f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
                              needs=tuple(sorted({b.name for b, _ in members if b is not None})),
                              cached=not any(missing for _, missing in members.values()), flops=flops,
-                             seconds=costs.seconds(flops), gpus=costs.gpus_needed(model, training=False),
+                             seconds=seconds, gpus=costs.gpus_needed(model, training=False),
                              action=steps.Evaluate(model, seed, tuple(tasks), limit, gen,
                                                            tuple((b.name if b else None, a) for b, a in todo))))
 

@@ -147,6 +147,13 @@ class Profile:
         return {seed: cols for seed, cols in sorted(out.items()) if cols}
 
 
+# Prompts generated together (SORRY-Bench, GSM8K): lm-eval's batch_size, which MariLM uses for
+# generation only (log-likelihood requests go by question; repro/engine/lm_eval_run.py). Left-padded
+# batches give each prompt the answer it gets alone up to float rounding; 16 prompts cost about 3x
+# less than one at a time on 2 CPU cores. A row's model_args may still set batch_size.
+GENERATION_BATCH = 16
+
+
 # The paper's models as Hub ids (the paper names sizes, not checkpoints; we take the chat/instruct ones,
 # since SORRY-Bench prompts are chat turns and its appendix uses Llama-3-8B-Instruct).
 PAPER_MODELS = {

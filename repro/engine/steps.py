@@ -80,7 +80,7 @@ class Step:
     needs: tuple[str, ...] = ()  # keys of the steps whose outputs this one reads
     cached: bool = False  # its outputs are stored: nothing to run
     flops: float = 0.0
-    seconds: float = 0.0  # on one GPU's effective rate (repro/engine/costs.py)
+    seconds: float = 0.0  # on one GPU (repro/engine/costs.py: FLOPs at the measured ratio of its kind)
     gpus: int = 1  # GPUs it needs at once (a model too large for one)
     # What an executor runs (repro/engine/ray_executor.py); for an evaluation, the rows not stored.
     action: Train | Evaluate | None = None
@@ -185,6 +185,7 @@ class Graph:
                                "cached": sum(s.kind == kind and s.cached for s in steps),
                                "gpu_hours": sum(s.cost for s in steps if s.kind == kind) / 3600} for kind in (TRAIN, EVALUATE)},
             "gpu_hours": sum(s.cost for s in steps) / 3600, "critical_path_hours": self.critical_path() / 3600,
+            "cpu_hours": sum(costs.cpu_seconds(s.flops) for s in steps if not s.cached) / 3600,
             "wall_hours": {str(n): self.makespan(n) / 3600 for n in gpu_counts},
         }
 
@@ -208,7 +209,7 @@ def render(graph: Graph, title: str, gpu_counts: tuple[int, ...] = (1, 8, 32), l
     lines.append(f"  left: {s['gpu_hours']:.2f} GPU-hours; critical path {_duration(s['critical_path_hours'] * 3600)}")
     lines.append("  ideal wall time: " + ", ".join(f"{n} GPU{'s' if int(n) > 1 else ''} {_duration(h * 3600)}"
                                                 for n, h in s["wall_hours"].items())
-                 + (f"; on 2 CPU cores about {_duration(s['gpu_hours'] * 3600 * costs.CPU_SLOWDOWN)} "
+                 + (f"; on 2 CPU cores about {_duration(s['cpu_hours'] * 3600)} "
                     "(repro/engine/costs.py CPU_SLOWDOWN, from two measured tables)" if on_cpu else ""))
     todo = sorted((x for x in graph.steps.values() if not x.cached), key=lambda x: -x.cost)
     if todo:
