@@ -151,16 +151,18 @@ def test_a_shared_preamble_is_computed_once_per_batch_sequence(model, tokenizer)
     assert len(seen) > 3 and sum(n >= preamble for n in seen) == 1  # several batches, one pass holding the preamble
 
 
-def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, tokenizer, bundles):
+@pytest.mark.parametrize("preamble", [PREAMBLE, ""], ids=["few-shot", "zero-shot"])
+def test_edited_prompts_are_encoded_in_one_pass_after_their_shared_edited_preamble(model, tokenizer, bundles, preamble):
     # Issue 59.2: ReFT edits the first and last prompt tokens, so a few-shot preamble under its edit is the
-    # same for every question; it is computed once, then every prompt's own tokens in one packed pass,
-    # with the keys and values of each prompt computed alone under the edit.
+    # same for every question: it is computed once, then every prompt's own tokens in one packed pass.
+    # Prompts without such a preamble (zero-shot BBQ; one at a time before, 1.2-1.3x hf's time on an H200)
+    # go through the model whole in one packed pass. Each prompt keeps the keys and values it has alone.
     import torch
 
     from mari_eval.evaluation.shared_pass import EditedPrefix
 
     plan = _lm(model, tokenizer, bundles["reft"], 4).plan
-    contexts = [tokenizer(f"{PREAMBLE}Q: {question}\nA:")["input_ids"] for question, *_ in QUESTIONS]
+    contexts = [tokenizer(f"{preamble}Q: {question}\nA:")["input_ids"] for question, *_ in QUESTIONS + MORE]
     assert all(plan.prompt_sites(len(c)) for c in contexts)  # the prompts themselves are edited
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
@@ -168,8 +170,11 @@ def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, token
         packed = EditedPrefix(model, plan).encode_many(contexts)
     finally:
         handle.remove()
-    assert len(calls) == 2  # the edited preamble, then the prompts' own tokens together (was one pass per prompt)
-    assert packed.shared >= len(tokenizer(PREAMBLE)["input_ids"]) - 1
+    if preamble:
+        assert len(calls) == 2  # the edited preamble, then the prompts' own tokens together (was one pass per prompt)
+        assert packed.shared >= len(tokenizer(preamble)["input_ids"]) - 1
+    else:
+        assert len(calls) == 1 and packed.shared == 0
     for i, context in enumerate(contexts):
         alone = EditedPrefix(model, plan).encode(context)
         start, stop = packed.shared + packed.spans[i][0], packed.shared + packed.spans[i][1]
@@ -178,32 +183,6 @@ def test_an_edited_preamble_is_computed_once_for_a_batch_of_prompts(model, token
             assert torch.allclose(keys, own.keys, atol=1e-5)
             values = torch.cat([layer.values[..., :packed.shared, :], layer.values[..., start:stop, :]], dim=-2)
             assert torch.allclose(values, own.values, atol=1e-5)
-
-
-def test_edited_prompts_without_a_shared_preamble_are_packed_in_one_pass(model, tokenizer, bundles):
-    # Issue 59.2 on zero-shot BBQ: prompts that share no preamble were encoded one at a time under ReFT's
-    # edit (1.2-1.3x hf's time on an H200); they now go through the model in one packed pass, each prompt
-    # edited at its own first and last positions, with the keys and values it has alone.
-    import torch
-
-    from mari_eval.evaluation.shared_pass import EditedPrefix
-
-    plan = _lm(model, tokenizer, bundles["reft"], 4).plan
-    contexts = [tokenizer(f"Q: {question}\nA:")["input_ids"] for question, *_ in QUESTIONS + MORE]
-    assert all(plan.prompt_sites(len(c)) for c in contexts) and len({len(c) for c in contexts}) > 1
-    calls = []
-    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    try:
-        packed = EditedPrefix(model, plan).encode_many(contexts)
-    finally:
-        handle.remove()
-    assert len(calls) == 1 and packed.shared == 0
-    for i, context in enumerate(contexts):
-        alone = EditedPrefix(model, plan).encode(context)
-        start, stop = packed.spans[i]
-        for layer, own in zip(packed.cache.layers, alone.cache.layers):
-            assert torch.allclose(layer.keys[..., start:stop, :], own.keys, atol=1e-5)
-            assert torch.allclose(layer.values[..., start:stop, :], own.values, atol=1e-5)
 
 
 def _generations(n: int = 6) -> list[Instance]:
