@@ -14,7 +14,8 @@ order, cheapest and most needed first:
 2. ``truthfulqa_mc2`` (100 questions) through ``lm_eval.simple_evaluate`` for lm-eval's ``hf``
    (``batch_size=auto``) and ``MariLM`` without a bundle, with MARI (gate on; gate forced open on
    every question, ``mari_open``; ``gate=false``) and with each baseline's bundle; MariLM at
-   ``batch_size=auto`` and, for vanilla and MARI, at 1;
+   ``batch_size=auto`` and, for vanilla and MARI, at 1; then the entries together through one shared
+   pass, as the repro evaluates its rows (``shared_entries``: the time costs.py's evaluation ratio reads);
 3. generation: 10 SORRY-Bench prompts of 128 tokens one at a time, base model and MARI with its
    gate forced closed and open (first-token latency, tokens/s, total);
 4. 5-shot MMLU on a few subjects and BBQ (100 questions), every entry at ``batch_size=auto``;
@@ -94,6 +95,9 @@ class Settings:
                                      "reft")
     batch_one_first: tuple[str, ...] = ("vanilla", "mari")  # at batch size 1 on truthfulqa_mc2, early
     batch_one_late: tuple[str, ...] = ("mari_gate_off", "caa", "iti", "nl_iti", "reft")  # at batch size 1, last
+    # Through one shared pass, as the repro evaluates its rows (issue 59.4's evaluation ratio), on these groups.
+    shared_entries: tuple[str, ...] = ("vanilla", "mari", "caa", "iti", "nl_iti", "reft")
+    shared_tasks: tuple[str, ...] = ("truthfulqa_mc2",)
     tasks: tuple[str, ...] = ("truthfulqa_mc2", "mmlu", "bbq")  # the task groups evaluated (groups())
     # Generation.
     gen_prompts: int = 10
@@ -137,6 +141,12 @@ def plan(settings: Settings, bench: steps.Bench) -> list[Step]:
     if tqa:
         out += [warm("truthfulqa_mc2")] + [evaluation(e, "truthfulqa_mc2", "auto") for e in settings.auto_entries]
         out += [evaluation(e, "truthfulqa_mc2", 1) for e in settings.batch_one_first]
+    for group in settings.shared_tasks:
+        if settings.shared_entries:
+            entries = [steps.ENTRIES[e] for e in settings.shared_entries]
+            out.append(Step(f"eval-shared/{group}/{'+'.join(settings.shared_entries)}", f"eval-shared:{group}",
+                            lambda group=group, entries=entries: steps.shared(bench, entries, groups[group]),
+                            tuple(e.method for e in entries if e.method)))
     out += [Step(f"gen/{mode}", "gen", lambda mode=mode: steps.generate(bench, mode, settings.gen_prompts,
                                                                           settings.gen_tokens),
                  () if mode == "base" else ("mari",)) for mode in settings.gen_modes]
@@ -278,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--settings: unknown fields {unknown}")
     bad = sorted({*changes.get("auto_entries", ()), *changes.get("batch_one_first", ()),
-                  *changes.get("batch_one_late", ())} - set(steps.ENTRIES))
-    if bad or set(changes.get("tasks", ())) - {"truthfulqa_mc2", "mmlu", "bbq"}:
+                  *changes.get("batch_one_late", ()), *changes.get("shared_entries", ())} - set(steps.ENTRIES))
+    if bad or {*changes.get("tasks", ()), *changes.get("shared_tasks", ())} - {"truthfulqa_mc2", "mmlu", "bbq"}:
         p.error(f"--settings: unknown entries {bad} (known: {', '.join(steps.ENTRIES)}) or tasks "
                 f"{changes.get('tasks')} (known: truthfulqa_mc2, mmlu, bbq)")
     if changes.get("vocab", defaults.vocab) not in random_model.VOCABULARIES:

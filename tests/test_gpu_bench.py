@@ -19,7 +19,7 @@ PUBLISHED = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "qwen2_5_7b": 7.61e9, "qw
 TINY = {"max_train": 4, "max_ctrl": 1, "max_pca": 16, "methods": ["mari", "caa"], "tqa_limit": 2,
         "mmlu_subjects": ["anatomy"], "mmlu_limit": 1, "tasks": ["truthfulqa_mc2", "mmlu"], "gen_prompts": 1,
         "gen_tokens": 3, "max_batch_size": 2, "auto_entries": ["hf", "mari"], "batch_one_first": ["vanilla"],
-        "batch_one_late": ["caa"]}
+        "batch_one_late": ["caa"], "shared_entries": ["vanilla", "mari", "caa"]}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -81,7 +81,8 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     assert {"train/mari", "train/caa", "warm/task_index", "warm/truthfulqa_mc2", "warm/mmlu",
             "eval/truthfulqa_mc2/hf/bsauto", "eval/truthfulqa_mc2/mari/bsauto", "eval/truthfulqa_mc2/vanilla/bs1",
             "eval/truthfulqa_mc2/caa/bs1", "eval/mmlu/hf/bsauto", "eval/mmlu/mari/bsauto", "gen/base",
-            "gen/mari_gate_closed", "gen/mari_gate_open", "gen/mari_gate_open_t1"} == set(steps)
+            "gen/mari_gate_closed", "gen/mari_gate_open", "gen/mari_gate_open_t1",
+            "eval-shared/truthfulqa_mc2/vanilla+mari+caa"} == set(steps)
     for name, step in steps.items():
         assert _positive(step["step_s"]), name
         if name.startswith(("train/", "eval/", "gen/")):
@@ -89,6 +90,11 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
         if name.startswith("eval/"):
             assert _positive(step["model_s"]) and step["model_s"] <= step["wall_s"], name
             assert all(isinstance(v, float) for v in step["metrics"].values()), name
+    # The repro's path: the three entries' rows of each question computed when the first asks, served to the others.
+    joined = steps["eval-shared/truthfulqa_mc2/vanilla+mari+caa"]
+    assert joined["entries"] == ["vanilla", "mari", "caa"] and _positive(joined["model_s"])
+    assert joined["shared_stats"]["groups"] > 0 and joined["shared_stats"]["served"] == 2 * joined["shared_stats"]["groups"]
+    assert joined["shared_stats"].get("on_demand", 0) == 0
     assert steps["eval/truthfulqa_mc2/hf/bsauto"]["batch_sizes_detected"]  # HFLM's auto search ran
     (one,) = steps["eval/truthfulqa_mc2/vanilla/bs1"]["mari_batches"]  # MariLM's batches are recorded
     assert one["questions"] == one["batches"] == 2 and one["largest_batch_questions"] == 1
@@ -115,7 +121,8 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     assert goals["the same, routing over T_ent = 1 greedy step (T_ent=1) instead of the bundle's 8"]["reached"] != \
         "not measured"
     md = (out / "gpu_bench.md").read_text()
-    for heading in ("## Goals", "## Evaluation wall time", "## Training", "## Training memory", "## Generation"):
+    for heading in ("## Goals", "## Evaluation wall time", "## The repro's evaluation path", "## Training",
+                    "## Training memory", "## Generation"):
         assert heading in md
     assert "Issue 41's goals are set for the 7B shape" in md
 
@@ -129,7 +136,8 @@ def test_tiny_run_measures_every_step_and_renders(tokenizer_dir, tmp_path):
     checked = json.loads((out / "cost_check.json").read_text(), parse_constant=pytest.fail)
     rows = checked["runs"][0]["steps"]
     assert {"train mari", "train caa", "evaluate truthfulqa_mc2 (batch auto)", "evaluate mmlu (batch auto)",
-            "generate one prompt (base)"} <= {r["kind"] for r in rows}
+            "evaluate truthfulqa_mc2 (shared pass, 3 rows)", "generate one prompt (base)"} <= {r["kind"] for r in rows}
+    assert checked["derived"]["evaluate_from"] == "the shared pass's steps"  # the repro's own path, once timed
     assert not any("/hf/" in r["step"] for r in rows)  # lm-eval's own model is not what costs.py prices
     for r in rows:
         assert r["estimated_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["estimated_s"])
@@ -142,8 +150,8 @@ def test_steps_past_the_deadline_are_skipped_and_still_render(tokenizer_dir, tmp
     assert _bench(tokenizer_dir, raw_path, "--deadline-s", "0") == 0
     raw = json.loads(raw_path.read_text())
     assert raw["complete"] and raw["steps"]
-    assert all(s["status"] == "skipped" and s["reason"] in ("deadline 0 s", "no mari bundle", "no caa bundle")
-               for s in raw["steps"])
+    assert all(s["status"] == "skipped" and s["reason"] in ("deadline 0 s", "no mari bundle", "no caa bundle",
+                                                            "no mari, caa bundle") for s in raw["steps"])
     derived = gpu_bench_report.derive(raw)
     assert {g["reached"] for g in derived["goals"]} == {"not measured"}
     assert "## Steps not done" in gpu_bench_report.markdown(raw, derived)

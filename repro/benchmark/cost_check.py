@@ -11,8 +11,9 @@ generating (SORRY-Bench prompts one at a time: one prompt's total). From them, `
 the ratios costs.py's ``CALIBRATION`` holds, each from the runs of the code the repro runs:
 
 * training, per method: the median measured / FLOP-seconds over ``CALIBRATION.runs`` (after issue 59);
-* evaluation: the median over the steps scored one question at a time (``batch_size=1``): the repro's
-  shared pass (repro/engine/scoring.py) scores every question alone, its rows together; batched
+* evaluation: the median over the steps that timed the repro's own path, several entries through one
+  shared pass (repro/engine/scoring.py: every question alone, its rows together), else, in runs before
+  that step existed, over the steps scored one question at a time (``batch_size=1``); batched
   ``--model mari`` is reported beside it but not used;
 * a greedy step: the median base-model answer's total over its tokens.
 
@@ -65,11 +66,15 @@ def estimates(raw: dict) -> list[dict]:
                          "flops_s": costs.seconds(flops),
                          "estimated_s": costs.training_seconds(model, step["method"], "truthfulqa", profile, epochs,
                                                                n_parameters=n)})
-        elif step["kind"].startswith("eval:") and step["entry"] != "hf":  # lm-eval's own model: not what costs.py prices
-            methods = [ENTRY_METHOD.get(step["entry"], step["entry"])]
+        elif step["kind"].startswith(("eval:", "eval-shared:")) and step.get("entry") != "hf":  # hf: not costs.py's
+            if step["kind"].startswith("eval:"):  # one entry
+                methods = [ENTRY_METHOD.get(step["entry"], step["entry"])]
+                kind = f"evaluate {step['kind'][5:]} (batch {step['batch_size']})"
+            else:  # the repro's evaluation: every entry's rows in one shared pass
+                methods = [ENTRY_METHOD.get(e, e) for e in step["entries"]]
+                kind = f"evaluate {step['task']} (shared pass, {len(methods)} rows)"
             sizes = [_task_size(task, count) for task, count in step["documents"].items()]
-            rows.append({"step": step["step"], "kind": f"evaluate {step['kind'][5:]} (batch {step['batch_size']})",
-                         "measured_s": step["model_s"], "wall_s": step["wall_s"],
+            rows.append({"step": step["step"], "kind": kind, "measured_s": step["model_s"], "wall_s": step["wall_s"],
                          "flops_s": sum(costs.seconds(costs.evaluation_flops(model, z, methods, None, n_parameters=n))
                                         for z in sizes),
                          "estimated_s": sum(costs.evaluation_seconds(model, z, methods, None, n_parameters=n)
@@ -100,15 +105,20 @@ def derive(runs: list[dict], calibration_runs: tuple[str, ...] = costs.CALIBRATI
             for row in run["steps"]:
                 if row["kind"].startswith("train ") and row["ratio_flops"]:
                     train.setdefault(row["kind"][6:], []).append(row["ratio_flops"])
-    one_at_a_time = [row["ratio_flops"] for run in runs for row in run["steps"]
-                     if row["kind"].startswith("evaluate ") and row["kind"].endswith("(batch 1)")]
+    # The repro's own path where a run timed it, else the nearest: one method, one question at a time.
+    one_at_a_time = [row["ratio_flops"] for run in runs for row in run["steps"] if "(shared pass" in row["kind"]]
+    evaluate_from = "the shared pass's steps"
+    if not one_at_a_time:
+        one_at_a_time = [row["ratio_flops"] for run in runs for row in run["steps"]
+                         if row["kind"].startswith("evaluate ") and row["kind"].endswith("(batch 1)")]
+        evaluate_from = "every run's batch-1 steps (no run timed the shared pass)"
     batched = [row["ratio_flops"] for run in runs if run["run"] in calibration_runs for row in run["steps"]
                if row["kind"].startswith("evaluate ") and row["kind"].endswith("(batch auto)")]
     steps = [row["measured_s"] / row["tokens"] for run in runs for row in run["steps"]
              if row["kind"] == "generate one prompt (base)"]
     return {"train": {m: statistics.median(r) for m, r in sorted(train.items())},
             "train_steps": {m: len(r) for m, r in sorted(train.items())},
-            "evaluate": _median(one_at_a_time), "evaluate_steps": len(one_at_a_time),
+            "evaluate": _median(one_at_a_time), "evaluate_steps": len(one_at_a_time), "evaluate_from": evaluate_from,
             "evaluate_batched": _median(batched), "evaluate_batched_steps": len(batched),
             "decode_step_s": _median(steps), "decode_steps": len(steps)}
 
@@ -180,7 +190,7 @@ def markdown(record: dict) -> str:
                     ", ".join(record["calibration_runs"])] for m, v in d["train"].items()],
                  ["train lora", f"{c['train'].get('lora', float('nan')):.3g}", "- (ReFT's)", "0", "not measured"],
                  ["evaluate, one question at a time (the repro's shared pass)", f"{c['evaluate']:.3g}",
-                  _g(d["evaluate"]), str(d["evaluate_steps"]), "every run's batch-1 steps"],
+                  _g(d["evaluate"]), str(d["evaluate_steps"]), d["evaluate_from"]],
                  ["evaluate, batched (`lm_eval --model mari`; not charged)", "-", _g(d["evaluate_batched"]),
                   str(d["evaluate_batched_steps"]), ", ".join(record["calibration_runs"])],
                  ["a greedy step (s)", f"{c['decode_step_s']:.3g}", _g(d["decode_step_s"]), str(d["decode_steps"]),

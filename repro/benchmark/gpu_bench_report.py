@@ -189,8 +189,13 @@ def derive(raw: dict) -> dict:
     gen = generation(raw, paper_ratios())
     not_done = [{"run": s.get("run"), "step": s["step"], "status": s["status"], "why": s.get("reason") or s.get("error")}
                 for s in raw["steps"] if s["status"] != "done"]
+    hf = {(r["run"], r["task"]): r for r in rows if r["entry"] == "hf"}
+    shared = [{"run": s.get("run"), "task": s["task"], "entries": s["entries"], "wall_s": s["wall_s"],
+               "model_s": s["model_s"], "hf_wall_s": hf.get((s.get("run"), s["task"]), {}).get("wall_s"),
+               "documents": sum(s["documents"].values()), "stats": s.get("shared_stats", {})}
+              for s in _done(raw, "eval-shared/")]
     return {"evaluations": rows, "training": training, "memory": memory, "memories": memories, "generation": gen,
-            "goals": goals(rows, gen, memories), "not_done": not_done}
+            "shared": shared, "goals": goals(rows, gen, memories), "not_done": not_done}
 
 
 def _f(value, digits: int = 2, suffix: str = "") -> str:
@@ -246,6 +251,14 @@ def markdown(raw: dict, derived: dict) -> str:
                                         _f(r["batch_detect_s"], 1), _f(r["metric_mean"], 3), _f(r["gate_rate"]),
                                         str(r["documents"]), _gib(r["peak_allocated_bytes"])]
                                        for r in derived["evaluations"]]), ""]
+    if derived.get("shared"):
+        lines += ["## The repro's evaluation path: every entry through one shared pass (repro/engine/scoring.py)", "",
+                  markdown_table(["run", "task", "entries", "documents", "wall (s), all entries", "in model (s)",
+                                  "hf's wall (s), one entry", "question groups computed / served"],
+                                 [[str(x["run"]), x["task"], ", ".join(x["entries"]), str(x["documents"]), _f(x["wall_s"], 1),
+                                   _f(x["model_s"], 1), _f(x["hf_wall_s"], 1),
+                                   f"{x['stats'].get('groups', 0)} / {x['stats'].get('served', 0)}"]
+                                  for x in derived["shared"]]), ""]
     lines += [f"## Training on TruthfulQA's D_train (tiny settings: the time is not the point; max_ctrl "
               f"{s['max_ctrl']} per source, max_pca {s['max_pca']})", ""]
     lines += [markdown_table(["run", "method", "wall (s)", "train examples", "ctrl examples", "settings", "peak GPU"],

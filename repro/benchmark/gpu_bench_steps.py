@@ -8,6 +8,10 @@
 * ``evaluate``: one ``lm_eval.simple_evaluate`` call of an entry (lm-eval's ``hf`` or ``MariLM`` with a
   method's bundle) on a task group, with a fresh model object each time (as each lm-eval command
   has its own), wall time end to end and the time spent inside the model's request methods.
+* ``shared``: the repro's evaluation path (repro/engine/scoring.py): one ``SharedPass`` over the model, a
+  ``MariLM`` of each entry built on it before any evaluates, then each entry's ``simple_evaluate`` in
+  turn; every question's rows of all entries are computed when the first asks (one question at a
+  time), so the time inside the model is summed over the entries.
 * ``generate``: SORRY-Bench prompts one at a time (``repro.benchmark.timing``), for the base model and for
   MARI with its gate forced closed or open (the gate's threshold tau_E set to +inf or -inf, so
   that each path's cost is timed whatever a random model's energies are).
@@ -293,6 +297,36 @@ def evaluate(bench: Bench, entry: Entry, group: TaskGroup, batch_size: int | str
             "model_s": spent["model_s"], "batch_detect_s": detect["model_s"], "metric": group.metric, "metrics": metrics,
             "metric_mean": sum(finite) / len(finite) if finite else None, "documents": documents,
             "gate_rate": timing.gate_rate(lm), **_batch_used(lm, batch_size, mari_calls), "peak_allocated_bytes": _peak(bench)}
+
+
+def shared(bench: Bench, entries: list[Entry], group: TaskGroup) -> dict:
+    """``entries`` (MariLM's, without forced gates) on ``group`` through one ``SharedPass``, as the repro scores
+    its rows (module docstring): wall time and time inside the model over all of them, each entry's metric."""
+    from lm_eval import simple_evaluate  # deferred: lm-eval is heavy; only this path needs it
+
+    from mari_eval.evaluation.shared_pass import SharedPass
+    from repro.engine.profiles import GENERATION_BATCH
+
+    missing = [e.method for e in entries if e.method is not None and e.method not in bench.bundles]
+    if missing or any(e.is_hf or e.tau is not None or e.options for e in entries):
+        raise LookupError(f"the shared pass runs MariLM entries with their bundles as trained: {[e.name for e in entries]}"
+                          f" (no bundle: {missing})")
+    joined = SharedPass(bench.model)
+    lms = [MariLM(pretrained=bench.model, tokenizer=bench.tokenizer, batch_size=GENERATION_BATCH, device=bench.device,
+                  dtype=bench.dtype, bundle=bench.bundles.get(e.method), shared_pass=joined) for e in entries]
+    spent = [_timed(lm, ("loglikelihood",)) for lm in lms]
+    _reset_peak(bench)
+    metrics, documents = {}, {}
+    started = time.perf_counter()
+    for entry, lm in zip(entries, lms):
+        out = simple_evaluate(model=lm, tasks=list(group.tasks), limit=group.limit, task_manager=bench.manager,
+                              bootstrap_iters=0, log_samples=False)
+        metrics[entry.name] = {task: out["results"][task].get(group.metric) for task in group.tasks}
+        documents = {task: out["n-samples"][task]["effective"] for task in group.tasks}
+    return {"task": group.name, "tasks": list(group.tasks), "entries": [e.name for e in entries],
+            "methods": [e.method for e in entries], "wall_s": time.perf_counter() - started,
+            "model_s": sum(s["model_s"] for s in spent), "metric": group.metric, "metrics": metrics,
+            "documents": documents, "shared_stats": dict(joined.stats), "peak_allocated_bytes": _peak(bench)}
 
 
 def warm(bench: Bench, group: TaskGroup) -> dict:
