@@ -106,10 +106,10 @@ def derive(runs: list[dict], calibration_runs: tuple[str, ...] = costs.CALIBRATI
                 if row["kind"].startswith("train ") and row["ratio_flops"]:
                     train.setdefault(row["kind"][6:], []).append(row["ratio_flops"])
     # The repro's own path where a run timed it, else the nearest: one method, one question at a time.
-    one_at_a_time = [row["ratio_flops"] for run in runs for row in run["steps"] if "(shared pass" in row["kind"]]
+    evaluations = [row["ratio_flops"] for run in runs for row in run["steps"] if "(shared pass" in row["kind"]]
     evaluate_from = "the shared pass's steps"
-    if not one_at_a_time:
-        one_at_a_time = [row["ratio_flops"] for run in runs for row in run["steps"]
+    if not evaluations:
+        evaluations = [row["ratio_flops"] for run in runs for row in run["steps"]
                          if row["kind"].startswith("evaluate ") and row["kind"].endswith("(batch 1)")]
         evaluate_from = "every run's batch-1 steps (no run timed the shared pass)"
     batched = [row["ratio_flops"] for run in runs if run["run"] in calibration_runs for row in run["steps"]
@@ -118,7 +118,7 @@ def derive(runs: list[dict], calibration_runs: tuple[str, ...] = costs.CALIBRATI
              if row["kind"] == "generate one prompt (base)"]
     return {"train": {m: statistics.median(r) for m, r in sorted(train.items())},
             "train_steps": {m: len(r) for m, r in sorted(train.items())},
-            "evaluate": _median(one_at_a_time), "evaluate_steps": len(one_at_a_time), "evaluate_from": evaluate_from,
+            "evaluate": _median(evaluations), "evaluate_steps": len(evaluations), "evaluate_from": evaluate_from,
             "evaluate_batched": _median(batched), "evaluate_batched_steps": len(batched),
             "decode_step_s": _median(steps), "decode_steps": len(steps)}
 

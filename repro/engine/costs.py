@@ -27,7 +27,8 @@ truthfulqa_mc2 questions in 2.8 s inside the model, i.e. 100 x (186 + 7.4 x 10.9
 6.88e9 in 2.8 s, about 1.3e14 FLOP/s. GPU-seconds are those seconds times the ratio measured /
 estimated of the step's kind on a GPU (``CALIBRATION``, issue 59.4: ``python -m
 repro.benchmark.cost_check`` derives it from repro/gpu_bench.py's runs and checks it across shapes):
-one ratio for batched log-likelihood evaluation, one per method for training. Generating is not
+one ratio for log-likelihood evaluation as the repro's shared pass runs it (one question at a
+time), one per method for training. Generating is not
 priced by FLOPs: a greedy step reads every weight for a few tokens, so a batch of
 ``GENERATION_BATCH`` prompts costs its prompts' FLOPs plus one measured step time per token
 generated (``decode_step_s``). The time on 2 CPU cores stays FLOPs / ``EFFECTIVE_FLOPS`` times
@@ -57,7 +58,7 @@ class Calibration:
     device: str
     measured: str  # the dates of the runs
     runs: tuple[str, ...]  # results/gpu_bench_runs/ files the training ratios are the medians of
-    evaluate: float  # batched log-likelihood evaluation, time inside the model's request methods
+    evaluate: float  # log-likelihood evaluation one question at a time (the repro's shared pass), in the model
     train: dict[str, float]  # per method, the bundle's training (wall)
     decode_step_s: float  # one greedy step of a generation batch (a 128-token answer's total / 128)
 
@@ -156,15 +157,19 @@ def variants(method: str | None) -> int:
     return MARI_K + 2 if method == "mari" else 1
 
 
+def _decoded(method: str | None, gen_tokens: int | None) -> int:
+    """Tokens a row decodes per generated answer: ``gen_tokens`` (else the tasks' default), MARI's K
+    experts adding their T_ent-step routing window."""
+    return (gen_tokens or DEFAULT_GENERATION) + (MARI_K * MARI_WINDOW if method == "mari" else 0)
+
+
 def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
                      n_parameters: int | None = None) -> float:
     """One task under a group of rows (their methods; None for the untouched model) in one shared pass;
     ``n_parameters``: N of a model the profiles do not name (a benchmark's random-weight model)."""
     n = n_parameters or parameters(model)
     if size.generation:
-        generated = gen_tokens or DEFAULT_GENERATION
-        per_row = [size.prompt + generated + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods]
-        return 2 * n * size.documents * sum(per_row)
+        return 2 * n * size.documents * sum(size.prompt + _decoded(m, gen_tokens) for m in methods)
     readers = 1 + sum(m in PROMPT_READERS for m in methods)
     options = size.requests * size.option * sum(variants(m) for m in methods)
     return 2 * n * size.documents * (size.prompt * readers + options)
@@ -228,7 +233,6 @@ def evaluation_seconds(model: str, size: TaskSize, methods: list[str | None], ge
     if not size.generation:
         return seconds(evaluation_flops(model, size, methods, gen_tokens, n_parameters)) * calibration.evaluate
     n = n_parameters or parameters(model)
-    generated = gen_tokens or DEFAULT_GENERATION
     prompts = 2 * n * size.documents * size.prompt * len(methods)
-    steps = sum(generated + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods)
+    steps = sum(_decoded(m, gen_tokens) for m in methods)
     return seconds(prompts) * calibration.evaluate + math.ceil(size.documents / batch) * steps * calibration.decode_step_s
