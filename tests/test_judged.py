@@ -125,3 +125,12 @@ def test_the_judge_label_is_read_from_the_tasks_recorded_metadata():
                        "xstest_safe": {"metadata": {"version": 1.0}}}}
     assert judge_label(out, "sorry_bench_heldout") == "m @ prompt sha256:ab"
     assert judge_label(out, "xstest_safe") is None and judge_label({"results": {}}, "sorry_bench_heldout") is None
+
+
+def test_a_judge_given_as_a_local_folder_is_named_by_the_folder_not_the_machines_path():
+    label = "/root/.cache/mari-eval/models/smollm2-135m-instruct | prompt base-#thescore sha256:ab"
+    stored = {"m": {"Vanilla": {"sorry_refusal": {**judged_cell([0.0, 1.0]), "judge": [label]}},
+                    "Hub": {"sorry_refusal": {**judged_cell([1.0]), "judge": ["mistralai/Mistral-7B | prompt p sha256:cd"]}}}}
+    assert judged.judge_record(stored)["judges"] == [
+        "mistralai/Mistral-7B | prompt p sha256:cd",
+        "smollm2-135m-instruct (local files) | prompt base-#thescore sha256:ab"]

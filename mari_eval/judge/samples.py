@@ -54,7 +54,17 @@ def rate(summary: Mapping) -> float:
 
 def judge_label(judge: Judge) -> str:
     d = judge.describe()
-    return f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}"
+    return readable_label(f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}")
+
+
+def readable_label(label: str) -> str:
+    """A judge label without this machine's folders: a judge model given as a local path (the embedded
+    judge) is named by its folder, "NAME (local files)"; a Hub id or a served model's name stays as it is.
+    Also applied to labels stored before this (repro/engine/judged.py), so one judge has one label."""
+    model, sep, rest = label.partition(" | ")
+    if not Path(model).is_absolute():
+        return label
+    return f"{Path(model).name} (local files){sep}{rest}"
 
 
 def task_metrics(summary: Mapping) -> dict:

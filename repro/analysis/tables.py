@@ -121,7 +121,7 @@ def cost(store: Store) -> str:
     """What the steps behind a table cost, whether this run computed them or read them back."""
     reused = sum(1 for name in store.step_seconds if name not in store.computed)
     return (f"its {len(store.step_seconds)} training and evaluation steps took {store.compute_seconds():.0f} s of "
-            f"computation ({reused} of them read back from the cache under runs/)")
+            f"computation ({reused} of them read back from the cache under {store.root.as_posix()}/)")
 
 
 def write_record(stem: Path, record: dict, text: str) -> None:

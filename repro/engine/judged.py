@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mari_eval.judge.samples import readable_label
+
 JUDGED_TASK_PREFIX = "sorry_bench"  # harness_tasks/sorry_bench*.yaml: refusal_rate by the LLM judge
 JUDGED_METRICS = ("refusal_rate,none",)  # their judged metric (keyword_refusal_rate needs no judge)
 MIN_PARSED = 0.9  # the floor: a judged cell needs this fraction of its verdicts parsed
@@ -66,7 +68,8 @@ def judge_record(cells: dict) -> dict[str, Any] | None:
     if not judged:
         return None
     present = sorted({column for column, _ in judged})
-    judges = sorted({judge or "not recorded" for _, cell in judged for judge in cell.get("judge") or [None]})
+    judges = sorted({readable_label(judge) if judge else "not recorded"
+                     for _, cell in judged for judge in cell.get("judge") or [None]})
     return {"columns": present, "judges": judges, "min_parsed": MIN_PARSED}
 
 
