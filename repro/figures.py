@@ -2,6 +2,10 @@
 behind each picture (issue 42).
 
     python repro/figures.py [--profile quick|standard|large|paper|smoke] [--model ID] [--seeds 0]
+    python repro/figures.py --plan --profile budget  # its bundles and their cost; runs nothing
+
+``--plan`` prices the bundles it needs (the main table's); the figures' own pass over D_train and
+D_ctrl under each bundle is not a cached step and is not priced (minutes on 2 CPU cores).
 
 For each model and seed: the main table's TruthfulQA MARI bundle (the same cache under runs/)
 and the examples it was trained and calibrated on, rebuilt from its recorded splits (refused
@@ -45,7 +49,7 @@ from mari_eval.methods import load_bundle
 from mari_eval.injection.plan import BASE
 from mari_eval.evaluation.prefix_cache import Prefix, PrefixCache, broadcast_cache, with_cache
 from mari_eval.training.session import Session
-from repro.engine import cache, command_line, profiles
+from repro.engine import cache, command_line, planning, profiles, steps
 from repro.plots import figure_plots, figure_stats
 from repro.analysis.tables import markdown_table
 
@@ -146,6 +150,15 @@ def figure5b_and_6(bundle, states: dict[str, torch.Tensor], pc1: torch.Tensor) -
     return five_b, six
 
 
+def plan(profile: profiles.Profile, store: cache.Store) -> steps.Graph:
+    """``run``'s cached work as a graph of steps (repro/engine/planning.py): the TruthfulQA MARI bundles."""
+    graph = steps.Graph()
+    for model in profile.models:
+        for seed in profile.seeds:
+            planning.train_step(graph, store, profile, "mari", "truthfulqa", model, seed)
+    return graph
+
+
 def run(profile: profiles.Profile, store: cache.Store) -> dict:
     out: dict = {}
     for model in profile.models:
@@ -229,8 +242,11 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = command_line.start(__doc__, "figures.py", argv)
+    args, profile, store, command = command_line.start(__doc__, "figures.py", argv, planning.add_arguments)
     started = time.time()
+    title = f"figures, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
+    if planning.before_the_table(args, lambda: plan(profile, store), title, store, profile):
+        return 0
     models = run(profile, store)
     states = {(model, seed): r.pop(STATES) for model, seeds in models.items() for seed, r in seeds.items()}
     record = {"profile": profile.name, "command": command, "compute_time_s": time.time() - started, "models": models}

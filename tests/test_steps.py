@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from repro import ablation_table, baseline_recipes, diagnostics, latency, main_table, sensitivity, transfer_gsm8k
+from repro import ablation_table, baseline_recipes, diagnostics, figures, latency, main_table, sensitivity, transfer_gsm8k
 from repro.engine import cache, costs, profiles, steps
 
 from .tiny import tiny_caa
@@ -157,7 +157,8 @@ def test_the_ablation_and_sensitivity_plans_share_the_main_tables_mari_bundles(t
                                            (transfer_gsm8k, "gsm8k transfer, profile smoke"),
                                            (baseline_recipes, "baseline recipes, profile smoke"),
                                            (diagnostics, "diagnostics, profile smoke"),
-                                           (latency, "latency, profile smoke")])
+                                           (latency, "latency, profile smoke"),
+                                           (figures, "figures, profile smoke")])
 def test_every_table_script_plans_and_runs_nothing(script, title, tmp_path, capsys):
     assert script.main(["--smoke", "--plan", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
