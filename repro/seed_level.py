@@ -19,7 +19,10 @@ every difference of a table whose cells have two seeds or more, read from its pe
   (``intervals.ITERATIONS`` draws, seed ``intervals.SEED``; Davison & Hinkley, *Bootstrap Methods*,
   1997, sec. 3.8, two-stage sampling). With 3 seeds its seed stage has 10 distinct outcomes, and
   it understates between-seed spread (a draw of three seeds reuses one seed about 7 times in 9);
-  the t interval is the one to read. Holm's adjustment runs over the t tests of each family (the
+  the t interval is the one to read, except where every seed gave the same difference: the t
+  statistic is then D / 0, no test (a p of 0 would claim certainty from three equal counts), and
+  the t interval and p are "undefined" (null), left out of Holm's family; the hierarchical
+  interval is then the seed-level figure. Holm's adjustment runs over the t tests of each family (the
   differences from the reference row; the table's other comparisons), as the table's own do.
 * beside them, the table's own conditional interval and p, labelled as such.
 
@@ -64,8 +67,10 @@ def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATION
         return None
     per_seed = [float(np.concatenate(units).mean()) for units in strata]
     mean, spread, count = float(np.mean(per_seed)), float(np.std(per_seed, ddof=1)), len(per_seed)
-    half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
-    p = 1.0 if spread == 0 and mean == 0 else 0.0 if spread == 0 else float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1))
+    t_ci, p = None, None  # every seed gave the same difference: t is D / 0 (or 0 / 0), not a test; see below
+    if spread > 1e-12 * max(1.0, abs(mean)):  # not float noise between equal counts
+        half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
+        t_ci, p = [mean - half, mean + half], float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1))
     rng = np.random.default_rng(seed)
     draws = np.empty(iterations)
     sums = [np.array([u.sum() for u in units]) for units in strata]
@@ -79,7 +84,7 @@ def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATION
     tail = (1 - intervals.LEVEL) / 2 * 100
     low, high = np.percentile(draws, [tail, 100 - tail])
     return {"per_seed": per_seed, "mean": mean, "std": spread, "seeds": count,
-            "t_ci": [mean - half, mean + half], "t_p": p, "hierarchical_ci": [float(low), float(high)]}
+            "t_ci": t_ci, "t_p": p, "hierarchical_ci": [float(low), float(high)]}
 
 
 def analyse(table: Path) -> dict:
@@ -108,11 +113,20 @@ def analyse(table: Path) -> dict:
                 found.append({"row": label, "against": against, "column": column, **figures,
                               "conditional": {"ci": given.get("ci"), "p": given.get("p"), "p_bound": given.get("p_bound"),
                                               "test": given.get("test")}})
-        for family in {f["against"] == reference for f in found}:  # Holm over each family, as the table's tests
-            members = [f for f in found if (f["against"] == reference) == family]
-            for f, adjusted in zip(members, intervals.holm([f["t_p"] for f in members])):
-                f["t_p_holm"] = adjusted
+        adjust(found, reference)
     return out
+
+
+def adjust(found: list[dict], reference: str | None) -> None:
+    """Each difference's ``t_p_holm``: Holm over each family, as the table's own tests (the differences
+    from ``reference``; the other comparisons); an undefined t test is not in its family (None)."""
+    for family in {f["against"] == reference for f in found}:
+        members = [f for f in found if (f["against"] == reference) == family]
+        tested = [f for f in members if f["t_p"] is not None]
+        for f in members:
+            f["t_p_holm"] = None
+        for f, adjusted in zip(tested, intervals.holm([f["t_p"] for f in tested])):
+            f["t_p_holm"] = adjusted
 
 
 def markdown(result: dict, one_seed: list[str]) -> str:
@@ -132,7 +146,9 @@ def markdown(result: dict, one_seed: list[str]) -> str:
             ["rows", "column", "per seed", "mean (std)", "seed-level t 95%", "t p (Holm)", "hierarchical 95%",
              "conditional 95%", "conditional p"],
             [[f"{f['row']} - {f['against']}", f["column"], " / ".join(f"{d:+.2f}" for d in f["per_seed"]),
-              f"{f['mean']:+.2f} ({f['std']:.2f})", f"[{f['t_ci'][0]:.2f}, {f['t_ci'][1]:.2f}]", f"{f['t_p']:.3f} ({f['t_p_holm']:.3f})",
+              f"{f['mean']:+.2f} ({f['std']:.2f})",
+              *(["undefined (no spread)", "undefined"] if f["t_p"] is None else
+                [f"[{f['t_ci'][0]:.2f}, {f['t_ci'][1]:.2f}]", f"{f['t_p']:.3f} ({f['t_p_holm']:.3f})"]),
               f"[{f['hierarchical_ci'][0]:.2f}, {f['hierarchical_ci'][1]:.2f}]",
               "n/a" if not f["conditional"]["ci"] else f"[{f['conditional']['ci'][0]:.2f}, {f['conditional']['ci'][1]:.2f}]",
               "n/a" if f["conditional"]["p"] is None else p_text(f["conditional"]["p"], bool(f["conditional"]["p_bound"]))]

@@ -52,6 +52,29 @@ def test_per_seed_differences_and_the_t_interval_by_hand():
     assert 0.1 - 1e-12 <= low < 0.3 < high <= 0.6 + 1e-12
 
 
+def test_equal_differences_on_every_seed_leave_the_t_test_undefined_and_out_of_holm():
+    # NL-ITI's quick-profile MC1: +4.00 on each of three seeds gave t = D / 0, printed as p = 0.000 (Holm 0.000)
+    reference = _cell([{f"d{i}": 0.0 for i in range(50)} for _ in range(3)])
+    equal = _cell([{f"d{i}": float(i < 2) for i in range(50)} for _ in range(3)])
+    found = seed_level.seed_level(equal, reference, iterations=200, seed=1)
+    assert found["per_seed"] == pytest.approx([0.04] * 3) and found["std"] == 0.0
+    assert found["t_ci"] is None and found["t_p"] is None
+    low, high = found["hierarchical_ci"]
+    assert 0.0 <= low <= 0.04 <= high  # the documents' stage still varies: the seed-level figure left
+    varied = seed_level.seed_level(_cell([{f"d{i}": float(i < g) for i in range(50)} for g in (1, 2, 6)]),
+                                   reference, iterations=200, seed=1)
+    conditional = {"ci": None, "p": None, "p_bound": False}
+    rows = [{**found, "row": "A", "against": "V", "column": "c", "conditional": conditional},
+            {**varied, "row": "B", "against": "V", "column": "c", "conditional": conditional}]
+    seed_level.adjust(rows, "V")
+    assert rows[0]["t_p_holm"] is None and rows[1]["t_p_holm"] == varied["t_p"]  # a family of one test
+    text = seed_level.markdown({"table": "t", "command": "c", "table_command": "c", "level": 0.95, "iterations": 200,
+                                "seed": 1, "models": {"m": rows}}, [])
+    (line,) = [cells for cells in (line.split("|") for line in text.splitlines() if line.startswith("|"))
+                if cells[1].strip() == "A - V"]
+    assert [c.strip() for c in line[3:7]] == ["+0.04 / +0.04 / +0.04", "+0.04 (0.00)", "undefined (no spread)", "undefined"]
+
+
 def test_clusters_are_resampled_whole_and_one_seed_gives_nothing():
     # one stratum's four documents in two contexts: two units, not four
     units = seed_level._paired({"a": 1.0, "b": 1.0, "c": 0.0, "d": 1.0}, {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0},
