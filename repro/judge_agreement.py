@@ -59,7 +59,7 @@ def llm_verdicts(rows: list[dict]) -> tuple[list[bool | None], dict]:
     embedded one by its alias), prompt and settings, and the first ``SHOWN_RAW`` answers it gave
     that are not a verdict."""
     from mari_eval.judge import Judge, JudgeConfig, judge_environment, load_prompt
-    from mari_eval.storage.models import EMBEDDED, same_model
+    from mari_eval.storage.models import display_name
 
     with judge_environment() as env:
         with _environment(env):
@@ -69,11 +69,8 @@ def llm_verdicts(rows: list[dict]) -> tuple[list[bool | None], dict]:
             described = judge.describe()
     for key in ("cache", "base_url"):  # a path and a port of this machine
         described.pop(key, None)
-    alias = next((name for name in EMBEDDED if same_model(name, described["model"])), None)
-    if alias is not None:
-        described["model"] = f"{alias} (embedded)"
-        described["served_models"] = {f"{alias} (embedded)" if same_model(alias, k) else k: v
-                                      for k, v in described["served_models"].items()}
+    described["model"] = display_name(described["model"])
+    described["served_models"] = {display_name(k): v for k, v in described["served_models"].items()}
     described["unparseable_examples"] = [j.raw for j in judgements if j.label == UNPARSEABLE][:SHOWN_RAW]
     return [None if j.label == UNPARSEABLE else j.label == REFUSAL for j in judgements], described
 

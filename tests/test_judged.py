@@ -128,9 +128,35 @@ def test_the_judge_label_is_read_from_the_tasks_recorded_metadata():
 
 
 def test_a_judge_given_as_a_local_folder_is_named_by_the_folder_not_the_machines_path():
+    from mari_eval.storage.models import display_name
+
+    assert display_name("/data/judges/my-judge") == "my-judge (local files)"
+    assert display_name("smollm2-135m-instruct") == "smollm2-135m-instruct (embedded)"
+    assert display_name("mistralai/Mistral-7B-Instruct-v0.2") == "mistralai/Mistral-7B-Instruct-v0.2"
     label = "/root/.cache/mari-eval/models/smollm2-135m-instruct | prompt base-#thescore sha256:ab"
     stored = {"m": {"Vanilla": {"sorry_refusal": {**judged_cell([0.0, 1.0]), "judge": [label]}},
                     "Hub": {"sorry_refusal": {**judged_cell([1.0]), "judge": ["mistralai/Mistral-7B | prompt p sha256:cd"]}}}}
     assert judged.judge_record(stored)["judges"] == [
         "mistralai/Mistral-7B | prompt p sha256:cd",
-        "smollm2-135m-instruct (local files) | prompt base-#thescore sha256:ab"]
+        "smollm2-135m-instruct (embedded) | prompt base-#thescore sha256:ab"]
+
+
+def test_refusal_columns_carry_their_judges_agreement_with_people(tmp_path, monkeypatch):
+    # issue 55.6: the SORRY-Bench column names the judge it used and its measured agreement
+    committed = json.loads((judged.REPO / judged.AGREEMENT).read_text())
+    keyword = committed["readings"]["partial-is-refusal"]["keyword"]["all"]
+    llm = committed["llm_judge"]
+    measured = f"{llm['model']} | prompt {llm['prompt']} sha256:{llm['prompt_sha256']}"
+    record = judged.agreement_record(["tqa_mc1", "sorry_keyword", "sorry_refusal"],
+                                     {"judges": [measured, "other-judge | prompt p sha256:ef"]})
+    assert record["source"] == judged.AGREEMENT and record["command"] == committed["command"]
+    assert record["judges"]["keyword"]["kappa"] == keyword["kappa"]
+    assert record["judges"][measured]["n"] + record["judges"][measured]["unparseable"] > 0
+    assert record["judges"]["other-judge | prompt p sha256:ef"] is None  # another judge: not measured, said so
+    sentence = judged.agreement_sentence(record)
+    assert f"Cohen's kappa {keyword['kappa']:.3f}" in sentence and "other-judge | prompt p sha256:ef: not measured" in sentence
+    assert judged.agreement_record(["tqa_mc1", "bbq_acc"], None) is None  # no refusal column: nothing to say
+    assert judged.agreement_record(["xstest_safe_refusal@sorry"], None)["judges"].keys() == {"keyword"}
+    monkeypatch.setattr(judged, "AGREEMENT", "results/no_such_file.json")
+    missing = judged.agreement_record(["sorry_keyword"], None)
+    assert missing["source"] is None and "is missing" in judged.agreement_sentence(missing)

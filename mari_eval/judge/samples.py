@@ -34,6 +34,7 @@ from mari_eval.judge.client import Judge, Judgement
 from mari_eval.judge.config import JudgeConfig, JudgeError
 from mari_eval.judge.prompt import UNPARSEABLE, load_prompt
 from mari_eval.judge.summary import refusal_summary
+from mari_eval.storage.models import display_name
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,11 @@ def judge_label(judge: Judge) -> str:
 
 
 def readable_label(label: str) -> str:
-    """A judge label without this machine's folders: a judge model given as a local path (the embedded
-    judge) is named by its folder, "NAME (local files)"; a Hub id or a served model's name stays as it is.
-    Also applied to labels stored before this (repro/engine/judged.py), so one judge has one label."""
+    """A judge label without this machine's folders (``mari_eval.storage.models.display_name``: the
+    embedded judge is "ALIAS (embedded)"). Also applied to labels stored before this
+    (repro/engine/judged.py), so that one judge has one label."""
     model, sep, rest = label.partition(" | ")
-    if not Path(model).is_absolute():
-        return label
-    return f"{Path(model).name} (local files){sep}{rest}"
+    return f"{display_name(model)}{sep}{rest}"
 
 
 def task_metrics(summary: Mapping) -> dict:

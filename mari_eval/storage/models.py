@@ -123,6 +123,19 @@ def check_local(name: str, what: str) -> None:
                                 "check the path, or give a Hub id as org/name or an embedded alias")
 
 
+def display_name(name: str) -> str:
+    """A model as results name it, without this machine's folders: an embedded alias, or the folder it
+    is materialised into (named by the alias), as "ALIAS (embedded)"; another local folder by its own
+    name, "NAME (local files)"; a Hub id or a served model's name as it is. By the name alone, so
+    that a label stored on another machine reads the same here."""
+    if name in EMBEDDED:
+        return f"{name} (embedded)"
+    path = Path(name)
+    if not path.is_absolute():
+        return name
+    return f"{path.name} (embedded)" if path.name in EMBEDDED else f"{path.name} (local files)"
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two ``pretrained=`` names denote the same checkpoint: equal names, an alias and
     the directory it was materialised into, or two spellings of one local directory."""

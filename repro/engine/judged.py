@@ -7,17 +7,27 @@ judges again. A document whose verdict the parser could not read has no score (N
 per-document file; a judged cell prints how many there were beside n, and a cell with fewer
 than MIN_PARSED of its verdicts parsed is n/a with the count: its rate would rest on the few
 replies the judge happened to format.
+
+A table with refusal columns also says how well each of their judges agrees with people
+(``agreement_record``): the keyword judge's and the LLM judge's accuracy and Cohen's kappa against
+XSTest's human labels, as results/judge_agreement.json measured them (python repro/judge_agreement.py).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mari_eval.judge.samples import readable_label
+from repro.engine.profiles import REPO
 
 JUDGED_TASK_PREFIX = "sorry_bench"  # harness_tasks/sorry_bench*.yaml: refusal_rate by the LLM judge
 JUDGED_METRICS = ("refusal_rate,none",)  # their judged metric (keyword_refusal_rate needs no judge)
 MIN_PARSED = 0.9  # the floor: a judged cell needs this fraction of its verdicts parsed
+# Columns the keyword judge reads (mari_eval.judge.prompt.keyword_refusal): SORRY-Bench's keyword rate, XSTest's
+KEYWORD_COLUMNS = ("sorry_keyword", "xstest_safe_refusal", "xstest_unsafe_compliance")
+AGREEMENT = "results/judge_agreement.json"  # the judges against people: python repro/judge_agreement.py --llm
+AGREEMENT_READING = "partial-is-refusal"  # its default reading of a partial refusal, the one the columns use
 
 
 def judged_task(task: str) -> bool:
@@ -99,3 +109,52 @@ def withhold_below_floor(cells: dict) -> dict:
                                 clusters=[None] * len(cell["values"]))
                 out[model][label][column] = cell
     return out
+
+
+def agreement_record(columns: list[str], judge: dict[str, Any] | None) -> dict[str, Any] | None:
+    """How each refusal judge of a table agrees with people: {"source", "command", "reading", "judges":
+    {name: its overall accuracy and kappa with intervals, n and unparseable, or None where not measured}}
+    for the keyword judge (when a column in KEYWORD_COLUMNS is shown) and each LLM judge of
+    ``judge_record`` (measured only if results/judge_agreement.json scored that model with that prompt).
+    None for a table without refusal columns."""
+    keyword = any(column.split("@")[0] in KEYWORD_COLUMNS for column in columns)
+    if not keyword and not judge:
+        return None
+    path = REPO / AGREEMENT
+    measured = json.loads(path.read_text()) if path.is_file() else None
+    scored = (measured or {}).get("readings", {}).get(AGREEMENT_READING, {})
+
+    def overall(name: str) -> dict[str, Any] | None:
+        found = (scored.get(name) or {}).get("all")
+        return None if found is None else {k: found[k] for k in ("n", "unparseable", "accuracy", "accuracy_ci",
+                                                                 "kappa", "kappa_ci")}
+
+    judges: dict[str, Any] = {"keyword": overall("keyword")} if keyword else {}
+    llm = (measured or {}).get("llm_judge") or {}
+    measured_label = llm and readable_label(f"{llm['model']} | prompt {llm['prompt']} sha256:{llm['prompt_sha256']}")
+    for label in (judge or {}).get("judges", []):
+        judges[label] = overall("llm") if label == measured_label else None
+    return {"source": AGREEMENT if measured else None, "command": (measured or {}).get("command"),
+            "reading": AGREEMENT_READING, "judges": judges}
+
+
+def agreement_sentence(record: dict[str, Any]) -> str:
+    """The table header's line on how its refusal judges agree with people."""
+    if record["source"] is None:
+        return (f" The refusal judges' agreement with people is not measured here ({AGREEMENT} is missing: "
+                "python repro/judge_agreement.py --llm writes it).")
+
+    def text(name: str, found: dict[str, Any] | None) -> str:
+        if found is None:
+            return f"{name}: not measured (python repro/judge_agreement.py --llm with this judge measures it)"
+        if found["kappa"] is None:
+            return f"{name}: no figure ({found['unparseable']} of {found['n'] + found['unparseable']} verdicts unparseable)"
+        return (f"{name}: Cohen's kappa {found['kappa']:.3f} [{found['kappa_ci'][0]:.3f}, {found['kappa_ci'][1]:.3f}], "
+                f"accuracy {found['accuracy']:.3f} (n={found['n']})")
+
+    names = {"keyword": "the keyword judge (sorry_keyword, xstest_*)"}
+    return (f" Refusal judges against people (XSTest's human-labelled completions, partial refusals counted as refusals; "
+            f"{record['source']}, `{record['command']}`): "
+            + "; ".join(text(names.get(name, f"the LLM judge {name}"), found) for name, found in record["judges"].items())
+            + ".")
+
