@@ -81,7 +81,8 @@ EARLIER_BUNDLE = {"kind": "bundle", "method": "caa", "attribute": "truthfulqa", 
                   "max_pca": 24, "hyperparameters": {}}
 # The float32 key without a placement entry (the evaluations since per-document scores were kept).
 EARLIER_EVALUATION = {"kind": "evaluation", "model": MODEL, "task": "arc_easy", "limit": 2, "bundle": None, "model_args": "",
-                      "gen_tokens": None, "documents": cache_keys.DOCUMENTS_VERSION, "tasks": cache_keys.tasks_fingerprint(),
+                      "gen_tokens": None, "documents": cache_keys.DOCUMENTS_VERSION,
+                      "tasks": cache_keys.task_fingerprint("arc_easy"),  # its own files since issue 59 (repro.engine.rekey)
                       "split_seed": None}
 
 
@@ -129,8 +130,9 @@ def test_evaluations_run_in_the_placement_and_are_keyed_by_its_dtype(tmp_path, m
 
 
 def test_an_edited_task_definition_is_evaluated_again_not_read_back(tmp_path, monkeypatch):
-    # The evaluation key holds a hash of the task folder (YAMLs, templates, utils.py): an edited
-    # prompt or metric is not read back from an evaluation computed under the old one.
+    # The evaluation key holds a hash of the task's files (its YAML, includes, utils.py): an edited
+    # prompt or metric is not read back from an evaluation computed under the old one; an edit to
+    # another task's files leaves it read back.
     import shutil
 
     from mari_eval.benchmarks import tasks
@@ -145,18 +147,20 @@ def test_an_edited_task_definition_is_evaluated_again_not_read_back(tmp_path, mo
     folder = shutil.copytree(tasks.tasks_dir(), tmp_path / "tasks")
     monkeypatch.setattr(cache_keys, "tasks_dir", lambda: folder)
     store = cache.Store(tmp_path / "runs")
-    for edit in ("", "", "# a changed prompt\n", "# a changed prompt\n"):
+    for name, edit in (("arc_easy", ""), ("arc_easy", ""), ("arc_easy", "# a changed prompt\n"),
+                       ("arc_easy", "# a changed prompt\n"), ("bbq", "# a changed BBQ prompt\n")):
         if edit:
-            (folder / "arc_easy.yaml").write_text((folder / "arc_easy.yaml").read_text().split("# a changed")[0] + edit)
-        cache_keys.tasks_fingerprint.cache_clear()
+            (folder / f"{name}.yaml").write_text((folder / f"{name}.yaml").read_text().split("# a changed")[0] + edit)
+        cache_keys.task_fingerprint.cache_clear()
         store.evaluations(MODEL, ["arc_easy"], 2)
-    cache_keys.tasks_fingerprint.cache_clear()
-    assert calls == [["arc_easy"], ["arc_easy"]]  # once per definition; each repeat read back
+    cache_keys.task_fingerprint.cache_clear()
+    assert calls == [["arc_easy"], ["arc_easy"]]  # once per definition of arc_easy; each repeat read back
     assert len(list((tmp_path / "runs" / "evaluations").glob("arc_easy-*.json"))) == 2
     (folder / "README.md").write_text("prose only")  # not a definition: the key stays
-    before = cache_keys.tasks_fingerprint()
-    cache_keys.tasks_fingerprint.cache_clear()
-    assert cache_keys.tasks_fingerprint() == before
+    before = cache_keys.task_fingerprint("general_text")  # no task file: the whole folder's
+    cache_keys.task_fingerprint.cache_clear()
+    assert cache_keys.task_fingerprint("general_text") == before
+    cache_keys.task_fingerprint.cache_clear()
 
 
 @pytest.mark.needs_data

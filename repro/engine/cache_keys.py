@@ -1,5 +1,5 @@
 """The keys the repro cache (repro/engine/cache.py) stores steps under: a step's configuration (with the
-placement's dtype, ``placement_key``; an evaluation's task definitions, ``tasks_fingerprint``) and
+placement's dtype, ``placement_key``; an evaluation's task definitions, ``task_fingerprint``) and
 the package versions, hashed (``config_key``).
 """
 
@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mari_eval.benchmarks.tasks import tasks_dir
+from repro.engine import task_files
 
 log = logging.getLogger("repro")
 
@@ -36,17 +37,31 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-@lru_cache(maxsize=None)
-def tasks_fingerprint() -> str:
-    """A hash of this suite's task definitions (every file of the task folder, mari_eval.benchmarks.tasks.tasks_dir:
-    the YAMLs, their templates, utils.py with its metrics and filters; not the README), part of every
-    evaluation's key: an edited prompt, metric or filter is evaluated again, not read back. lm-eval's
-    own tasks are covered by its version in ``config_key``."""
-    root = tasks_dir()
+def _digest(root: Path, files: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in (".md", ".pyc")):
+    for path in files:
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
+def tasks_fingerprint() -> str:
+    """A hash of this suite's whole task folder (mari_eval.benchmarks.tasks.tasks_dir: the YAMLs, their
+    templates, utils.py with its metrics and filters; not the README): what every evaluation's key held
+    before ``task_fingerprint`` (``repro.engine.rekey`` moves evaluations stored under it)."""
+    root = tasks_dir()
+    return _digest(root, task_files.definition_files(root))
+
+
+@lru_cache(maxsize=None)
+def task_fingerprint(task: str) -> str:
+    """A hash of the task folder's files an evaluation of ``task`` reads (repro/engine/task_files.py: its
+    YAML, includes, group members and the modules they call), part of its key: an edited prompt, metric
+    or filter is evaluated again, not read back, and an edit to another task's files leaves it valid. A
+    task no file of the folder defines hashes the whole folder (``tasks_fingerprint``). lm-eval's own
+    tasks are covered by its version in ``config_key``."""
+    root = tasks_dir()
+    return _digest(root, task_files.task_files(root, task))
 
 
 def config_key(config: dict) -> str:

@@ -1,0 +1,80 @@
+"""Stored evaluations moved from the whole-folder task key to each task's own.
+
+    python -m repro.engine.rekey results/budget_steps [--check]
+
+An evaluation's key once hashed every file of the task folder (``cache_keys.tasks_fingerprint``), so that
+an edit to bbq.yaml discarded every stored evaluation, TruthfulQA's and MMLU's included. It now hashes
+the files its own task reads (``cache_keys.task_fingerprint``, repro/engine/task_files.py). An evaluation
+stored under the old key whose recorded folder hash is the folder's hash now was computed with exactly
+today's task files, so its task's files are today's too: it is rewritten under its new key (its
+configuration's ``tasks`` and its digest updated, nothing else) and the old file removed. Left as they
+are, and counted: evaluations already under their new key, ones computed with other task files or
+under other package versions (their name is not the hash of their configuration here), and damaged ones
+(the run that reads them says why). ``--check`` moves nothing and exits 1 when something would move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from mari_eval.storage.files import atomic_write_json
+from repro.engine.cache_digests import EVALUATION_FIELD, evaluation_digest, evaluation_mismatch
+from repro.engine.cache_keys import config_key, task_fingerprint, tasks_fingerprint
+
+
+def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
+    """(what happens to the evaluation at ``path``, its new file, its new content)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "damaged", None, None
+    config = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("task"), str) or evaluation_mismatch(record):
+        return "damaged", None, None
+    task, _, key = path.stem.rpartition("-")
+    if task != config["task"] or key != config_key(config):
+        return "other versions or copied", None, None
+    new_hash = task_fingerprint(task)
+    if config.get("tasks") == new_hash:
+        return "already keyed by its task", None, None
+    if config.get("tasks") != folder_hash:
+        return "other task files", None, None
+    moved = {**record, "config": {**config, "tasks": new_hash}}
+    if EVALUATION_FIELD in record:
+        moved[EVALUATION_FIELD] = evaluation_digest(moved)
+    return "moved", path.with_name(f"{task}-{config_key(moved['config'])}.json"), moved
+
+
+def rekey(runs: Path, check: bool = False) -> Counter:
+    """Move ``runs``' evaluations to their task's key (module docstring); how many went each way."""
+    folder_hash, counts = tasks_fingerprint(), Counter()
+    for path in sorted((runs / "evaluations").glob("*.json")):
+        what, target, moved = _move(path, folder_hash)
+        counts[what] += 1
+        if what == "moved" and not check:
+            atomic_write_json(target, moved)
+            path.unlink()
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.engine.rekey", description=__doc__.split("\n\n")[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path, help="a step cache (--runs): its evaluations/ folder is read")
+    parser.add_argument("--check", action="store_true", help="move nothing; exit 1 when something would move")
+    args = parser.parse_args(argv)
+    if not (args.runs / "evaluations").is_dir():
+        raise SystemExit(f"{args.runs}: no evaluations/ folder; give the --runs folder of a table's steps")
+    counts = rekey(args.runs, args.check)
+    verb = "would move" if args.check else "moved"
+    print(f"{args.runs}: {verb} {counts['moved']} evaluations to their task's key; left: "
+          + ", ".join(f"{n} {what}" for what, n in sorted(counts.items()) if what != "moved"))
+    return 1 if args.check and counts["moved"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
