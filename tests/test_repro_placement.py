@@ -157,10 +157,10 @@ def test_an_edited_task_definition_is_evaluated_again_not_read_back(tmp_path, mo
     assert calls == [["arc_easy"], ["arc_easy"]]  # once per definition of arc_easy; each repeat read back
     assert len(list((tmp_path / "runs" / "evaluations").glob("arc_easy-*.json"))) == 2
     (folder / "README.md").write_text("prose only")  # not a definition: the key stays
-    before = cache_keys.task_fingerprint("general_text")  # no task file: the whole folder's
-    cache_keys.task_fingerprint.cache_clear()
-    assert cache_keys.task_fingerprint("general_text") == before
-    cache_keys.task_fingerprint.cache_clear()
+    before = cache_keys.tasks_fingerprint()
+    cache_keys.tasks_fingerprint.cache_clear()
+    assert cache_keys.tasks_fingerprint() == before
+    cache_keys.tasks_fingerprint.cache_clear()
 
 
 @pytest.mark.needs_data

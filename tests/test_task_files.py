@@ -11,7 +11,7 @@ import pytest
 from mari_eval.benchmarks import tasks
 from repro.engine import cache, cache_keys, lm_eval_run, rekey
 from repro.engine.cache_digests import EVALUATION_FIELD, evaluation_digest
-from repro.engine.task_files import definition_files, task_files
+from repro.engine.task_files import task_files
 
 MODEL = "smollm2-135m-instruct"
 
@@ -30,8 +30,8 @@ def test_a_task_reads_its_yaml_its_includes_and_the_modules_it_calls():
     mmlu = names(root, "mmlu")
     assert "_mmlu.yaml" in mmlu and "_mmlu_template_yaml" in mmlu and "mmlu_anatomy.yaml" in mmlu
     assert sum(n.startswith("mmlu_") for n in mmlu) == 57 and "bbq.yaml" not in mmlu
-    # a name no file defines (the KL/cross-entropy measure; lm-eval's own tasks): every file
-    assert task_files(root, "general_text") == definition_files(root)
+    # a name no file defines (the KL/cross-entropy measure; lm-eval's own tasks) reads none of them
+    assert task_files(root, "general_text") == [] and task_files(root, "hellaswag") == []
 
 
 def test_a_tag_and_an_imported_module_are_followed(tmp_path):
@@ -43,7 +43,7 @@ def test_a_tag_and_an_imported_module_are_followed(tmp_path):
     (tmp_path / "README.md").write_text("prose")
     assert names(tmp_path, "one") == ["calls.py", "helpers.py", "one.yaml"]
     assert names(tmp_path, "both") == ["calls.py", "helpers.py", "one.yaml", "two.yaml"]
-    assert names(tmp_path, "nothing") == ["calls.py", "helpers.py", "one.yaml", "other.yaml", "two.yaml"]
+    assert names(tmp_path, "nothing") == []
 
 
 @pytest.fixture
@@ -82,9 +82,10 @@ def test_evaluations_under_the_folder_key_are_moved_and_read_back(folder, tmp_pa
     store.evaluations(MODEL, ["arc_easy", "general_text"], 2)
     _stored_under_the_folder_key(runs, "arc_easy")
     assert store.missing(MODEL, ["arc_easy", "general_text"], 2) == ["arc_easy"]  # the old key is not read
+    _stored_under_the_folder_key(runs, "general_text")  # it reads no task file: its key changes too
     assert rekey.main([str(runs), "--check"]) == 1
     assert rekey.main([str(runs)]) == 0
-    assert "moved 1 evaluations to their task's key; left: 1 already keyed by its task" in capsys.readouterr().out
+    assert "moved 2 evaluations to their task's key; left: " in capsys.readouterr().out
     assert store.missing(MODEL, ["arc_easy", "general_text"], 2) == []  # read back, digest verified
     assert rekey.main([str(runs), "--check"]) == 0
     assert calls == [["arc_easy", "general_text"]]

@@ -58,8 +58,8 @@ def task_fingerprint(task: str) -> str:
     """A hash of the task folder's files an evaluation of ``task`` reads (repro/engine/task_files.py: its
     YAML, includes, group members and the modules they call), part of its key: an edited prompt, metric
     or filter is evaluated again, not read back, and an edit to another task's files leaves it valid. A
-    task no file of the folder defines hashes the whole folder (``tasks_fingerprint``). lm-eval's own
-    tasks are covered by its version in ``config_key``."""
+    task no file of the folder defines (lm-eval's own, covered by its version in ``config_key``; the
+    KL/cross-entropy measure) reads none of them: the hash of no file."""
     root = tasks_dir()
     return _digest(root, task_files.task_files(root, task))
 

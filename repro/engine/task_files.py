@@ -9,9 +9,9 @@ A task's files, as lm-eval resolves a name in an include path:
 * each YAML's ``include:`` chain;
 * each Python module a YAML calls (``!function utils.name``), and the folder's modules those import.
 
-A name no YAML of the folder defines (a task of lm-eval's own, or the KL/cross-entropy measure that
-reads no task file) is given every file of the folder: over-invalidating is safe, a missed file is not.
-Prose (``*.md``) and bytecode never count.
+A name no YAML of the folder defines (a task of lm-eval's own, whose files and code its version in
+the key covers; the KL/cross-entropy measure, keyed by its own version) reads none of the folder's
+files. Prose (``*.md``) and bytecode never count.
 """
 
 from __future__ import annotations
@@ -76,15 +76,13 @@ class _Resolver:
         self.found: set[Path] = set()
         self.seen: set[str] = set()
 
-    def name(self, name: str) -> bool:
-        """Add the files of task, group or tag ``name``; False when no YAML of the folder defines it."""
+    def name(self, name: str) -> None:
+        """Add the files of task, group or tag ``name`` (none when no YAML of the folder defines it)."""
         if name in self.seen:
-            return True
+            return
         self.seen.add(name)
-        files = self.names.get(name)
-        for path in files or []:
+        for path in self.names.get(name, []):
             self.file(path)
-        return bool(files)
 
     def file(self, path: Path) -> None:
         if path in self.found:
@@ -126,6 +124,5 @@ class _Resolver:
 def task_files(root: Path, task: str) -> list[Path]:
     """The files of ``root`` an evaluation of ``task`` reads (module docstring), sorted."""
     resolver = _Resolver(root)
-    if not resolver.name(task):
-        return definition_files(root)
+    resolver.name(task)
     return sorted(resolver.found)
