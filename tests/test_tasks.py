@@ -67,8 +67,9 @@ PLAIN = ["truthfulqa_mc1", "truthfulqa_mc2", "truthfulqa_gen", "bbq", "bbq_disam
 # few-shot count we were asked for, and metadata (the split seed).
 DATA_KEYS = {"dataset_path", "dataset_name", "custom_dataset", "dataset_kwargs", "tag", "metadata"}
 OUR_CHANGES = {"arc_easy": {"num_fewshot", "fewshot_split"}, "arc_challenge": {"num_fewshot", "fewshot_split"},
-               # lm-eval's, less its NaN placeholders for other categories (tests/test_bbq_categories.py)
-               "bbq": {"process_results"}, "bbq_disambig": {"process_results"},
+               # lm-eval's, less its NaN placeholders for other categories (tests/test_bbq_categories.py);
+               # no pool of shots (test_bbq_tasks_are_zero_shot_without_listing_their_documents_as_shots)
+               "bbq": {"process_results", "fewshot_config"}, "bbq_disambig": {"process_results", "fewshot_config"},
                # the paper's prompt ends "\nA:" (the built-in's stops after the question); greedy, 64 tokens;
                # lm-eval's scoring and BLEURT's three metrics when a checkpoint is named (tests/test_bleurt.py)
                "truthfulqa_gen": {"doc_to_text", "generation_kwargs", "process_results", "metric_list"}}
@@ -97,10 +98,7 @@ def tm(e2e, harness_task_manager):
     return harness_task_manager
 
 
-# `bbq` itself is instantiated by the CLI run (test_lm_eval_cli_with_dummy_model), not here:
-# lm-eval lists all 17,628 processed docs as few-shot candidates when it builds the task,
-# which costs seconds, and everything else about it is checked there or via its variants.
-IN_PROCESS = [n for n in PLAIN + HELDOUT if n != "bbq"] + ["mmlu", "truthfulqa_gen_heldout"]
+IN_PROCESS = PLAIN + HELDOUT + ["mmlu", "truthfulqa_gen_heldout"]
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +262,16 @@ def test_bbq_disambig_covers_the_available_categories(tasks):
     # The metric list is the built-in's: per-category bias scores for all 11 categories.
     names = {m["metric"] for m in task.config.metric_list}
     assert {f"disamb_bias_score_{c}" for c in data.BBQ_CATEGORIES} <= names
+
+
+@pytest.mark.parametrize("name", ["bbq", "bbq_disambig", "bbq_heldout", "bbq_disambig_heldout", "bbq_ambig_heldout"])
+def test_bbq_tasks_are_zero_shot_without_listing_their_documents_as_shots(tasks, name):
+    # lm-eval lists a task's test documents as its pool of shots when it has no other split (17,628 for
+    # bbq, seconds per evaluation); bbq.yaml gives an empty pool and a sampler that refuses shots by name.
+    sampler = tasks[name].sampler
+    assert type(sampler).__name__ == "BBQZeroShot" and list(sampler.df) == [] and sampler.sample(0) == []
+    with pytest.raises(ValueError, match="--num_fewshot 3: the bbq tasks are zero-shot"):
+        sampler.sample(3)
 
 
 def test_bbq_disambig_heldout_is_exactly_the_test_split(tasks):
