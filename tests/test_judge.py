@@ -947,7 +947,9 @@ def test_task_end_to_end_with_the_embedded_judge(task_run, embedded):
     # the judge and the per-category rates: in the results JSON (the task's metadata), and logged before the table
     recorded = out["configs"]["sorry_bench_heldout"]["metadata"]
     prompt = J.load_prompt()
-    assert recorded["judge"]["label"].startswith(embedded.model) and prompt.sha256 in recorded["judge"]["label"]
+    # the judge by its name, not this machine's folder (mari_eval.storage.models.display_name)
+    assert recorded["judge"]["label"].startswith("smollm2-135m-instruct (embedded) | ") and \
+        prompt.sha256 in recorded["judge"]["label"] and embedded.model not in recorded["judge"]["label"]
     assert recorded["judge"]["parser"] == prompt.parser_version == 1
     judged = {s["doc"]["category"] for s in samples}
     assert set(recorded["by_category"]) == judged  # only categories with responses: no NaN rows

@@ -22,7 +22,8 @@ def names(root, task):
 
 def test_a_task_reads_its_yaml_its_includes_and_the_modules_it_calls():
     root = tasks.tasks_dir()
-    assert names(root, "bbq_ambig_heldout") == ["bbq.yaml", "bbq_ambig_heldout.yaml", "bbq_bias.py", "utils.py"]
+    assert names(root, "bbq_ambig_heldout") == ["bbq.yaml", "bbq_ambig_heldout.yaml", "bbq_bias.py", "bbq_zero_shot.py",
+                                                "utils.py"]
     assert names(root, "truthfulqa_mc2_heldout") == ["truthfulqa_mc1.yaml", "truthfulqa_mc2.yaml",
                                                      "truthfulqa_mc2_heldout.yaml", "utils.py"]
     assert names(root, "xstest_safe") == ["xstest_safe.yaml", "xstest_utils.py"]
