@@ -54,8 +54,13 @@ def rate(summary: Mapping) -> float:
 
 
 def judge_label(judge: Judge) -> str:
-    d = judge.describe()
-    return readable_label(f"{d['model']} | prompt {d['prompt']} sha256:{d['prompt_sha256']}")
+    return described_label(judge.describe())
+
+
+def described_label(described: Mapping) -> str:
+    """The label of a judge as ``Judge.describe`` gives it (or judge_agreement.json records it): model and
+    prompt with its sha256."""
+    return readable_label(f"{described['model']} | prompt {described['prompt']} sha256:{described['prompt_sha256']}")
 
 
 def readable_label(label: str) -> str:

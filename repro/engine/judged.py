@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mari_eval.judge.samples import readable_label
-from repro.engine.profiles import REPO
+from mari_eval.judge.samples import described_label, readable_label
+from repro.engine.profiles import KEYWORD_REFUSAL, REPO, XSTEST
 
 JUDGED_TASK_PREFIX = "sorry_bench"  # harness_tasks/sorry_bench*.yaml: refusal_rate by the LLM judge
 JUDGED_METRICS = ("refusal_rate,none",)  # their judged metric (keyword_refusal_rate needs no judge)
 MIN_PARSED = 0.9  # the floor: a judged cell needs this fraction of its verdicts parsed
 # Columns the keyword judge reads (mari_eval.judge.prompt.keyword_refusal): SORRY-Bench's keyword rate, XSTest's
-KEYWORD_COLUMNS = ("sorry_keyword", "xstest_safe_refusal", "xstest_unsafe_compliance")
+KEYWORD_COLUMNS = (KEYWORD_REFUSAL[0], *(column[0] for column in XSTEST))
 AGREEMENT = "results/judge_agreement.json"  # the judges against people: python repro/judge_agreement.py --llm
 AGREEMENT_READING = "partial-is-refusal"  # its default reading of a partial refusal, the one the columns use
 
@@ -131,7 +131,7 @@ def agreement_record(columns: list[str], judge: dict[str, Any] | None) -> dict[s
 
     judges: dict[str, Any] = {"keyword": overall("keyword")} if keyword else {}
     llm = (measured or {}).get("llm_judge") or {}
-    measured_label = llm and readable_label(f"{llm['model']} | prompt {llm['prompt']} sha256:{llm['prompt_sha256']}")
+    measured_label = llm and described_label(llm)
     for label in (judge or {}).get("judges", []):
         judges[label] = overall("llm") if label == measured_label else None
     return {"source": AGREEMENT if measured else None, "command": (measured or {}).get("command"),
