@@ -105,5 +105,13 @@ def test_evaluations_computed_with_other_task_files_are_left(folder, tmp_path, c
     out = capsys.readouterr().out
     assert "moved 0 evaluations" in out and "1 other task files" in out
     assert sorted(p.name for p in (runs / "evaluations").iterdir()) == before
+    assert rekey.main([str(runs), "--prune"]) == 0  # no run of this checkout reads it back: deleted by name
+    out = capsys.readouterr().out
+    assert f"deleted {runs / 'evaluations' / before[0]} (computed with other task files)" in out
+    assert "deleted 1 computed with other task files; left: none" in out
+    assert list((runs / "evaluations").iterdir()) == []
+    with pytest.raises(SystemExit):
+        rekey.main([str(runs), "--check", "--prune"])
+    assert "give one of them" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no evaluations/ folder"):
         rekey.main([str(tmp_path / "nothing")])

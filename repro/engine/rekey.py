@@ -11,6 +11,10 @@ configuration's ``tasks`` and its digest updated, nothing else) and the old file
 are, and counted: evaluations already under their new key, ones computed with other task files or
 under other package versions (their name is not the hash of their configuration here), and damaged ones
 (the run that reads them says why). ``--check`` moves nothing and exits 1 when something would move.
+``--prune`` also deletes the evaluations computed with other task files (a prompt, metric or filter
+since edited): no run of this checkout reads them back, and a committed cache would otherwise carry
+them for ever. It names each file it deletes; ones from other package versions are kept (installing
+those versions reads them back).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from pathlib import Path
 from mari_eval.storage.files import atomic_write_json
 from repro.engine.cache_digests import EVALUATION_FIELD, evaluation_digest, evaluation_mismatch
 from repro.engine.cache_keys import config_key, task_fingerprint, tasks_fingerprint
+
+
+STALE = "other task files"  # what --prune deletes
 
 
 def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
@@ -42,21 +49,27 @@ def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
     if config.get("tasks") == new_hash:
         return "already keyed by its task", None, None
     if config.get("tasks") != folder_hash:
-        return "other task files", None, None
+        return STALE, None, None
     moved = {**record, "config": {**config, "tasks": new_hash}}
     if EVALUATION_FIELD in record:
         moved[EVALUATION_FIELD] = evaluation_digest(moved)
     return "moved", path.with_name(f"{task}-{config_key(moved['config'])}.json"), moved
 
 
-def rekey(runs: Path, check: bool = False) -> Counter:
-    """Move ``runs``' evaluations to their task's key (module docstring); how many went each way."""
+def rekey(runs: Path, check: bool = False, prune: bool = False) -> Counter:
+    """Move ``runs``' evaluations to their task's key, and with ``prune`` delete the stale ones (module
+    docstring); how many went each way."""
     folder_hash, counts = tasks_fingerprint(), Counter()
     for path in sorted((runs / "evaluations").glob("*.json")):
         what, target, moved = _move(path, folder_hash)
         counts[what] += 1
-        if what == "moved" and not check:
+        if check:
+            continue
+        if what == "moved":
             atomic_write_json(target, moved)
+            path.unlink()
+        elif what == STALE and prune:
+            print(f"deleted {path} (computed with other task files)")
             path.unlink()
     return counts
 
@@ -66,13 +79,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, help="a step cache (--runs): its evaluations/ folder is read")
     parser.add_argument("--check", action="store_true", help="move nothing; exit 1 when something would move")
+    parser.add_argument("--prune", action="store_true",
+                        help="also delete the evaluations computed with other task files (none is read back)")
     args = parser.parse_args(argv)
     if not (args.runs / "evaluations").is_dir():
         raise SystemExit(f"{args.runs}: no evaluations/ folder; give the --runs folder of a table's steps")
-    counts = rekey(args.runs, args.check)
+    if args.check and args.prune:
+        parser.error("--check changes nothing and --prune deletes; give one of them")
+    counts = rekey(args.runs, args.check, args.prune)
     verb = "would move" if args.check else "moved"
-    print(f"{args.runs}: {verb} {counts['moved']} evaluations to their task's key; left: "
-          + ", ".join(f"{n} {what}" for what, n in sorted(counts.items()) if what != "moved"))
+    left = {what: n for what, n in counts.items() if what != "moved" and not (args.prune and what == STALE)}
+    print(f"{args.runs}: {verb} {counts['moved']} evaluations to their task's key"
+          + (f", deleted {counts[STALE]} computed with other task files" if args.prune else "")
+          + "; left: " + (", ".join(f"{n} {what}" for what, n in sorted(left.items())) or "none"))
     return 1 if args.check and counts["moved"] else 0
 
 
