@@ -112,6 +112,6 @@ def test_evaluations_computed_with_other_task_files_are_left(folder, tmp_path, c
     assert list((runs / "evaluations").iterdir()) == []
     with pytest.raises(SystemExit):
         rekey.main([str(runs), "--check", "--prune"])
-    assert "give one of them" in capsys.readouterr().err
+    assert "argument --prune: not allowed with argument --check" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no evaluations/ folder"):
         rekey.main([str(tmp_path / "nothing")])

@@ -78,14 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.engine.rekey", description=__doc__.split("\n\n")[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, help="a step cache (--runs): its evaluations/ folder is read")
-    parser.add_argument("--check", action="store_true", help="move nothing; exit 1 when something would move")
-    parser.add_argument("--prune", action="store_true",
+    either = parser.add_mutually_exclusive_group()  # --check changes nothing, --prune deletes
+    either.add_argument("--check", action="store_true", help="move nothing; exit 1 when something would move")
+    either.add_argument("--prune", action="store_true",
                         help="also delete the evaluations computed with other task files (none is read back)")
     args = parser.parse_args(argv)
     if not (args.runs / "evaluations").is_dir():
         raise SystemExit(f"{args.runs}: no evaluations/ folder; give the --runs folder of a table's steps")
-    if args.check and args.prune:
-        parser.error("--check changes nothing and --prune deletes; give one of them")
     counts = rekey(args.runs, args.check, args.prune)
     verb = "would move" if args.check else "moved"
     left = {what: n for what, n in counts.items() if what != "moved" and not (args.prune and what == STALE)}
