@@ -11,6 +11,13 @@ Sec. 2.1), and 6 N per token where training back-propagates through the whole mo
   times its variants (MARI: K experts, its probe and the base row, K + 2, an upper bound since a
   closed gate skips the experts):
       2 N [P (1 + rows editing the prompt) + R O sum over rows of variants]
+* the KL and cross-entropy measure on general text (mari_eval/evaluation/divergence.py), per
+  document and row: 2 N x 2 (P + R O), each row reading the whole text alone (no shared pass)
+  beside the untouched model's reading of it, MARI adding its K experts over the routing
+  window T_ent (the gate's choice of variant). On 2 CPU cores the budget profile's seed-2 step
+  (22 rows of 200 documents) took 2,087 s (2026-11-30); ``cpu_seconds`` prices it at 855 s, where
+  the shared pass's formula gave 440 s: short passes one document at a time run slower per FLOP on
+  a CPU than the tables' mix that ``CPU_SLOWDOWN`` averages;
 * generating (SORRY-Bench, GSM8K), per document and row: 2 N (P + G), G the generated tokens
   (the profile's, else the task's 256), MARI adding its K experts over the routing window T_ent;
 * training, per attribute with n examples of D_train (P, R, O of the attribute's task), D_ctrl
@@ -45,6 +52,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mari_eval.evaluation import divergence
 from repro.engine import token_counts
 from repro.engine.profiles import GENERATION_BATCH, PAPER_MODELS, REPO, Profile
 
@@ -135,6 +143,7 @@ class TaskSize:
     requests: float
     option: float
     generation: bool
+    alone: bool = False  # every row reads the whole document by itself, and the untouched model again (divergence.TASK)
 
     @classmethod
     def of(cls, task: str, limit: int | None) -> "TaskSize":
@@ -149,7 +158,7 @@ class TaskSize:
         if limit is not None:
             total = min(total, limit * (MMLU_SUBJECTS if task == "mmlu" else 1))
         return cls(total, stats["prompt_tokens"], stats["requests_per_document"], stats["option_tokens"],
-                   stats["generation"])
+                   stats["generation"], alone=task == divergence.TASK)
 
 
 def variants(method: str | None) -> int:
@@ -170,6 +179,9 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
     n = n_parameters or parameters(model)
     if size.generation:
         return 2 * n * size.documents * sum(size.prompt + _decoded(m, gen_tokens) for m in methods)
+    if size.alone:
+        text = size.prompt + size.requests * size.option
+        return 2 * n * size.documents * sum(2 * text + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods)
     readers = 1 + sum(m in PROMPT_READERS for m in methods)
     options = size.requests * size.option * sum(variants(m) for m in methods)
     return 2 * n * size.documents * (size.prompt * readers + options)
