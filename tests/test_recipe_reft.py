@@ -121,6 +121,11 @@ def test_a_profile_lowers_the_published_step_count_in_the_bundles_key_and_the_ad
     asked.clear()
     recipes.recipe_bundle(Store(), "reft", "bbq", "m", 0, PROFILES["budget"], "published")
     assert asked == [("reft", {"recipe": "published", "epoch_selection": "best", "validation": "ctrl"})]
+    # Its adapted recipes select on D_ctrl too: one labelled-data budget for both recipes and MARI's gate.
+    asked.clear()
+    for method in ("caa", "iti", "nl_iti", "reft"):
+        recipes.recipe_bundle(Store(), method, "truthfulqa", "m", 0, PROFILES["budget"], "adapted")
+    assert asked == [(m, {"validation": "ctrl"}) for m in ("caa", "iti", "nl_iti", "reft")]
     # Methods other than the four baselines: the profile's settings (the quick profile's LoRA epochs), else none.
     assert recipes.table_settings("lora", PROFILES["quick"]) == {"epochs": 5}
     assert recipes.table_settings("lora", PROFILES["standard"]) is None and recipes.table_settings("mari", PROFILES["quick"]) is None

@@ -87,3 +87,18 @@ def test_fit_warns_when_the_epoch_kept_is_the_last_and_the_loss_still_fell_into_
 def test_lora_has_one_recipe_and_its_fit_refuses_another():
     with pytest.raises(ValueError, match="LoRA has one training recipe"):
         method_class("lora").fit(None, None, {}, {"recipe": "published"}, 0)
+
+
+def test_the_recipes_table_gives_vanilla_the_first_rows_examples_and_names_rows_selected_on_others():
+    from repro.baseline_recipes import validation_losses
+
+    def config(loss, base, ids):
+        return {"method": "caa", "hyperparameters": {"recipe": "published"},
+                "diagnostics": {"validation_loss_selected": loss, "validation_loss_base": base, "validation_ids": ids}}
+
+    losses, differ = validation_losses({"CAA (adapted)": config(4.0, 5.0, ["a", "b"]),
+                                        "CAA (published)": config(4.5, 5.0, ["b", "a"]),
+                                        "ITI (adapted)": config(3.0, 6.0, ["a", "c", "d"])})
+    assert losses == {"CAA (adapted)": {"value": 4.0, "n": 2}, "Vanilla": {"value": 5.0, "n": 2},
+                      "CAA (published)": {"value": 4.5, "n": 2}, "ITI (adapted)": {"value": 3.0, "n": 3}}
+    assert differ == ["ITI (adapted)"]  # the same examples in another order are the same examples

@@ -166,10 +166,15 @@ def variants(method: str | None) -> int:
     return MARI_K + 2 if method == "mari" else 1
 
 
+def _routing_tokens(method: str | None) -> int:
+    """Tokens MARI's K experts add to a row by decoding their T_ent-step routing window; none elsewhere."""
+    return MARI_K * MARI_WINDOW if method == "mari" else 0
+
+
 def _decoded(method: str | None, gen_tokens: int | None) -> int:
-    """Tokens a row decodes per generated answer: ``gen_tokens`` (else the tasks' default), MARI's K
-    experts adding their T_ent-step routing window."""
-    return (gen_tokens or DEFAULT_GENERATION) + (MARI_K * MARI_WINDOW if method == "mari" else 0)
+    """Tokens a row decodes per generated answer: ``gen_tokens`` (else the tasks' default) and MARI's
+    routing window."""
+    return (gen_tokens or DEFAULT_GENERATION) + _routing_tokens(method)
 
 
 def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
@@ -181,7 +186,7 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
         return 2 * n * size.documents * sum(size.prompt + _decoded(m, gen_tokens) for m in methods)
     if size.alone:
         text = size.prompt + size.requests * size.option
-        return 2 * n * size.documents * sum(2 * text + (MARI_K * MARI_WINDOW if m == "mari" else 0) for m in methods)
+        return 2 * n * size.documents * sum(2 * text + _routing_tokens(m) for m in methods)
     readers = 1 + sum(m in PROMPT_READERS for m in methods)
     options = size.requests * size.option * sum(variants(m) for m in methods)
     return 2 * n * size.documents * (size.prompt * readers + options)

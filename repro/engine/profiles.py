@@ -120,6 +120,9 @@ class Profile:
     # Per baseline: settings of its published recipe this profile changes for its budget (the quick
     # and standard profiles: ReFT's least number of optimizer steps), recorded in every bundle and cache key.
     published: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per baseline: settings of its adapted recipe this profile changes (the budget profile: selection on
+    # D_ctrl, the labelled-data budget the published recipes and MARI's gate read), recorded likewise.
+    adapted: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Per method other than the four baselines: training settings this profile changes for its budget
     # (the quick profile: LoRA's epochs), recorded in every bundle and cache key (repro/engine/recipes.py).
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -255,8 +258,9 @@ PROFILES = {
     # BBQ's 200, 25 on TruthfulQA's 100, 50 on SORRY-Bench's 45; with the standard profile's 20 steps the kept
     # epoch was the last in all three seed-0 bundles, the validation loss still falling, so the length was not
     # chosen on validation; repro/training_selection.py shows it, and --set min_steps=20 runs the shorter one); one
-    # labelled-data budget: every baseline fits on all of D_train and selects on D_ctrl's attribute examples,
-    # the 40 labelled hold-outs MARI's gate is calibrated on (``validation=ctrl``, baselines/common.py).
+    # labelled-data budget: every baseline, in both recipes, fits on all of D_train and selects on D_ctrl's
+    # attribute examples, the 40 labelled hold-outs MARI's gate is calibrated on (``validation=ctrl``,
+    # baselines/common.py).
     "budget": Profile("budget", ["smollm2-135m-instruct"], [0, 1, 2], {"truthfulqa": None, "bbq": 200, "sorry_bench": None},
                       STANDARD_CTRL,
                       {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
@@ -267,6 +271,7 @@ PROFILES = {
                       published={"reft": {"epoch_selection": "best", "validation": "ctrl"},
                                  "iti": {"head_selection": "cv", "validation": "ctrl"},
                                  "nl_iti": {"head_selection": "cv", "validation": "ctrl"}, "caa": {"validation": "ctrl"}},
+                      adapted={m: {"validation": "ctrl"} for m in ("caa", "iti", "nl_iti", "reft")},
                       settings={"lora": {"validation": "ctrl"}},
                       more_columns=tuple(c[0] for c in BBQ_AMBIGUOUS + XSTEST + GENERAL_TEXT)),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from baselines.common import selection_loss
-from mari_eval.methods import load_bundle
 from repro.engine.cache import Store
 from repro.engine.profiles import Profile
 
@@ -31,16 +29,16 @@ MAIN_TABLE_RECIPE = "published"
 
 def recipe_bundle(store: Store, method: str, attribute: str, model: str, seed: int, profile: Profile,
                   recipe: str) -> Path:
-    """The bundle of ``method`` trained with ``recipe``; the adapted one is the bundle every table
-    trained before recipes existed (the same cache key: no recipe in its hyperparameters); the
-    published one with the profile's changes to it (``Profile.published``)."""
+    """The bundle of ``method`` trained with ``recipe``, with the profile's changes to that recipe
+    (``Profile.adapted``, ``Profile.published``). The adapted one without changes is the bundle every
+    table trained before recipes existed (the same cache key: no recipe in its hyperparameters)."""
     return store.bundle(method, attribute, model, seed, profile, recipe_settings(method, profile, recipe))
 
 
 def recipe_settings(method: str, profile: Profile, recipe: str) -> dict | None:
     """The hyperparameters ``recipe`` trains ``method`` with (None: the adapted recipe's defaults)."""
     if recipe == "adapted":
-        return None
+        return dict(profile.adapted[method]) if method in profile.adapted else None
     return {"recipe": recipe, **profile.published.get(method, {})}
 
 
@@ -57,7 +55,3 @@ def table_bundle(store: Store, method: str, attribute: str, model: str, seed: in
     """The bundle the main table scores for ``method`` on ``attribute`` (a baseline in ``recipe``):
     the one every other table that reads "the main table's bundle" must read too."""
     return store.bundle(method, attribute, model, seed, profile, table_settings(method, profile, recipe))
-
-
-def validation_loss_selected(bundle: Path) -> float:
-    return selection_loss(load_bundle(bundle).config)
