@@ -8,8 +8,8 @@ adapted recipe (this suite's setting) and with the published one (its authors'; 
 Baselines). Columns: held-out TruthfulQA MC1 and MC2, and ``val_loss``, the task loss of the
 configuration each recipe keeps on its validation examples (the validation slice of D_train, fitted
 on the other 80%; under ``validation=ctrl``, as in the budget profile, D_ctrl's labelled hold-outs;
-Vanilla: the base model's on the first row's, ``validation_losses``), reported and not used to choose: the main table scores the
-published recipe of every baseline, the same for every bundle (repro/engine/recipes.py), marked under the
+Vanilla: the base model's on the first row's, ``validation_losses``), reported and not used to
+choose: the main table scores the published recipe of every baseline, the same for every bundle (repro/engine/recipes.py), marked under the
 table. The bundles are the main
 table's (same cache under runs/). Writes results/baseline_recipes.{json,md,tex}.
 """
@@ -54,15 +54,15 @@ def validation_losses(configs: dict[str, dict]) -> tuple[dict[str, dict], list[s
     examples, which every bundle records beside its own. Also the rows whose examples are not the
     first row's, so that no reader compares their losses with Vanilla's unwarned."""
     losses: dict[str, dict] = {}
-    first: tuple[str, set] | None = None
+    first: set | None = None  # the first row's validation examples
     differ = []
     for label, config in configs.items():
         examples = config["diagnostics"]["validation_ids"]
         losses[label] = {"value": selection_loss(config), "n": len(examples)}
         if first is None:
-            first = (label, set(examples))
+            first = set(examples)
             losses["Vanilla"] = {"value": float(config["diagnostics"]["validation_loss_base"]), "n": len(examples)}
-        elif set(examples) != first[1]:
+        elif set(examples) != first:
             differ.append(label)
     return losses, differ
 
