@@ -89,3 +89,22 @@ def test_a_document_without_a_continuation_is_refused(model, tokenizer):
     lm = _lm(model, tokenizer)
     with pytest.raises(ValueError, match="continuation of at least one token"):
         divergence.score_text(model, lm.plan, ([1, 2, 3], []), [1, 2, 3])
+
+
+def test_a_document_the_method_leaves_unedited_is_read_once(model, tokenizer, all_bundles):
+    # The untouched model, and MARI where its gate stays closed, read the plain context unedited: one
+    # pass gives both distributions, so the KL is exactly 0 and the cross-entropy the untouched one's.
+    calls = []
+    handle = model.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        for name in (None, "closed_mari"):
+            lm = _lm(model, tokenizer, all_bundles[name] if name else None)
+            before = len(calls)
+            context, continuation = HFLM._encode_pair(lm, *TEXTS[0])
+            variant = divergence.chosen_variant(model, lm.plan, context, lm.tokenizer.pad_token_id)
+            choosing = len(calls) - before
+            scores = divergence.score_text(model, lm.plan, (context, continuation), context, lm.tokenizer.pad_token_id)
+            assert variant == BASE and scores.kl == 0.0
+            assert len(calls) - before == 2 * choosing + 1  # the choice again, then one teacher-forced pass
+    finally:
+        handle.remove()

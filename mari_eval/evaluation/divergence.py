@@ -93,7 +93,8 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
     positions = (torch.zeros(len(sites), dtype=torch.long), torch.tensor(sites))
     edit = None if variant == BASE else plan.apply(torch.full((len(sites),), variant), positions)  # one id per site
     base_lp = _log_probs(model, context, continuation)
-    steered_lp = _log_probs(model, steered_context, continuation, edit)
+    unedited = edit is None and list(steered_context) == list(context)  # the untouched model's own pass: KL is 0
+    steered_lp = base_lp if unedited else _log_probs(model, steered_context, continuation, edit)
     kl = (base_lp.exp() * (base_lp - steered_lp)).sum(-1)
     ce = -steered_lp.gather(-1, torch.tensor(continuation, device=steered_lp.device)[:, None])[:, 0]
     scores = TextScores(float(kl.mean()), float(ce.mean()), len(continuation), variant)
