@@ -11,7 +11,8 @@ of the methods that select on held-out data (CAA, ITI, NL-ITI, ReFT, LoRA):
   examples (``validation_loss_selected`` and ``validation_loss_base``, baselines/common.py), and
   whether the kept one does worse than no edit there;
 * ITI's and NL-ITI's heads (baselines/iti_heads.py): K, the K-th head's probe accuracy (cross-validated
-  under ``head_selection=cv``) beside the share of the probe's rows in their majority class, how many
+  under ``head_selection=cv``) beside the share of the probe's rows in their majority class and how far above
+  it (``above_majority``: rows, binomial standard errors, and whether the probe is told apart from it), how many
   heads tie at the K-th accuracy and how many of those the seeded order chose, the selection's
   warnings, and the chosen heads;
 * ReFT's and LoRA's training length: the validation loss after every epoch, the epoch kept, and
@@ -63,14 +64,36 @@ def main_table_bundles(profile: Profile, store: Store) -> tuple[list[tuple[str, 
     return found, missing
 
 
+# The K-th head's probe is told apart from always answering the majority class when its accuracy is at least
+# this many binomial standard errors of the majority share above it (``above_majority``).
+MAJORITY_Z = 2.0
+
+
+def above_majority(kth_accuracy: float, majority_accuracy: float | None, rows: int | None) -> dict | None:
+    """How far the K-th head's probe accuracy is above the share of the majority class over ``rows`` probe
+    rows: the excess in rows and in binomial standard errors of that share, sqrt(rows m (1 - m)), and
+    whether it reaches ``MAJORITY_Z``. The rows of one question are not independent (several answers
+    per question), so the true standard error is larger and a head this check tells apart may still not
+    be; one it does not tell apart is not. None where the bundle records no majority share or rows."""
+    if majority_accuracy is None or not rows:
+        return None
+    excess = (kth_accuracy - majority_accuracy) * rows
+    spread = math.sqrt(rows * majority_accuracy * (1 - majority_accuracy))
+    z = excess / spread if spread > 0 else math.inf if excess > 0 else 0.0
+    return {"excess_rows": round(excess, 1), "z": round(z, 2), "told_apart": z >= MAJORITY_Z}
+
+
 def _heads(diagnostics: dict, hyperparameters: dict) -> dict | None:
-    """ITI's and NL-ITI's choice of heads, as their bundles record it (baselines/iti_heads.py)."""
+    """ITI's and NL-ITI's choice of heads, as their bundles record it (baselines/iti_heads.py), with the
+    K-th head's probe against the majority class (``above_majority``, computed here)."""
     if "boundary_accuracy" not in diagnostics:
         return None
     probe = diagnostics.get("probe_validation") or {}
     return {"k": len(diagnostics.get("heads") or []), "selection": hyperparameters.get("head_selection"),
             "kth_accuracy": diagnostics["boundary_accuracy"], "majority_accuracy": probe.get("majority_accuracy"),
-            "probe_rows": probe.get("rows"), "tied_at_kth": diagnostics.get("heads_tied_at_boundary"),
+            "probe_rows": probe.get("rows"),
+            "kth_above_majority": above_majority(diagnostics["boundary_accuracy"], probe.get("majority_accuracy"), probe.get("rows")),
+            "tied_at_kth": diagnostics.get("heads_tied_at_boundary"),
             "tied_chosen": diagnostics.get("tied_heads_chosen"), "warnings": list(diagnostics.get("selection_warnings") or []),
             "chosen": [{"layer": h["layer"], "head": h["head"], "accuracy": h["validation_accuracy"]}
                        for h in diagnostics.get("chosen_heads") or []]}
@@ -109,6 +132,12 @@ def run(profile: Profile, store: Store) -> dict:
     return {"bundles": rows, "not_trained": missing}
 
 
+def _over_majority(check: dict | None) -> str:
+    if check is None:
+        return "n/a"
+    return f"{check['excess_rows']:+.0f} rows, z {check['z']:.2f}" + ("" if check["told_apart"] else ": not told apart")
+
+
 def _loss(value) -> str:
     return "n/a" if not isinstance(value, (int, float)) else f"{value:.4f}"
 
@@ -141,13 +170,21 @@ def markdown(record: dict, command: str) -> str:
     if heads:
         lines += ["", "## ITI's and NL-ITI's heads", "",
                   "K heads by probe accuracy (cross-validated over D_train grouped by question under `cv`); the K-th "
-                  "head's accuracy beside the share of the probe's rows in their majority class; heads tied at the K-th "
+                  "head's accuracy beside the share of the probe's rows in their majority class, and how far above it "
+                  f"(rows, and binomial standard errors z of the majority share; 'not told apart' below z = {MAJORITY_Z:g}, "
+                  "a generous bound: rows of one question are not independent); heads tied at the K-th "
                   "accuracy, and how many of them the seeded order chose; chosen heads as layer.head (accuracy).", ""]
+        checked = [r for r in heads if r["heads"].get("kth_above_majority")]
+        near = [r for r in checked if not r["heads"]["kth_above_majority"]["told_apart"]]
+        lines += [f"K-th head's probe not told apart from always answering the majority class: {len(near)} of {len(checked)} "
+                  "bundles" + (" (" + ", ".join(f"{method_label(r['method'])} {r['attribute']} seed {r['seed']}" for r in near) + ")"
+                               if near else "") + ".", ""]
         lines.append(tables.markdown_table(
-            ["method", "attribute", "seed", "selection", "K", "K-th accuracy", "majority class", "rows", "tied at K-th (chosen)",
-             "warnings", "chosen heads"],
+            ["method", "attribute", "seed", "selection", "K", "K-th accuracy", "majority class", "rows", "K-th over majority",
+             "tied at K-th (chosen)", "warnings", "chosen heads"],
             [[method_label(r["method"]), r["attribute"], str(r["seed"]), str(h["selection"]), str(h["k"]), f"{h['kth_accuracy']:.4f}",
               "n/a" if h["majority_accuracy"] is None else f"{h['majority_accuracy']:.4f}", str(h["probe_rows"]),
+              _over_majority(h.get("kth_above_majority")),
               f"{h['tied_at_kth']} ({h['tied_chosen']})", "; ".join(h["warnings"]) or "none",
               ", ".join(f"{c['layer']}.{c['head']} ({c['accuracy']:.3f})" for c in h["chosen"])]
              for r in heads for h in [r["heads"]]]))

@@ -59,8 +59,9 @@ def test_the_report_reads_each_stored_bundles_selection_and_names_the_rest(runs,
     iti, reft, lora = rows["iti", "truthfulqa"], rows["reft", "truthfulqa"], rows["lora", "bbq"]
     assert iti["worse_than_untouched"] and not reft["worse_than_untouched"] and not lora["worse_than_untouched"]
     assert iti["validation_examples"] == 2 and iti["epochs"] is None
+    # 0.92 - 0.9167 of 2400 rows is 7.9 rows, 0.59 standard errors of the majority share sqrt(2400 x 0.9167 x 0.0833) = 13.5 rows.
     assert iti["heads"] == {"k": 2, "selection": "cv", "kth_accuracy": 0.92, "majority_accuracy": 0.9167, "probe_rows": 2400,
-                            "tied_at_kth": 4, "tied_chosen": 1, "warnings": ["4 heads tie at the K-th accuracy"],
+                            "kth_above_majority": {"excess_rows": 7.9, "z": 0.59, "told_apart": False}, "tied_at_kth": 4, "tied_chosen": 1, "warnings": ["4 heads tie at the K-th accuracy"],
                             "chosen": [{"layer": 21, "head": 1, "accuracy": 0.924}, {"layer": 17, "head": 0, "accuracy": 0.92}]}
     assert reft["epochs"] == {"epochs": 3, "epoch_kept": 3, "validation_loss_by_epoch": [3.0, 2.0, 1.5], "selection": "best",
                               "still_falling_at_last": True}
@@ -72,4 +73,15 @@ def test_the_report_reads_each_stored_bundles_selection_and_names_the_rest(runs,
     assert "| ITI      | truthfulqa  | 0      | published | ctrl (2)         | 10.0000     | 11.1500 | +1.1500" in text
     assert "3.0000, 2.0000, **1.5000**" in text and "1.0000, **0.8000**, 0.9000" in text
     assert "21.1 (0.924), 17.0 (0.920)" in text and "4 (1)" in text
+    assert "+8 rows, z 0.59: not told apart" in text
+    assert "not told apart from always answering the majority class: 1 of 1 bundles (ITI truthfulqa seed 0)." in text
     assert f"- {MODEL}, seed 0: CAA bbq (stored but damaged: not read), CAA sorry_bench" in text
+
+
+def test_a_probe_is_told_apart_from_the_majority_class_only_beyond_two_standard_errors():
+    # SORRY-Bench's probes: 90 rows, half refusals; every row right is 45 rows, 9.49 standard errors above.
+    assert training_selection.above_majority(1.0, 0.5, 90) == {"excess_rows": 45.0, "z": 9.49, "told_apart": True}
+    assert training_selection.above_majority(0.7, 0.5, 100)["told_apart"]  # 20 rows of a 5-row standard error
+    assert not training_selection.above_majority(0.55, 0.5, 100)["told_apart"]  # 5 rows: one standard error
+    assert not training_selection.above_majority(0.9, 0.95, 100)["told_apart"]  # below the majority class
+    assert training_selection.above_majority(0.9, None, 100) is None and training_selection.above_majority(0.9, 0.5, None) is None
