@@ -108,3 +108,30 @@ def test_a_document_the_method_leaves_unedited_is_read_once(model, tokenizer, al
             assert len(calls) - before == 2 * choosing + 1  # the choice again, then one teacher-forced pass
     finally:
         handle.remove()
+
+
+def test_the_rows_of_a_shared_pass_read_the_untouched_model_once_per_document(model, tokenizer, all_bundles, monkeypatch):
+    # A table's general-text step scores several rows over one SharedPass: the untouched model's reading
+    # of a document is computed for the first row and kept for the others, which score exactly as alone.
+    from mari_eval.evaluation.lm import MariLM
+    from mari_eval.evaluation.shared_pass import SharedPass
+    from repro.engine import lm_eval_run
+
+    names = ["caa", "reft", "mari"]
+    alone = [_scores(_lm(model, tokenizer, all_bundles[name])) for name in names]
+    shared = SharedPass(model)
+    lms = [MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=all_bundles[name],
+                  allow_other_model=True, shared_pass=shared) for name in names]
+    documents = [{"id": str(i), "context": context, "continuation": continuation} for i, (context, continuation) in enumerate(TEXTS)]
+    monkeypatch.setattr(lm_eval_run, "load_general_text", lambda: documents)
+    results = [lm_eval_run.general_text(lm, None) for lm in lms]  # the path a table's evaluation takes
+    for result, scores in zip(results, alone):
+        assert result["documents"]["kl,none"] == {str(i): s.kl for i, s in enumerate(scores)}
+        assert result["documents"]["ce,none"] == {str(i): s.ce for i, s in enumerate(scores)}
+    kept = shared.untouched_text
+    assert (kept.computed, kept.served) == (len(TEXTS), len(TEXTS) * (len(names) - 1))
+    # Past its byte budget nothing is kept: each row reads the untouched model again, to the same scores.
+    nothing_kept = divergence.UntouchedLogProbs(max_bytes=0)
+    again = [divergence.score_texts(lm.model, lm.plan, TEXTS, lambda c, x, lm=lm: HFLM._encode_pair(lm, c, x), lm.instructed,
+                                    lm.tokenizer.pad_token_id, untouched=nothing_kept) for lm in lms]
+    assert again == alone and (nothing_kept.computed, nothing_kept.served) == (len(TEXTS) * len(names), 0)

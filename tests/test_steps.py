@@ -67,13 +67,14 @@ def test_evaluation_flops_count_the_prompt_once_plus_each_row_that_edits_it(monk
     assert costs.evaluation_flops("m", size, [None, "mari", "reft"], None) == 2e9 * 10 * (100 * 2 + 4 * 5 * 8)
     generation = costs.TaskSize(documents=3, prompt=50, requests=0, option=0, generation=True)
     assert costs.evaluation_flops("m", generation, [None], 16) == 2e9 * 3 * (50 + 16)
-    # the KL/CE measure: every row reads the whole text alone, and the untouched model reads it again
+    # the KL/CE measure: the untouched model reads the whole text once for the group (Prompting, outside
+    # the shared pass, once more for itself), and every row that edits reads it again under its edit
     divergence = costs.TaskSize.of("general_text", 10)
     assert divergence.alone and not costs.TaskSize.of("mmlu", 1).alone
     text = divergence.prompt + divergence.requests * divergence.option
     window = costs.MARI_K * costs.MARI_WINDOW
-    assert costs.evaluation_flops("m", divergence, [None, "mari"], None) == pytest.approx(
-        2e9 * 10 * (2 * text + 2 * text + window))
+    assert costs.evaluation_flops("m", divergence, [None, "mari"], None) == pytest.approx(2e9 * 10 * (text + text + window))
+    assert costs.evaluation_flops("m", divergence, [None, "caa", "prompting"], None) == pytest.approx(2e9 * 10 * (2 * text + 2 * text))
     with pytest.raises(ValueError, match="no parameter count for 'org/unknown'"):
         costs.parameters("org/unknown")
 

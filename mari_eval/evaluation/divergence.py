@@ -64,6 +64,33 @@ def _log_probs(model: torch.nn.Module, context: Sequence[int], continuation: Seq
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+class UntouchedLogProbs:
+    """The untouched model's ``_log_probs`` of each general-text document, computed once for every row
+    that reads the documents after one another over one shared pass (``SharedPass.untouched_text``):
+    each row's KL needs them and they do not depend on the row. Kept on the CPU up to ``max_bytes``
+    (float32, continuation tokens x vocabulary: about 1.2 GB for 200 documents at a 49k vocabulary);
+    past it, a document is computed again for each row as without this store."""
+
+    def __init__(self, max_bytes: int = 4 * 2**30):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._kept: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        self.computed = self.served = 0
+
+    def get(self, model: torch.nn.Module, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+        key = (tuple(context), tuple(continuation))
+        kept = self._kept.get(key)
+        if kept is not None:
+            self.served += 1
+            return kept  # on the CPU: score_text moves it beside the row's own log-probabilities
+        log_probs = _log_probs(model, context, continuation)
+        self.computed += 1
+        size = log_probs.numel() * log_probs.element_size()
+        if self.bytes + size <= self.max_bytes:
+            self._kept[key] = log_probs.to("cpu", copy=True)
+            self.bytes += size
+        return log_probs
+
+
 def chosen_variant(model: torch.nn.Module, plan: Plan, context: Sequence[int], pad_token_id: int | None) -> int:
     """The variant ``plan`` answers ``context`` with in generation (its only one, else its choice)."""
     if len(plan.variants) == 1:
@@ -82,9 +109,11 @@ def chosen_variant(model: torch.nn.Module, plan: Plan, context: Sequence[int], p
 
 
 def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[int]],
-               steered_context: list[int], pad_token_id: int | None = None) -> TextScores:
+               steered_context: list[int], pad_token_id: int | None = None,
+               untouched: UntouchedLogProbs | None = None) -> TextScores:
     """``TextScores`` of one document: ``base`` is (context, continuation) as the untouched model
-    reads them, ``steered_context`` the context the method reads (the same but for Prompting)."""
+    reads them, ``steered_context`` the context the method reads (the same but for Prompting);
+    ``untouched``: where the untouched model's reading is kept across rows (else computed here)."""
     context, continuation = base
     if not context or not continuation:
         raise ValueError("a general-text document needs a context and a continuation of at least one token each")
@@ -92,9 +121,10 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
     sites = [*plan.prompt_sites(len(steered_context)), len(steered_context) - 1]
     positions = (torch.zeros(len(sites), dtype=torch.long), torch.tensor(sites))
     edit = None if variant == BASE else plan.apply(torch.full((len(sites),), variant), positions)  # one id per site
-    base_lp = _log_probs(model, context, continuation)
+    base_lp = untouched.get(model, context, continuation) if untouched else _log_probs(model, context, continuation)
     unedited = edit is None and list(steered_context) == list(context)  # the untouched model's own pass: KL is 0
     steered_lp = base_lp if unedited else _log_probs(model, steered_context, continuation, edit)
+    base_lp = base_lp.to(steered_lp.device)  # a kept reading is on the CPU
     kl = (base_lp.exp() * (base_lp - steered_lp)).sum(-1)
     ce = -steered_lp.gather(-1, torch.tensor(continuation, device=steered_lp.device)[:, None])[:, 0]
     scores = TextScores(float(kl.mean()), float(ce.mean()), len(continuation), variant)
@@ -107,9 +137,10 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
 
 def score_texts(model: torch.nn.Module, plan: Plan, documents: Sequence[tuple[str, str]], encode_pair: EncodePair,
                 instructed: Callable[[str], str] = lambda context: context, pad_token_id: int | None = None,
-                progress: Callable | None = None) -> list[TextScores]:
+                progress: Callable | None = None, untouched: UntouchedLogProbs | None = None) -> list[TextScores]:
     """``score_text`` of every (context, continuation) text pair, tokenized as lm-eval scores a
-    log-likelihood request (``encode_pair``); ``instructed`` is the method's own context."""
+    log-likelihood request (``encode_pair``); ``instructed`` is the method's own context; ``untouched``
+    as for ``score_text``."""
     out = []
     for context, continuation in (progress or (lambda items: items))(documents):
         base = encode_pair(context, continuation)
@@ -117,5 +148,5 @@ def score_texts(model: torch.nn.Module, plan: Plan, documents: Sequence[tuple[st
         steered = base if own_context == context else encode_pair(own_context, continuation)
         if steered[1] != base[1]:  # the instruction changed how the continuation tokenizes: score it as the base reads it
             steered = (steered[0], base[1])
-        out.append(score_text(model, plan, base, steered[0], pad_token_id))
+        out.append(score_text(model, plan, base, steered[0], pad_token_id, untouched))
     return out

@@ -33,7 +33,9 @@ on long task lists (MMLU) to keep the others' runs only. A request
 whose run is not stored (one the earlier methods never saw, or one asked again later) is
 computed on demand, for the asker (and the methods still to come), never taken from another
 request; one asked again at once (the same context and options) gets the same run again.
-Generation (``generate_until``) is not shared: each method generates in its own run.
+Generation (``generate_until``) is not shared: each method generates in its own run. The KL
+measure on general text (mari_eval/evaluation/divergence.py) reads the untouched model's
+distributions from ``untouched_text``, computed for the first row that asks.
 
 Usage (all ``MariLM``s built on the same loaded model, all before the first evaluation)::
 
@@ -55,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mari_eval.evaluation import row_passes, runner
+from mari_eval.evaluation import divergence, row_passes, runner
 from mari_eval.injection import layer_spans
 from mari_eval.injection.plan import BASE, Plan, VariantRun
 from mari_eval.evaluation.prefix_cache import (MIN_SHARED, PackedPrompts, Prefix, PrefixCache, common_prefix, encode_prefix,
@@ -187,6 +189,8 @@ class SharedPass:
         # runs: method runs computed; served: runs handed out from the store; on_demand: runs computed
         # when asked, not found in the store; repeated: a method's group asked again at once
         self.stats: Counter = Counter()
+        # The general-text KL's untouched readings (mari_eval/evaluation/divergence.py), for every joined row.
+        self.untouched_text = divergence.UntouchedLogProbs()
 
     def join(self, model: torch.nn.Module, plan: Plan, intervention: Intervention | None) -> Member:
         """Add the method ``MariLM`` scores with ``plan`` (``intervention``; None: vanilla); its handle."""

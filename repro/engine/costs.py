@@ -12,12 +12,13 @@ Sec. 2.1), and 6 N per token where training back-propagates through the whole mo
   closed gate skips the experts):
       2 N [P (1 + rows editing the prompt) + R O sum over rows of variants]
 * the KL and cross-entropy measure on general text (mari_eval/evaluation/divergence.py), per
-  document and row: 2 N x 2 (P + R O), each row reading the whole text alone (no shared pass)
-  beside the untouched model's reading of it, MARI adding its K experts over the routing
-  window T_ent (the gate's choice of variant). On 2 CPU cores the budget profile's seed-2 step
-  (22 rows of 200 documents) took 2,087 s (2026-11-30); ``cpu_seconds`` prices it at 855 s, where
-  the shared pass's formula gave 440 s: short passes one document at a time run slower per FLOP on
-  a CPU than the tables' mix that ``CPU_SLOWDOWN`` averages;
+  document: 2 N (P + R O) for the untouched model's reading, once for a group's rows (kept by the
+  shared pass; Prompting, outside it, reads its own), and 2 N (P + R O) per row that edits (the
+  untouched row reads nothing more), MARI adding its K experts over the routing window T_ent (the
+  gate's choice of variant), an upper bound where a closed gate leaves a document unedited. On 2
+  CPU cores the budget profile's seed-2 step (22 rows of 200 documents) took 2,087 s (2026-11-30),
+  when every row still read the untouched model again: short passes one document at a time run
+  slower per FLOP on a CPU than the tables' mix that ``CPU_SLOWDOWN`` averages;
 * generating (SORRY-Bench, GSM8K), per document and row: 2 N (P + G), G the generated tokens
   (the profile's, else the task's 256), MARI adding its K experts over the routing window T_ent;
 * training, per attribute with n examples of D_train (P, R, O of the attribute's task), D_ctrl
@@ -186,7 +187,8 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
         return 2 * n * size.documents * sum(size.prompt + _decoded(m, gen_tokens) for m in methods)
     if size.alone:
         text = size.prompt + size.requests * size.option
-        return 2 * n * size.documents * sum(2 * text + _routing_tokens(m) for m in methods)
+        untouched = 1 + sum(m == "prompting" for m in methods)  # once for the group; Prompting reads its own
+        return 2 * n * size.documents * (untouched * text + sum(text + _routing_tokens(m) for m in methods if m is not None))
     readers = 1 + sum(m in PROMPT_READERS for m in methods)
     options = size.requests * size.option * sum(variants(m) for m in methods)
     return 2 * n * size.documents * (size.prompt * readers + options)

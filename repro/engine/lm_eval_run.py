@@ -126,7 +126,8 @@ def general_text(lm: MariLM, limit: int | None) -> dict:
         lm.model, lm.plan, [(d["context"], d["continuation"]) for d in documents],
         lambda context, continuation: HFLM._encode_pair(lm, context, continuation),  # the untouched model's tokens
         lm.instructed, lm.tokenizer.pad_token_id,
-        progress=lambda items: tqdm(items, desc=f"{divergence.TASK}: KL and cross-entropy", leave=False))
+        progress=lambda items: tqdm(items, desc=f"{divergence.TASK}: KL and cross-entropy", leave=False),
+        untouched=lm.shared.shared.untouched_text if lm.shared is not None else None)  # one reading for a group's rows
     by_metric = {f"{name},none": {d["id"]: getattr(s, name) for d, s in zip(documents, scores)} for name in divergence.METRICS}
     answered = Counter(lm.intervention.variant_name(s.variant) if lm.intervention else "the untouched model" for s in scores)
     return {"metrics": {metric: sum(values.values()) / len(values) for metric, values in by_metric.items()},
