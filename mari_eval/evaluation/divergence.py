@@ -121,7 +121,7 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
     sites = [*plan.prompt_sites(len(steered_context)), len(steered_context) - 1]
     positions = (torch.zeros(len(sites), dtype=torch.long), torch.tensor(sites))
     edit = None if variant == BASE else plan.apply(torch.full((len(sites),), variant), positions)  # one id per site
-    base_lp = untouched.get(model, context, continuation) if untouched else _log_probs(model, context, continuation)
+    base_lp = untouched.get(model, context, continuation) if untouched is not None else _log_probs(model, context, continuation)
     unedited = edit is None and list(steered_context) == list(context)  # the untouched model's own pass: KL is 0
     steered_lp = base_lp if unedited else _log_probs(model, steered_context, continuation, edit)
     base_lp = base_lp.to(steered_lp.device)  # a kept reading is on the CPU
