@@ -211,24 +211,22 @@ def test_reft_fit_trains_and_keeps_the_best_validation_epoch():
 
 
 @pytest.mark.needs_data
-@pytest.mark.parametrize("method, fraction, k", [("iti", 0.025, 7), ("nl_iti", 0.0185, 5)])
+@pytest.mark.parametrize("method, fraction, k", [("iti", 0.025, 7), ("nl_iti", 0.1, 27)])
 def test_iti_fit_direction_helps_and_its_opposite_hurts_on_the_embedded_model(truthfulqa_session, method, fraction, k):
     from mari_eval.methods import method_class
 
     session, data, config = truthfulqa_session
     fitted = method_class(method).fit(session, data, config, {"head_fractions": [fraction], "alphas": [2.5, -2.5]}, seed=0)
     diag, hp = fitted.config["diagnostics"], fitted.config["hyperparameters"]
-    # k = 2.5% of 30 x 9 heads for ITI. NL-ITI's MLP probes tie on most heads on this 4-question slice: at 7 heads
-    # the seeded tie order picks 2 of 3 heads at the 7th accuracy, so its top 5, the heads above that tie, are
-    # checked (all heads at the 5th accuracy are in: the probes chose them, not the tie order).
-    if method == "nl_iti":
-        assert diag["tied_heads_chosen"] == diag["heads_tied_at_boundary"]
-    # Shifting them along the mass-mean direction (towards the true answers) beats shifting them against it on
-    # the held-out slice.
+    # k = 2.5% of 30 x 9 heads for ITI, 10% for NL-ITI. NL-ITI's MLP probes tie on most heads on this 4-question
+    # slice, so which few heads come first is left to its seeded tie order and to the last bits of the probes'
+    # arithmetic (at 5 heads, along and against swapped places between two CI runs of one commit); over 27
+    # heads the direction's effect is larger than that. The claim is the direction's, on the heads chosen; the
+    # tie rule has its own tests (test_recipe_iti.py).
+    # Shifting them along the mass-mean direction (towards the true answers) helps and shifting them against it
+    # hurts, relative to the base model, on the held-out slice.
     loss, base = diag["validation_loss"], diag["validation_loss_base"]
-    assert loss[f"{k}:2.5"] < loss[f"{k}:-2.5"]
-    if method == "iti":  # linear probes: along helps and against hurts, relative to the base model too.
-        assert loss["7:2.5"] < base < loss["7:-2.5"]
+    assert loss[f"{k}:2.5"] < base < loss[f"{k}:-2.5"]
     assert hp["num_heads"] == k and hp["alpha"] == 2.5 and fitted.tensors["directions"].shape == (k, 64)
     assert len(set(map(tuple, diag["heads"]))) == k  # distinct heads, the best probes first
     assert diag["probe_accuracy"] == sorted(diag["probe_accuracy"], reverse=True)
