@@ -79,6 +79,21 @@ def test_evaluation_flops_count_the_prompt_once_plus_each_row_that_edits_it(monk
         costs.parameters("org/unknown")
 
 
+def test_rows_of_one_mari_bundle_are_priced_its_variants_once(monkeypatch):
+    # The shared pass hands a bundle's later rows the variants its earlier rows computed (one edit
+    # fingerprint); a later row computes only the probe strength or single adapter its options add.
+    rows = [(None, None, ""), ("mari", "b", ""), ("mari", "b", "rho=0.7,labels=source"), ("mari", "b", "gate=false"),
+            ("mari", "b", "probe_alpha=0.1"), ("mari", "b", "experts=single"), ("mari", "c", "labels=flip"),
+            ("caa", "v", ""), ("caa", "v", "scale=2")]  # another method's options change its edit: priced again
+    per_row = costs.row_variants(rows)
+    assert per_row == [1, 6, 0, 0, 1, 1, 6, 1, 1]
+    monkeypatch.setitem(costs.EMBEDDED_PARAMETERS, "m", 10**9)
+    size = costs.TaskSize(documents=10, prompt=100, requests=4, option=5, generation=False)
+    methods = [method for method, _, _ in rows]
+    assert costs.evaluation_flops("m", size, methods, None, per_row=per_row) == 2e9 * 10 * (100 + 4 * 5 * 17)
+    assert costs.evaluation_flops("m", size, methods, None) == 2e9 * 10 * (100 + 4 * 5 * (1 + 6 * 6 + 2))
+
+
 def test_a_model_larger_than_one_gpu_asks_for_several():
     assert costs.gpus_needed("smollm2-135m-instruct", training=True) == 1
     assert costs.gpus_needed("meta-llama/Llama-2-7b-chat-hf", training=False) == 1

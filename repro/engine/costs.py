@@ -9,7 +9,8 @@ Sec. 2.1), and 6 N per token where training back-propagates through the whole mo
   for each row whose method edits the prompt itself (``prompt_sites``: ReFT, LoRA, control
   vectors) or rewrites it (Prompting); and every row's option tokens, R requests of O tokens,
   times its variants (MARI: K experts, its probe and the base row, K + 2, an upper bound since a
-  closed gate skips the experts):
+  closed gate skips the experts; once per bundle, a later row of it adding only a variant its
+  options ask for, ``row_variants``):
       2 N [P (1 + rows editing the prompt) + R O sum over rows of variants]
 * the KL and cross-entropy measure on general text (mari_eval/evaluation/divergence.py), per
   document: 2 N (P + R O) for the untouched model's reading, once for a group's rows (kept by the
@@ -167,6 +168,29 @@ def variants(method: str | None) -> int:
     return MARI_K + 2 if method == "mari" else 1
 
 
+# A later MARI row of a bundle computes a variant of its own only for these options (another
+# probe strength, the single adapter); gate, rho, labels and a forced expert reuse the bundle's.
+OWN_VARIANT_OPTIONS = ("probe_alpha=", "experts=single")
+
+
+def row_variants(rows: list[tuple[str | None, object, str]]) -> list[int]:
+    """Variants per option each row of one shared pass computes, rows given as (method, bundle,
+    model_args): ``variants`` for a bundle's first MARI row; for a later row of the same bundle only
+    what its options add (``OWN_VARIANT_OPTIONS``), since the shared pass hands it the variants the
+    bundle's earlier rows computed (mari_eval/evaluation/shared_pass.py: runs of one
+    ``edit_fingerprint`` lend their variants). Still an upper bound: a closed gate skips the experts."""
+    seen: set = set()
+    counts = []
+    for method, bundle, args in rows:
+        if method == "mari" and bundle in seen:
+            counts.append(sum(option in (args or "") for option in OWN_VARIANT_OPTIONS))
+        else:
+            counts.append(variants(method))
+        if method == "mari":
+            seen.add(bundle)
+    return counts
+
+
 def _routing_tokens(method: str | None) -> int:
     """Tokens MARI's K experts add to a row by decoding their T_ent-step routing window; none elsewhere."""
     return MARI_K * MARI_WINDOW if method == "mari" else 0
@@ -179,9 +203,10 @@ def _decoded(method: str | None, gen_tokens: int | None) -> int:
 
 
 def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
-                     n_parameters: int | None = None) -> float:
+                     n_parameters: int | None = None, per_row: list[int] | None = None) -> float:
     """One task under a group of rows (their methods; None for the untouched model) in one shared pass;
-    ``n_parameters``: N of a model the profiles do not name (a benchmark's random-weight model)."""
+    ``n_parameters``: N of a model the profiles do not name (a benchmark's random-weight model);
+    ``per_row``: the variants each row computes (``row_variants``; default ``variants`` of its method)."""
     n = n_parameters or parameters(model)
     if size.generation:
         return 2 * n * size.documents * sum(size.prompt + _decoded(m, gen_tokens) for m in methods)
@@ -190,7 +215,7 @@ def evaluation_flops(model: str, size: TaskSize, methods: list[str | None], gen_
         untouched = 1 + sum(m == "prompting" for m in methods)  # once for the group; Prompting reads its own
         return 2 * n * size.documents * (untouched * text + sum(text + _routing_tokens(m) for m in methods if m is not None))
     readers = 1 + sum(m in PROMPT_READERS for m in methods)
-    options = size.requests * size.option * sum(variants(m) for m in methods)
+    options = size.requests * size.option * sum(per_row if per_row is not None else map(variants, methods))
     return 2 * n * size.documents * (size.prompt * readers + options)
 
 
@@ -244,13 +269,13 @@ def training_seconds(model: str, method: str, attribute: str, profile: Profile, 
 
 def evaluation_seconds(model: str, size: TaskSize, methods: list[str | None], gen_tokens: int | None,
                        n_parameters: int | None = None, calibration: Calibration = CALIBRATION,
-                       batch: int = GENERATION_BATCH) -> float:
+                       batch: int = GENERATION_BATCH, per_row: list[int] | None = None) -> float:
     """GPU-seconds of ``evaluation_flops``'s step: a log-likelihood task's FLOPs at the measured
     evaluation ratio; a generation task's prompts likewise, plus per row and batch of ``batch``
     prompts one ``decode_step_s`` per generated token (MARI's K experts add their T_ent-step
     routing window)."""
     if not size.generation:
-        return seconds(evaluation_flops(model, size, methods, gen_tokens, n_parameters)) * calibration.evaluate
+        return seconds(evaluation_flops(model, size, methods, gen_tokens, n_parameters, per_row)) * calibration.evaluate
     n = n_parameters or parameters(model)
     prompts = 2 * n * size.documents * size.prompt * len(methods)
     steps = sum(_decoded(m, gen_tokens) for m in methods)

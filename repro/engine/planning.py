@@ -65,9 +65,10 @@ def evaluation_steps(graph: steps.Graph, store: Store, profile: Profile, model: 
     for (tasks, limit, gen), members in scoring.evaluation_runs(store, profile, model, seed, columns, rows).items():
         todo = [row for row, (_, missing) in members.items() if missing] or list(members)
         row_methods = [method_of[bundle] for bundle, _ in todo]
+        per_row = costs.row_variants([(method_of[bundle], bundle, args) for bundle, args in todo])
         sizes = [costs.TaskSize.of(task, limit) for task in tasks]
-        flops = sum(costs.evaluation_flops(model, size, row_methods, gen) for size in sizes)
-        seconds = sum(costs.evaluation_seconds(model, size, row_methods, gen) for size in sizes)
+        flops = sum(costs.evaluation_flops(model, size, row_methods, gen, per_row=per_row) for size in sizes)
+        seconds = sum(costs.evaluation_seconds(model, size, row_methods, gen, per_row=per_row) for size in sizes)
         key = f"evaluate {model} s{seed} {'+'.join(tasks)} limit {limit} gen {gen}" + (f" ({part})" if part else "")
         graph.add(steps.Step(key, steps.EVALUATE,
                              f"evaluate {len(members)} rows on {', '.join(tasks)}, {model}, seed {seed}",
