@@ -59,11 +59,13 @@ EXPECTED_TEX = r"""\begin{tabular}{lcc}
 
 
 @pytest.fixture
-def written(tmp_path):
+def written(tmp_path, monkeypatch):
     store = Store("results/x_steps", placement=Placement(dtype="float32"))
     store.step_seconds, store.computed = {"a": 3.0, "b": 4.5}, ["a"]
     profile = Profile(name="fixed", models=["tiny_model"], seeds=[0, 1], max_train={}, max_ctrl=None, limits={})
-    out = tmp_path / "results" / "profiles" / "fixed"  # the header names the recompute command by this path
+    # the header names the recompute command by the table's path in the repository
+    monkeypatch.setattr(tables, "REPO", tmp_path.resolve())
+    out = tmp_path / "results" / "profiles" / "fixed"
     out.mkdir(parents=True)
     record = tables.write_tables(out, "x", "Table X: a test", "Intro.", CELLS, ["tqa_mc1", "bbq_acc"],
                                  lambda model: PAPER, profile, "python repro/x.py", 12.3, store)

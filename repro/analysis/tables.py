@@ -24,10 +24,10 @@ from repro.engine.cache import Store
 from repro.engine.cache_keys import resolved_dtype
 from repro.analysis.differences import comparisons_json, reference_differences
 from repro.engine.documents import clustered_columns, split_clusters
-from repro.analysis.documents_file import cell_clusters, cell_documents, write_documents
+from repro.analysis.documents_file import cell_clusters, cell_documents, shown_path, write_documents
 from repro.engine.judged import (agreement_record, agreement_sentence, cell_text, judge_record, judge_sentence,
                                  withhold_below_floor)
-from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, Profile, describe
+from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, REPO, Profile, describe
 
 # ----------------------------------------------------------------------------- the paper's tables
 
@@ -236,11 +236,9 @@ def at_chance_note(at_chance: dict[str, list[float]], reference: str) -> str:
 
 
 def _documents_note(out: Path, name: str) -> str:
-    """Where the table's per-document scores are and the command that recomputes it, by the path under
-    ``results/`` the table was written to (``results/profiles/budget/main_table`` for a budget table)."""
-    parts = Path(out).resolve().parts
-    where = "/".join(parts[len(parts) - 1 - parts[::-1].index("results"):]) if "results" in parts else str(out)
-    return (f" Per-document scores: {name}_documents.parquet (`python -m repro.recompute {where}/{name}` "
+    """Where the table's per-document scores are and the command that recomputes it, by the path the
+    table was written to (``results/profiles/budget/main_table`` for a budget table)."""
+    return (f" Per-document scores: {name}_documents.parquet (`python -m repro.recompute {shown_path(out / name, REPO)}` "
             "recomputes every cell from them).")
 
 
