@@ -84,17 +84,23 @@ def test_strict_cache_stops_at_a_damaged_bundle_and_trains_nothing(tmp_path, tra
     assert trained == [0]
 
 
-def test_a_bundle_stored_before_digests_is_read_back_with_a_warning_and_refused_when_strict(tmp_path, trained, caplog):
+@pytest.mark.parametrize("removal", [lambda r: r.pop(cache_digests.BUNDLE_FIELD), lambda r: r.update(files=None),
+                                     lambda r: r.update(files="ok"), lambda r: r.update(files={})])
+def test_a_bundle_whose_digests_were_removed_is_trained_again_and_refused_when_strict(tmp_path, trained, caplog, removal):
+    # Issue 83.3: deleting the digests once switched the check off (read back "unverified").
     final = cache.Store(tmp_path).bundle("caa", "truthfulqa", MODEL, 0, SMOKE)
+    _add_100_to_a_weight(final)
     record = json.loads((final / "repro_config.json").read_text())
-    del record[cache_digests.BUNDLE_FIELD]
+    removal(record)
     (final / "repro_config.json").write_text(json.dumps(record))
-    with caplog.at_level(logging.WARNING, logger="repro"):
-        assert cache.Store(tmp_path).bundle("caa", "truthfulqa", MODEL, 0, SMOKE) == final
-    assert f"{final} records no digest (stored by an older mari-eval): read back unverified" in caplog.text
-    with pytest.raises(SystemExit, match="records no digest .* --strict-cache refuses it"):
+    with pytest.raises(SystemExit, match=rf"{final} is damaged \({final.name}/repro_config.json records no digest"):
         cache.Store(tmp_path, strict=True).bundle("caa", "truthfulqa", MODEL, 0, SMOKE)
     assert trained == [0]
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        assert cache.Store(tmp_path).bundle("caa", "truthfulqa", MODEL, 0, SMOKE) == final
+    assert trained == [0, 0] and "records no digest, which every mari-eval since 2026-11-28 writes" in caplog.text
+    assert "unverified" not in caplog.text
+    assert cache_digests.BUNDLE_FIELD in json.loads((final / "repro_config.json").read_text())  # written again, whole
 
 
 def test_a_file_where_a_cached_bundle_directory_belongs_is_refused_before_training(tmp_path, trained):
@@ -136,6 +142,24 @@ def test_an_evaluation_with_n_and_a_document_edited_together_is_evaluated_again(
     with pytest.raises(SystemExit, match=rf"{path} is damaged .*--strict-cache stops here"):
         cache.Store(tmp_path, strict=True).evaluations(MODEL, ["arc_easy"], 2)
     assert len(evaluated) == 2
+
+
+@pytest.mark.parametrize("removal", [lambda r: r.pop(cache_digests.EVALUATION_FIELD), lambda r: r.update(digest=None)])
+def test_an_evaluation_forged_with_its_digest_removed_is_evaluated_again(tmp_path, evaluated, caplog, removal):
+    # Issue 83.3: a figure forged to 50.00 with its digest deleted was read back with one log line.
+    first = cache.Store(tmp_path).evaluations(MODEL, ["arc_easy"], 2)
+    (path,) = (tmp_path / "evaluations").glob("arc_easy-*.json")
+    stored = json.loads(path.read_text())
+    stored["metrics"]["acc,none"] = 1.0
+    stored["documents"]["acc,none"] = {"0": 1.0, "1": 1.0}  # header and documents agree with each other
+    removal(stored)
+    path.write_text(json.dumps(stored))
+    with pytest.raises(SystemExit, match=rf"{path} is damaged \(it records no digest.*--strict-cache stops here"):
+        cache.Store(tmp_path, strict=True).evaluations(MODEL, ["arc_easy"], 2)
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        again = cache.Store(tmp_path).evaluations(MODEL, ["arc_easy"], 2)
+    assert evaluated == [["arc_easy"], ["arc_easy"]] and again == first
+    assert again["arc_easy"]["metrics"]["acc,none"] == 0.5 and "unverified" not in caplog.text
 
 
 def test_recompute_checks_each_cells_n_against_the_documents(tmp_path):

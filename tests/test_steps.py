@@ -9,7 +9,7 @@ import json
 import pytest
 
 from repro import ablation_table, baseline_recipes, diagnostics, figures, latency, main_table, sensitivity, transfer_gsm8k
-from repro.engine import cache, costs, profiles, steps
+from repro.engine import cache, cache_digests, costs, profiles, steps
 
 from .tiny import tiny_caa
 
@@ -117,8 +117,8 @@ def test_the_main_tables_plan_names_every_step_and_its_inputs(tmp_path):
     # a bundle stored under its step's name is cached; its step costs nothing
     final, config = store.bundle_target("caa", "truthfulqa", "smollm2-135m-instruct", 0, profile,
                                         {"recipe": "published"})
-    tiny_caa().save(final)  # any complete bundle: the cache checks its name's configuration, not its weights
-    (final / "repro_config.json").write_text(json.dumps(config))
+    tiny_caa().save(final)  # any complete bundle: the cache checks its name's configuration and its files' digests
+    (final / "repro_config.json").write_text(json.dumps({**config, "files": cache_digests.bundle_digests(final)}))
     again = main_table.plan(profile, store, methods)
     assert again.steps[final.name].cached and again.steps[final.name].cost == 0
     assert sum(s.cached for s in again.steps.values()) == 1

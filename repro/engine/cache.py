@@ -36,7 +36,7 @@ from repro.engine import lm_eval_run
 from repro.engine.cache_keys import DOCUMENTS_VERSION, config_key, task_fingerprint, with_placement
 from repro.engine.documents import documents_disagree
 from repro.engine.cache_digests import (BUNDLE_FIELD, EVALUATION_FIELD, RECORD, bundle_digests, bundle_mismatch, evaluation_digest,
-                                        evaluation_mismatch, refuse_if_strict, unverified)
+                                        evaluation_mismatch, refuse_if_strict)
 from repro.engine.judged import judged_task
 from repro.engine.profiles import Profile, describe
 
@@ -51,7 +51,7 @@ class Store:
     def __init__(self, root: str | Path, force: bool = False, placement=None, max_memory: str | None = None,
                  strict: bool = False):
         self.root, self.force = Path(root), force
-        self.strict = strict  # --strict-cache: a damaged or unverified step stops the run (repro/engine/cache_digests.py)
+        self.strict = strict  # --strict-cache: a damaged step stops the run (repro/engine/cache_digests.py)
         self.placement = placement or Placement()  # of every bundle trained and every evaluation run here
         self.max_memory = max_memory  # training's budget for the frozen model's work: not in keys (same results)
         self.computed: list[str] = []  # keys computed by this process (the rest were read back)
@@ -241,8 +241,6 @@ def _cached_bundle_config(final: Path, config: dict, warn: bool = True, strict: 
             other = _other_configuration(recorded, config)
             mismatch = bundle_mismatch(final, digests) if other is None else None
             if other is None and mismatch is None:
-                if digests is None and warn:
-                    unverified(final, strict)
                 return found
             why = f"{final.name}/{RECORD} {other}" if other else f"{final.name}/{mismatch}"
     if warn:
@@ -292,8 +290,6 @@ def _cached_evaluation(path: Path, config: dict, warn: bool = True, strict: bool
         else:
             why = documents_disagree(result["documents"], result["metrics"], result["n"]) or evaluation_mismatch(result)
             if why is None:
-                if EVALUATION_FIELD not in result and warn:
-                    unverified(path, strict)
                 return result
     if warn:
         refuse_if_strict(path, why, strict)

@@ -9,8 +9,12 @@ bundle.json, another step's files copied in, an ``n`` or a document edited: each
 matches, and the step is computed again with a warning naming the file (``repro.engine.cache``), or,
 under ``--strict-cache``, the run stops there.
 
-A step stored before digests were recorded has none: it is read back with a warning that it is
-unverified (``--strict-cache`` refuses it), so that an existing cache is not thrown away.
+A step whose record holds no digest is damaged like the others: computed again (refused under
+``--strict-cache``), never read back unverified. Every mari-eval since digests were added (92eba31,
+2026-11-28) writes them, and nothing else in a record tells one stored before then from one whose
+digest was deleted: its key (the file's name) hashes the same configuration and versions either way
+(mari-eval has been 0.1.0 throughout), and any other field could be deleted as the digest was. Every
+step of the committed cache, results/budget_steps/, records its digests.
 """
 
 from __future__ import annotations
@@ -41,12 +45,15 @@ def bundle_digests(folder: Path) -> dict[str, str]:
             if p.is_file() and not p.is_symlink() and p.name != RECORD}
 
 
+NO_DIGEST = ("records no digest, which every mari-eval since 2026-11-28 writes: removed, or written by "
+             "something else (a step stored before then cannot be told from one whose digest was deleted)")
+
+
 def bundle_mismatch(folder: Path, expected: Any) -> str | None:
     """What in ``folder`` differs from ``expected``, the digests its record holds (its BUNDLE_FIELD;
-    None: all the same; a sentence naming the file otherwise). A record without digests is not
-    checked here (``unverified``)."""
-    if not isinstance(expected, dict):
-        return None
+    None: all the same; a sentence naming the file otherwise, or saying that none are recorded)."""
+    if not isinstance(expected, dict) or not expected:
+        return f"{RECORD} {NO_DIGEST} (its {BUNDLE_FIELD!r}: {{file: sha256}})"
     found = bundle_digests(folder)
     for name in sorted(set(expected) | set(found)):
         if name not in found:
@@ -65,22 +72,13 @@ def evaluation_digest(result: dict[str, Any]) -> str:
 
 
 def evaluation_mismatch(result: dict[str, Any]) -> str | None:
-    """Why a stored evaluation's content is not what was written (None: it is, or it records no digest)."""
+    """Why a stored evaluation's content is not what was written (None: it is)."""
     recorded = result.get(EVALUATION_FIELD)
-    if recorded is None:
-        return None
+    if not isinstance(recorded, str):
+        return f"it {NO_DIGEST} (its {EVALUATION_FIELD!r})"
     if recorded != evaluation_digest(result):
         return "its content (metrics, n or per-document scores) differs from what was written (digest mismatch)"
     return None
-
-
-def unverified(path: Path, strict: bool) -> None:
-    """A step stored before digests were recorded: read back with a warning, refused under --strict-cache."""
-    message = f"{path} records no digest (stored by an older mari-eval): read back unverified"
-    if strict:
-        raise CacheIntegrityError(f"{message}; --strict-cache refuses it: delete it to recompute it, or run "
-                                  "without --strict-cache")
-    log.warning("%s; --strict-cache would refuse it", message)
 
 
 def refuse_if_strict(path: Path, why: str, strict: bool) -> None:

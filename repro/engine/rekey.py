@@ -51,8 +51,7 @@ def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
     if config.get("tasks") != folder_hash:
         return STALE, None, None
     moved = {**record, "config": {**config, "tasks": new_hash}}
-    if EVALUATION_FIELD in record:
-        moved[EVALUATION_FIELD] = evaluation_digest(moved)
+    moved[EVALUATION_FIELD] = evaluation_digest(moved)  # it had one, checked above
     return "moved", path.with_name(f"{task}-{config_key(moved['config'])}.json"), moved
 
 
