@@ -254,6 +254,28 @@ def load_xstest_completions() -> list[dict]:
     return read_jsonl(root / "xstest" / "completions.jsonl.gz", SCHEMAS["xstest/completions"])
 
 
+BENIGN_SETS = {"seed_tasks": "calibration or selection", "user_oriented_instructions": "evaluation only"}
+
+
+def load_benign_instructions(name: str) -> list[dict]:
+    """Self-Instruct's human-written requests (Wang et al., ACL 2023; shared/data/SOURCES.md), local only:
+    ``seed_tasks`` (175, which may serve a gate's calibration or a selection) or ``user_oriented_instructions``
+    (252, evaluation only: never trained, calibrated or selected on). Each record gains ``prompt``: the
+    instruction, or the instruction, a blank line and its first instance's input when that is not empty."""
+    if name not in BENIGN_SETS:
+        raise ValueError(f"benign_instructions/{name}: choose one of {', '.join(BENIGN_SETS)}")
+    root = data_dir()
+    if root is None:
+        raise DataError(f"The benign instructions are read from ${DATA_ENV}/benign_instructions/{name}.jsonl.gz "
+                        f"(shared/data/SOURCES.md says how they were made); set {DATA_ENV} to a folder holding them")
+    rows = read_jsonl(root / "benign_instructions" / f"{name}.jsonl.gz", SCHEMAS[f"benign_instructions/{name}"])
+    out = []
+    for r in rows:
+        extra = (r["instances"][0]["input"] if r["instances"] else "").strip()
+        out.append({**r, "prompt": r["instruction"].strip() + (f"\n\n{extra}" if extra else "")})
+    return out
+
+
 def load_mmlu(split: str) -> list[dict]:
     rows = _local_or_hub(f"mmlu/{split}.jsonl.gz", "mmlu", ("cais/mmlu", "all", split))
     return _with_content_ids(rows, lambda r: content_id(f"mmlu-{split}-{r['subject']}", r["question"], r["choices"], r["answer"]))

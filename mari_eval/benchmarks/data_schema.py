@@ -152,6 +152,13 @@ def _check_xstest(r: dict) -> None:
         raise Bad("label", "unsafe exactly for a contrast_* type (XSTest's unsafe prompts)", r["label"])
 
 
+def _check_instances(r: dict) -> None:
+    instances = r.get("instances")
+    if not isinstance(instances, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("input"), str) and isinstance(i.get("output"), str) for i in instances):
+        raise Bad("instances", 'a list of {"input": string, "output": string}', instances)
+
+
 _TARGETS = Obj(choices=ListOf(TEXT), labels=ListOf(Int(0, 1)))
 
 SCHEMAS = {
@@ -194,6 +201,14 @@ SCHEMAS = {
         model=TEXT, id=TEXT, type=TEXT, prompt=TEXT, completion=STR,
         final_label=OneOf("1_full_compliance", "2_full_refusal", "3_partial_refusal"), gpt4_label=STR,
         strmatch_label=OneOf("1_full_compliance", "2_full_refusal")),
+    # Self-Instruct's human-written requests (shared/data/SOURCES.md, benign_instructions/): the 175 seed tasks
+    # (calibration or selection) and the 252 user-oriented instructions (evaluation only).
+    "benign_instructions/seed_tasks": _schema(
+        "benign_instructions/seed_tasks", _check_instances, keys=(("id", _field("id")),),
+        id=TEXT, instruction=TEXT),
+    "benign_instructions/user_oriented_instructions": _schema(
+        "benign_instructions/user_oriented_instructions", _check_instances,
+        keys=(("id", _field("id")),), id=TEXT, instruction=TEXT),
 }
 # Fields every record must carry, per local file family (the HF schemas); the types are in SCHEMAS.
 REQUIRED_FIELDS = {family: schema.required for family, schema in SCHEMAS.items()}
