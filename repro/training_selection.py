@@ -42,13 +42,14 @@ log = logging.getLogger("repro")
 METHODS = ("caa", "iti", "nl_iti", "reft", "lora")  # those that record a validation loss for what they kept
 
 
-def main_table_bundles(profile: Profile, store: Store) -> tuple[list[tuple[str, int, str, str, Path]], list[dict]]:
+def main_table_bundles(profile: Profile, store: Store, methods: tuple[str, ...] = METHODS
+                       ) -> tuple[list[tuple[str, int, str, str, Path]], list[dict]]:
     """([(model, seed, method, attribute, bundle directory)] stored under the store, [the others, by the same fields]):
     the main table's bundles of ``METHODS`` under every seed its columns are scored under."""
     found, missing = [], []
     for model in profile.models:
         for seed, columns in profile.seeded_columns(BENCHMARKS).items():
-            for method in METHODS:
+            for method in methods:
                 for attribute in sorted({c[3] for c in columns}):
                     final, config = store.bundle_target(method, attribute, model, seed, profile,
                                                         recipes.table_settings(method, profile))

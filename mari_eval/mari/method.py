@@ -53,7 +53,7 @@ from mari_eval.methods.intervention import Intervention
 from mari_eval.mari import fit as mari_fit, gate_labels
 from mari_eval.mari.equations import (apply_variants, energy_threshold, gate_open, option_entropy, probe_variant,
                                       run_energy)
-from mari_eval.methods.options import Option
+from mari_eval.methods.options import Option, as_int
 from mari_eval.injection.plan import Plan
 from mari_eval.methods.registry import register_method
 
@@ -77,6 +77,9 @@ DEFAULTS: dict[str, Any] = {
     "rho": 0.9,
     "labels": "loss",
     "init_scale": 0.01,
+    # Self-Instruct seed tasks added to D_ctrl's general controls (training.examples.REQUEST_SOURCE; issue 81.2):
+    # 0 is the paper's calibration (held-out attribute examples, ARC-Easy and MMLU), the default.
+    "gate_requests": 0,
 }
 
 
@@ -97,6 +100,7 @@ class MARI(Intervention):
         "gamma": Float(), "alpha_full": Float(), "alpha_probe": Float(), "T_ent": Int(1),
         "lr": Float(0, lo_open=True, optional=True), "epochs": Int(0, optional=True), "batch_size": Int(1, optional=True),
         "T_bal": Float(0, lo_open=True, optional=True), "init_scale": Float(0, optional=True),
+        "gate_requests": Int(0, 175, optional=True),
         **{name: Float(0, optional=True) for name in ("lambda_bal", "lambda_inter", "lambda_out", "lambda_off")},
     }
     label = "MARI"
@@ -162,10 +166,7 @@ class MARI(Intervention):
         (eq:entropy_gen; default the bundle's): the first token of a routed answer waits for them.
         """
         if experts not in ("routed", "single"):
-            try:
-                forced = int(experts)
-            except ValueError:
-                raise ValueError(f"experts={experts!r}: use 'routed', 'single' or an expert index 0..{self.K - 1}") from None
+            forced = as_int(experts, "experts", f"experts=routed, single or an expert index 0..{self.K - 1}")
             if not 0 <= forced < self.K:
                 raise ValueError(f"experts={forced} is out of range: this bundle has K={self.K} experts (0..{self.K - 1})")
         if experts == "single" and "single_U" not in self.tensors:

@@ -78,6 +78,23 @@ GENERAL_CONTROLS = (
 )
 
 
+# The gate calibration that can tell requests apart (issue 81.2; not the paper's, which stays the default):
+# MARI's ``gate_requests`` = N adds a seeded N of Self-Instruct's 175 human-written seed tasks to D_ctrl as a
+# third general source, ``requests``: each the request as one chat user turn (as the model is used), its
+# target the task's own first output. Under ``source`` labels they are non-applicable; under ``loss`` and
+# ``flip`` their label is the intervention's outcome on that output, as for every other control example.
+REQUEST_SOURCE = "requests"
+REQUEST_POOL = "seed_tasks"  # data.BENIGN_SETS: the set that may serve calibration (never the evaluation set)
+
+
+def request_control_ids(attribute: str, seed: int, count: int) -> list[str]:
+    """The ``count`` seed tasks of an attribute's D_ctrl for ``seed``: the first in a seeded order."""
+    ids = [r["id"] for r in data.load_benign_instructions(REQUEST_POOL)]
+    if not 0 <= count <= len(ids):
+        raise ValueError(f"gate_requests={count}: give 0 (the paper's calibration) to {len(ids)} (every seed task)")
+    return sorted(data_splits.seeded_order(ids, "requests-ctrl", attribute, seed)[:count])
+
+
 @dataclass
 class Example:
     """One tokenised training or control example."""
@@ -199,6 +216,17 @@ def _sorry_examples(session: "Session", records: dict[str, dict], ids: Sequence[
     return out
 
 
+def _request_examples(session: "Session", ids: Sequence[str]) -> list[Example]:
+    """Seed-task controls: the request as one chat user turn, its first output as the target (generation)."""
+    records = {r["id"]: r for r in data.load_benign_instructions(REQUEST_POOL)}
+    out = []
+    for i in ids:
+        output = records[i]["instances"][0]["output"] if records[i]["instances"] else ""
+        ctx, conts = session.encode_generation(session.lm.chat_turn_prompt(records[i]["prompt"]), [output])
+        out.append(Example(i, ctx, conts, None, question=records[i]["prompt"], choices=[output]))
+    return out
+
+
 def general_controls(session: "Session", manager, control: GeneralControl, ids: Sequence[str]) -> list[Example]:
     """The control examples ``ids`` of one general source, each rendered by its test task
     (``control.task`` over its record: one task for ARC-Easy, its subject's for MMLU)."""
@@ -214,7 +242,8 @@ def general_controls(session: "Session", manager, control: GeneralControl, ids: 
 
 
 def attribute_data(session: "Session", attribute: str, seed: int, max_train: int | None = None,
-                   max_ctrl: int | None = None, max_pca: int | None = None) -> AttributeData:
+                   max_ctrl: int | None = None, max_pca: int | None = None, requests: int = 0) -> AttributeData:
+    """An attribute's splits for ``seed``, rendered; ``requests``: seed tasks added to D_ctrl (REQUEST_SOURCE)."""
     if attribute not in ATTRIBUTE_TASKS:
         raise ValueError(f"unknown attribute {attribute!r}; choose one of {', '.join(ATTRIBUTE_TASKS)}")
     splits = data_splits.make_splits(attribute, seed)
@@ -243,13 +272,17 @@ def attribute_data(session: "Session", attribute: str, seed: int, max_train: int
         if max_ctrl is not None:
             ids = random.Random(f"max_ctrl_{control.source}:{seed}").sample(ids, min(max_ctrl, len(ids)))
         general.append((control, ids))
-    sources = ["attribute"] * len(attribute_ids) + [control.source for control, ids in general for _ in ids]
+    request_ids = request_control_ids(attribute, seed, requests) if requests else []
+    if max_ctrl is not None and request_ids:
+        request_ids = sorted(random.Random(f"max_ctrl_{REQUEST_SOURCE}:{seed}").sample(request_ids, min(max_ctrl, len(request_ids))))
+    sources = (["attribute"] * len(attribute_ids) + [control.source for control, ids in general for _ in ids]
+               + [REQUEST_SOURCE] * len(request_ids))
 
     def render_ctrl() -> list[Example]:
         ctrl = render_attribute(attribute_ids)
         for control, ids in general:
             ctrl += general_controls(session, manager, control, ids)
-        return ctrl
+        return ctrl + _request_examples(session, request_ids)
 
-    ctrl = LazyExamples(attribute_ids + [i for _, ids in general for i in ids], render_ctrl)
+    ctrl = LazyExamples(attribute_ids + [i for _, ids in general for i in ids] + request_ids, render_ctrl)
     return AttributeData(attribute, splits, pca, train, ctrl, sources)

@@ -94,7 +94,10 @@ def train(method: str, attribute: str, model: str, seed: int, out: str | Path, l
         t0 = time.time()
         with devices.subnormals_flushed():  # speed only (see there)
             session = Session(model, layer=layer, placement=placement, max_memory=max_memory, lm=lm)
-            attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca)
+            # MARI's gate_requests (issue 81.2): seed tasks added to D_ctrl; no other method takes it
+            requests = int((hyperparameters or {}).get("gate_requests") or 0)
+            attr = attribute_data(session, attribute, seed, max_train=max_train, max_ctrl=max_ctrl, max_pca=max_pca,
+                                  requests=requests)
             log.info("data ready in %.0fs: %d train, %d ctrl, %d pca", time.time() - t0, len(attr.train), len(attr.ctrl), len(attr.pca_prompts))
             config = provenance(session, attribute, seed, attr.splits, [ex.id for ex in attr.train])
             config["splits"]["ctrl_used"] = attr.ctrl_ids
