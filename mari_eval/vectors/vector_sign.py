@@ -16,13 +16,22 @@ h_N(negative), h_N the output of decoder layer N (where the direction is added) 
 last token, on the untouched model, each prompt encoded alone as plain text (the tokenizer's own
 special tokens, no chat template); its projection on u, the unit vector of what the bundle adds
 (the direction times the sign of its strength or coefficient, so a negative ``--scale`` or
-steering_coefficient is taken into account). The verdict:
+steering_coefficient is taken into account). The rule (issue 83.3: one pair differing by a trailing
+space once negated a direction on a projection of -0.18):
 
-* flipped: the mean projection is negative and most pairs (more than half) project negative:
-  the stored direction is negated, so that adding it moves states toward the positive prompts;
-* kept: the mean is positive and most pairs agree;
-* inconclusive: anything else (pairs split evenly, or the mean's sign is the minority's): the
-  direction is kept as imported and a warning says to add or change pairs.
+* at least ``MIN_PAIRS`` (3) pairs, no two the same and none whose prompts are the same text up to
+  case, whitespace and punctuation (``normalised``: Unicode NFKC, casefolded, its words alone):
+  refused before the model loads, naming the pair;
+* each pair's cosine c_i = (d_i . u) / |d_i|, and their mean c. A unit vector unrelated to the
+  pairs has a cosine with a fixed vector of mean 0 and standard deviation 1/sqrt(D) in D
+  dimensions; the margin is ``MARGIN_SDS`` (3) of those: |c| >= 3 / sqrt(D) (0.125 at SmolLM2-135M's
+  576, 0.047 at 4096);
+* flipped: c <= -margin and at least ``AGREEMENT`` (three quarters) of the pairs have c_i < 0: the
+  stored direction is negated, so that adding it moves states toward the positive prompts;
+* kept: c >= margin and three quarters of the pairs have c_i > 0;
+* inconclusive: anything else (a mean within the margin, pairs split): the direction is kept as
+  imported and a warning gives the mean, the margin and the split, and says to add pairs or ones
+  that contrast more.
 
 Skipped with the reason: clamp rows (a clamp sets the component along v/|v| to its coefficient;
 negating v is the same as negating the coefficient, which the file chose on purpose) and a strength
@@ -35,6 +44,9 @@ untouched; ``apply`` then flips the saved bundle's rows and writes it again.
 from __future__ import annotations
 
 import logging
+import math
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,39 +60,67 @@ from mari_eval.injection.site import decoder_layers
 log = logging.getLogger(__name__)
 
 CHECKED_METHODS = {"control_vector": "directions", "steered_config": "vectors"}  # method: its tensor of directions
+MIN_PAIRS = 3  # fewer are refused: one pair's sign is one draw
+MARGIN_SDS = 3.0  # the mean cosine's margin, in standard deviations of a random direction's cosine (1/sqrt(D))
+AGREEMENT = 0.75  # the share of pairs whose cosine has the verdict's sign
 
 
 @dataclass(frozen=True)
 class LayerSign:
-    """One layer's outcome: its mean projection (None when skipped), how many pairs project above 0,
-    and the verdict (flipped, kept, inconclusive, or ``skipped: why``)."""
+    """One layer's outcome: its mean projection and mean cosine (None when skipped), how many pairs project
+    above 0, the margin, and the verdict (flipped, kept, inconclusive, or ``skipped: why``)."""
 
     layer: int
     mean_projection: float | None
     positive_pairs: int
     pairs: int
     verdict: str
+    mean_cosine: float | None = None
+    margin: float | None = None
 
     def line(self) -> str:
         if self.mean_projection is None:
             return f"  layer {self.layer}: {self.verdict}"
-        return (f"  layer {self.layer}: mean projection {self.mean_projection:+.4g} ({self.positive_pairs} of "
-                f"{self.pairs} pairs positive): {self.verdict}")
+        return (f"  layer {self.layer}: mean projection {self.mean_projection:+.4g}, mean cosine {self.mean_cosine:+.3f} "
+                f"(margin {self.margin:.3f}; {self.positive_pairs} of {self.pairs} pairs positive): {self.verdict}")
+
+
+def normalised(prompt: str) -> str:
+    """A prompt's words alone (Unicode NFKC, casefolded; whitespace and punctuation dropped): two prompts
+    equal here differ only in what the check should not rest on."""
+    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", prompt).casefold()))
 
 
 def check_pairs(pairs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
     """The pairs as (positive, negative) tuples, or a ValueError naming the bad one and the fix."""
-    if not pairs:
-        raise ValueError("--sign-check needs at least one POSITIVE NEGATIVE pair of prompts")
-    checked = []
-    for i, pair in enumerate(pairs, start=1):
+    checked, seen = [], {}
+    for i, pair in enumerate(pairs or [], start=1):
         if len(pair) != 2 or not all(isinstance(p, str) and p.strip() for p in pair):
             raise ValueError(f"--sign-check pair {i}: give two non-empty prompts, POSITIVE then NEGATIVE")
-        if pair[0] == pair[1]:
-            raise ValueError(f"--sign-check pair {i}: both prompts are {pair[0]!r}; their difference is 0 and says "
-                             "nothing: give a prompt showing the behaviour and one showing its opposite")
+        key = (normalised(pair[0]), normalised(pair[1]))
+        if key[0] == key[1]:
+            raise ValueError(f"--sign-check pair {i}: {pair[0]!r} and {pair[1]!r} are the same words (up to case, "
+                             "whitespace and punctuation): their difference says nothing about the direction; give a "
+                             "prompt showing the behaviour and one showing its opposite")
+        if key in seen:
+            raise ValueError(f"--sign-check pair {i} repeats pair {seen[key]} ({pair[0]!r} / {pair[1]!r}): a repeated "
+                             "pair is no further evidence; give different pairs")
+        seen[key] = i
         checked.append((pair[0], pair[1]))
+    if len(checked) < MIN_PAIRS:
+        raise ValueError(f"--sign-check needs at least {MIN_PAIRS} POSITIVE NEGATIVE pairs (given {len(checked)}): "
+                         "one pair's sign is one draw; repeat --sign-check with further pairs (docs/methods.md)")
     return checked
+
+
+def verdict(cosines: torch.Tensor, margin: float) -> str:
+    """flipped, kept or inconclusive from the pairs' cosines with the added direction (module docstring)."""
+    mean, need = float(cosines.mean()), math.ceil(AGREEMENT * len(cosines))
+    if mean <= -margin and int((cosines < 0).sum()) >= need:
+        return "flipped"
+    if mean >= margin and int((cosines > 0).sum()) >= need:
+        return "kept"
+    return "inconclusive"
 
 
 def last_token_states(model: torch.nn.Module, tokenizer, prompts: Sequence[str]) -> torch.Tensor:
@@ -128,13 +168,14 @@ class SignCheck:
     def verdicts(self, directions: dict[int, torch.Tensor]) -> list[LayerSign]:
         """{layer: what is added there, up to a positive factor}: each layer's verdict (module docstring)."""
         out = []
-        n = len(self.pairs)
+        margin = MARGIN_SDS / math.sqrt(self.differences.shape[-1])
         for layer, direction in sorted(directions.items()):
             unit = direction.float() / direction.float().norm()
-            projections = self.differences[:, layer] @ unit
-            mean, above, below = float(projections.mean()), int((projections > 0).sum()), int((projections < 0).sum())
-            verdict = "flipped" if mean < 0 and 2 * below > n else "kept" if mean > 0 and 2 * above > n else "inconclusive"
-            out.append(LayerSign(layer, mean, above, n, verdict))
+            differences = self.differences[:, layer]
+            projections = differences @ unit
+            cosines = projections / differences.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+            out.append(LayerSign(layer, float(projections.mean()), int((projections > 0).sum()), len(self.pairs),
+                                 verdict(cosines, margin), float(cosines.mean()), margin))
         return out
 
     def apply(self, bundle_dir: str | Path) -> str:
@@ -166,9 +207,10 @@ class SignCheck:
             if result.verdict == "flipped":
                 tensor[rows[result.layer][0]] *= -1
             elif result.verdict == "inconclusive":
-                log.warning("--sign-check is inconclusive at layer %d (mean projection %+.4g, %d of %d pairs "
-                            "positive): its direction is kept as imported; add pairs, or ones that contrast more",
-                            result.layer, result.mean_projection, result.positive_pairs, result.pairs)
+                log.warning("--sign-check is inconclusive at layer %d (mean cosine %+.3f, margin %.3f; %d of %d pairs "
+                            "positive; a verdict needs the margin and %d%% of the pairs on its side): its direction is "
+                            "kept as imported; add pairs, or ones that contrast more", result.layer, result.mean_cosine,
+                            result.margin, result.positive_pairs, result.pairs, round(100 * AGREEMENT))
         everything = sorted(results + skipped, key=lambda r: r.layer)
         bundle.tensors[name] = tensor
         bundle.config["source"]["sign_check"] = _record(self.pairs, everything)
@@ -181,5 +223,7 @@ class SignCheck:
 
 def _record(pairs: list[tuple[str, str]], results: list[LayerSign]) -> dict[str, Any]:
     return {"pairs": [list(p) for p in pairs],
+            "rule": {"min_pairs": MIN_PAIRS, "margin_sds": MARGIN_SDS, "agreement": AGREEMENT},
             "layers": [{"layer": r.layer, "verdict": r.verdict, "mean_projection": r.mean_projection,
-                        "positive_pairs": r.positive_pairs} for r in results]}
+                        "mean_cosine": r.mean_cosine, "margin": r.margin, "positive_pairs": r.positive_pairs}
+                       for r in results]}
