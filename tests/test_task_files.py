@@ -27,6 +27,7 @@ def test_a_task_reads_its_yaml_its_includes_and_the_modules_it_calls():
     assert names(root, "truthfulqa_mc2_heldout") == ["truthfulqa_mc1.yaml", "truthfulqa_mc2.yaml",
                                                      "truthfulqa_mc2_heldout.yaml", "utils.py"]
     assert names(root, "xstest_safe") == ["xstest_safe.yaml", "xstest_utils.py"]
+    assert names(root, "benign_instructions") == ["benign_instructions.yaml", "benign_utils.py"]
     # a group: its subgroups, their 57 subjects and the template they include (no .yaml suffix)
     mmlu = names(root, "mmlu")
     assert "_mmlu.yaml" in mmlu and "_mmlu_template_yaml" in mmlu and "mmlu_anatomy.yaml" in mmlu

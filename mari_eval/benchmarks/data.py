@@ -254,16 +254,29 @@ def load_xstest_completions() -> list[dict]:
     return read_jsonl(root / "xstest" / "completions.jsonl.gz", SCHEMAS["xstest/completions"])
 
 
-BENIGN_SETS = {"seed_tasks": "calibration or selection", "user_oriented_instructions": "evaluation only"}
+# Self-Instruct's two sets, and what each may be read for (shared/data/SOURCES.md): the authors ask that the
+# user-oriented instructions never be trained on; here they are never calibrated or selected on either.
+BENIGN_SETS = {"seed_tasks": ("calibration", "selection"), "user_oriented_instructions": ("evaluation",)}
+BENIGN_USES = ("calibration", "selection", "training", "evaluation")
 
 
-def load_benign_instructions(name: str) -> list[dict]:
+def load_benign_instructions(name: str, use: str = "calibration") -> list[dict]:
     """Self-Instruct's human-written requests (Wang et al., ACL 2023; shared/data/SOURCES.md), local only:
     ``seed_tasks`` (175, which may serve a gate's calibration or a selection) or ``user_oriented_instructions``
-    (252, evaluation only: never trained, calibrated or selected on). Each record gains ``prompt``: the
-    instruction, or the instruction, a blank line and its first instance's input when that is not empty."""
+    (252, evaluation only). ``use`` says what the caller reads them for; a set asked for a use it may not serve
+    (the evaluation set for calibration, selection or training; the seed tasks for training or evaluation) is
+    refused with a ``DataError``. Each record keeps its own ``id`` ("seed_task_N", "user_oriented_task_N": no
+    split of another dataset holds one) and gains ``prompt``: the instruction, or the instruction, a blank line
+    and its first instance's input when that is not empty."""
     if name not in BENIGN_SETS:
         raise ValueError(f"benign_instructions/{name}: choose one of {', '.join(BENIGN_SETS)}")
+    if use not in BENIGN_USES:
+        raise ValueError(f"use={use!r}: choose one of {', '.join(BENIGN_USES)}")
+    if use not in BENIGN_SETS[name]:
+        other = next(n for n, uses in BENIGN_SETS.items() if use in uses) if use != "training" else None
+        raise DataError(f"benign_instructions/{name} may serve {' or '.join(BENIGN_SETS[name])} only, not {use} "
+                        f"(shared/data/SOURCES.md)" + (f"; read {other} for {use}" if other else
+                                                       "; no Self-Instruct set is read for training"))
     root = data_dir()
     if root is None:
         raise DataError(f"The benign instructions are read from ${DATA_ENV}/benign_instructions/{name}.jsonl.gz "
@@ -271,7 +284,7 @@ def load_benign_instructions(name: str) -> list[dict]:
     rows = read_jsonl(root / "benign_instructions" / f"{name}.jsonl.gz", SCHEMAS[f"benign_instructions/{name}"])
     out = []
     for r in rows:
-        extra = (r["instances"][0]["input"] if r["instances"] else "").strip()
+        extra = r["instances"][0]["input"].strip()
         out.append({**r, "prompt": r["instruction"].strip() + (f"\n\n{extra}" if extra else "")})
     return out
 

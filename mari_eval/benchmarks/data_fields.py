@@ -72,9 +72,9 @@ class OneOf(Scalar):
 
 
 class ListOf:
-    """A list of at least ``min_len`` values of the scalar type ``item``."""
+    """A list of at least ``min_len`` values of the type ``item`` (a scalar, or an ``Obj``)."""
 
-    def __init__(self, item: Scalar, min_len: int = 1):
+    def __init__(self, item: "Scalar | Obj", min_len: int = 1):
         self.item, self.min_len = item, min_len
         self.expected = f"a {'non-empty ' if min_len else ''}list of {item.plural}"
 
@@ -82,8 +82,9 @@ class ListOf:
         if type(v) is not list or len(v) < self.min_len:
             return Bad(path, self.expected, v)
         for i, x in enumerate(v):
-            if not self.item.fits(x):
-                return Bad(f"{path}[{i}]", self.item.expected, x)
+            bad = self.item.problem(x, f"{path}[{i}]")
+            if bad is not None:
+                return bad
         return None
 
 
@@ -93,6 +94,7 @@ class Obj:
     def __init__(self, **fields: Scalar | ListOf | Obj):
         self.fields = tuple(fields.items())
         self.expected = "an object with fields " + ", ".join(fields)
+        self.plural = "objects with fields " + ", ".join(fields)
 
     def problem(self, v: Any, path: str) -> Bad | None:
         if type(v) is not dict:

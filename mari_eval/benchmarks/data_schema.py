@@ -152,14 +152,11 @@ def _check_xstest(r: dict) -> None:
         raise Bad("label", "unsafe exactly for a contrast_* type (XSTest's unsafe prompts)", r["label"])
 
 
-def _check_instances(r: dict) -> None:
-    instances = r.get("instances")
-    if not isinstance(instances, list) or not all(
-            isinstance(i, dict) and isinstance(i.get("input"), str) and isinstance(i.get("output"), str) for i in instances):
-        raise Bad("instances", 'a list of {"input": string, "output": string}', instances)
-
-
 _TARGETS = Obj(choices=ListOf(TEXT), labels=ListOf(Int(0, 1)))
+# Self-Instruct's requests: at least one instance, its input possibly empty, its output the authors' answer (the
+# benign KL's reference, repro/engine/lm_eval_run.py). A prompt is the instruction and the first input: the unit.
+_INSTANCES = ListOf(Obj(input=STR, output=TEXT))
+_BENIGN_KEYS = (("id", _field("id")), ("instruction and first input", lambda r: (r["instruction"], r["instances"][0]["input"])))
 
 SCHEMAS = {
     "truthfulqa/mc": _schema(
@@ -204,11 +201,10 @@ SCHEMAS = {
     # Self-Instruct's human-written requests (shared/data/SOURCES.md, benign_instructions/): the 175 seed tasks
     # (calibration or selection) and the 252 user-oriented instructions (evaluation only).
     "benign_instructions/seed_tasks": _schema(
-        "benign_instructions/seed_tasks", _check_instances, keys=(("id", _field("id")),),
-        id=TEXT, instruction=TEXT),
+        "benign_instructions/seed_tasks", keys=_BENIGN_KEYS, id=TEXT, instruction=TEXT, instances=_INSTANCES),
     "benign_instructions/user_oriented_instructions": _schema(
-        "benign_instructions/user_oriented_instructions", _check_instances,
-        keys=(("id", _field("id")),), id=TEXT, instruction=TEXT),
+        "benign_instructions/user_oriented_instructions", keys=_BENIGN_KEYS, id=TEXT, instruction=TEXT,
+        instances=_INSTANCES),
 }
 # Fields every record must carry, per local file family (the HF schemas); the types are in SCHEMAS.
 REQUIRED_FIELDS = {family: schema.required for family, schema in SCHEMAS.items()}
