@@ -42,6 +42,7 @@ from scipy import stats
 from repro.analysis import intervals
 from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_command_line
 from repro.engine.profiles import REPO
+from repro.analysis.report_page import write_readings
 from repro.analysis.tables import markdown_table, p_text, write_record
 
 
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     one_seed = [c for c in columns if c not in multi]
     result["one_seed_columns"] = one_seed
     write_record(table.parent / f"{table.name}_seeds", result, markdown(result, one_seed))
+    write_readings(table)  # the summary's cells are these figures; results/index.html (repro/report.py)
     return 0
 
 
