@@ -16,12 +16,12 @@ reference row on the same contexts (McNemar's exact test on contexts, repro/anal
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from repro.analysis import intervals
-from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_command_line
+from repro.analysis.documents_check import checked_table
+from repro.analysis.documents_file import SUFFIX, shown_path, table_command_line
 from repro.engine.profiles import REPO
 from repro.analysis.tables import markdown_table, p_text, write_record
 
@@ -43,9 +43,8 @@ def by_context(cell: dict) -> list[dict[str, int]]:
 
 
 def analyse(table: Path, reference_row: str | None = None) -> dict:
-    cells, references, _ = read_documents(table.parent / f"{table.name}{SUFFIX}")
+    record, _, (cells, references, _) = checked_table(table)  # the file its JSON was written with
     shown = shown_path(table, REPO)
-    record = json.loads(table.with_suffix(".json").read_text())
     out = {"command": f"python -m repro.bbq_contexts {shown}", "table_command": record.get("command"),
            "table": table.name, "column": COLUMN, "models": {}}
     for model, rows in cells.items():

@@ -30,7 +30,8 @@ import numpy as np
 from scipy import optimize, stats
 
 from repro.analysis import intervals
-from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_argument
+from repro.analysis.documents_check import checked_table
+from repro.analysis.documents_file import shown_path, table_argument
 from repro.analysis.tables import markdown_table, write_record
 from repro.engine.profiles import REPO
 from repro.seed_level import seed_level
@@ -129,7 +130,7 @@ def _per_seed(cells: dict, member: Member) -> list[float] | None:
 
 def test_family(table: Path, family: Family) -> dict:
     """Each member's seed-level test on ``table``'s per-document file, Holm over the family."""
-    cells_by_model, _, _ = read_documents(table.parent / f"{table.name}{SUFFIX}")
+    _, _, (cells_by_model, _, _) = checked_table(table)  # the file its JSON was written with
     out = {"command": f"python -m repro.primary_family {shown_path(table, REPO)}", "family": str(FAMILY_FILE.relative_to(REPO)),
            "size": family.size, "alpha": family.alpha, "models": {}}
     for model, cells in cells_by_model.items():

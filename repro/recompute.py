@@ -9,23 +9,30 @@ intervals, paired tests and Holm's adjustment over the table), then compares eve
 results/NAME.json: each seed's figure and the mean over seeds against the per-document means (to
 ``repro.engine.documents.TOLERANCE``, the tolerance at which they were tied to lm-eval's figures, in
 the column's units), and each interval, cluster count, difference, p, Holm p, flag and count to
-``RELATIVE`` (the same seeded draws give the same numbers). The command prints what differs and
-exits 1 on any mismatch (2 when a file is missing), 0 when every cell agrees.
+``RELATIVE`` (the same seeded draws give the same numbers). The file is also checked against the
+digest and row count the JSON records of it (repro/analysis/documents_check.py). The command prints
+what differs and exits 1 on any mismatch (2 when a file is missing or cannot be read), 0 when every
+cell agrees. ``--record-digest``: a table written before tables recorded their file's digest gains it
+(``documents_file`` in its JSON, nothing else changed) once every number agrees, so that the commands
+that compute from the file (``repro.seed_level``, ``repro.bbq_contexts``, ``repro.primary_family``)
+accept it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
-from mari_eval.storage.files import finite_json
+import pyarrow as pa
+
+from mari_eval.storage.files import finite_json, write_results_json
 from repro.analysis import differences as differences_module
 from repro.analysis import tables
+from repro.analysis.documents_check import digest_disagreements, header_disagreements, read_record
 from repro.engine.documents import TOLERANCE
-from repro.analysis.documents_file import SUFFIX, read_documents
+from repro.analysis.documents_file import DIGEST_FIELD, SUFFIX, documents_record, load_documents, read_documents
 from repro.engine.profiles import PERCENT_COLUMNS, REPO
 
 RELATIVE = 1e-9
@@ -47,25 +54,12 @@ def _compare(where: str, expected, got, out: list[str], relative: float = RELATI
         out.append(f"{where}: {expected!r} in the JSON, {got!r} recomputed")
 
 
-def _header_disagreements(where: str, n: int | None, cell: dict, file: str) -> list[str]:
-    """What a cell's recorded n says that its per-document scores do not (each seed, a stratum,
-    scores n documents), and seeds the file names twice (two strata of one training run). The
-    number of seeds is checked with the figures (one per seed); the clusters with the interval."""
-    out = []
-    counts = [len(docs) for docs in cell["documents"]]
-    if n is not None and any(count != n for count in counts):
-        out.append(f"{where}.n: {n} in the JSON, {max(counts, key=lambda c: c != n)} documents in {file} (per seed: {counts})")
-    named = [s for s in cell["seeds"] if s is not None]
-    if len(set(named)) != len(named):
-        out.append(f"{where}.seeds: {file} names seeds {cell['seeds']}, one of them twice")
-    return out
-
-
-def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
+def recompute(documents: Path, record: dict, table: pa.Table | None = None) -> tuple[list[str], int, int]:
     """(mismatches, cells compared, differences compared) of the table ``record`` (its JSON)
-    against what ``documents`` (its Parquet) gives."""
-    cells, references, columns = read_documents(documents)
-    out: list[str] = []
+    against what ``documents`` (its Parquet; ``table``: as already read) gives."""
+    table = load_documents(documents) if table is None else table
+    cells, references, columns = read_documents(table)
+    out: list[str] = digest_disagreements(record, table, documents.name) if isinstance(record.get(DIGEST_FIELD), dict) else []
     compared_cells = compared_differences = 0
     for model, entry in record["models"].items():
         rows = cells.get(model, {})
@@ -79,7 +73,7 @@ def recompute(documents: Path, record: dict) -> tuple[list[str], int, int]:
                         out.append(f"{where}: has an interval or difference in the JSON, no documents in {documents.name}")
                     continue
                 compared_cells += 1
-                out += _header_disagreements(where, row["n"].get(column), cell, documents.name)
+                out += header_disagreements(where, row["n"].get(column), cell, documents.name)
                 scale = (100 if column in PERCENT_COLUMNS else 1) * TOLERANCE
                 _compare(f"{where}.values", ours["values"], cell["values"], out, TOLERANCE, scale)
                 if ours["mean"] is not None:
@@ -114,6 +108,9 @@ def paths(target: str) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tables", nargs="+", help="results/NAME (or NAME, NAME.json, NAME_documents.parquet)")
+    parser.add_argument("--record-digest", action="store_true",
+                        help="a table whose JSON records no digest of its per-document file gains it when every number "
+                             "agrees (nothing else in the JSON changes)")
     args = parser.parse_args(argv)
     status = 0
     for target in args.tables:
@@ -122,13 +119,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{target}: {documents if not documents.is_file() else table} is missing", file=sys.stderr)
             status = max(status, 2)
             continue
-        mismatches, cells, differences = recompute(documents, json.loads(table.read_text()))
+        try:
+            record, frame = read_record(table), load_documents(documents)
+        except SystemExit as e:  # cut short, not JSON or Parquet: named with the fix
+            print(e, file=sys.stderr)
+            status = max(status, 2)
+            continue
+        mismatches, cells, differences = recompute(documents, record, frame)
         for line in mismatches:
             print(f"{table.stem}: {line}")
         verdict = f"{len(mismatches)} mismatch(es)" if mismatches else "every number agrees"
         print(f"{table.stem}: {cells} cells and {differences} paired differences recomputed from {documents.name}: {verdict}")
+        if not isinstance(record.get(DIGEST_FIELD), dict):
+            _record_digest(table, record, frame, documents.name, args.record_digest and not mismatches)
         status = max(status, 1 if mismatches else 0)
     return status
+
+
+def _record_digest(table: Path, record: dict, frame: pa.Table, name: str, write: bool) -> None:
+    """Add the per-document file's digest to a table's JSON that records none (``write``), or say how."""
+    if not write:
+        print(f"{table.stem}: {table} records no digest of {name} (written before tables recorded it); "
+              f"`python -m repro.recompute --record-digest {table}` records it when every number agrees")
+        return
+    models = record.pop("models")  # the digest goes where write_tables puts it: just before the models
+    write_results_json(table, {**{k: v for k, v in record.items() if k != DIGEST_FIELD},
+                               DIGEST_FIELD: documents_record(frame, name), "models": models})
+    print(f"{table.stem}: recorded the digest of {name} in {table}")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ times of the run that computed the steps, and says that the table was re-rendere
 (``rerendered`` in the JSON). ``--check`` writes nothing and exits 1 when a table would change
 (0 when it is what the code gives).
 
-Before writing, the header of the Markdown file is matched against what the JSON says it was
-generated with, and the title and introduction are read from it; a table whose files do not
-agree (hand-edited, or of another version of this code) is refused, naming the file.
+Before writing, the per-document file is checked against the JSON (its rows, columns, seeds, and
+the digest the JSON records: repro/analysis/documents_check.py; a table written before tables
+recorded that digest is checked for the rest and gains it here), the header of the Markdown file is
+matched against what the JSON says it was generated with, and the title and introduction are read
+from it; a table whose files do not agree (hand-edited, or of another version of this code) is
+refused, naming the file.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pathlib import Path
 
 from mari_eval.injection.devices import Placement
 from repro.analysis import tables
-from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_argument
+from repro.analysis.documents_check import checked_table
+from repro.analysis.documents_file import shown_path, table_argument
 from repro.engine.profiles import PROFILES, REPO, Profile
 
 
@@ -72,10 +76,9 @@ def _cells(record: dict, documents: dict, seeds_of: dict) -> dict:
     return cells
 
 
-def _seeds(path: Path) -> dict:
-    import pandas as pd  # deferred: pandas is heavy; only this path needs it
-
-    frame = pd.read_parquet(path, columns=["model", "row", "column", "stratum", "seed"]).drop_duplicates()
+def _seeds(documents) -> dict:
+    """{(model, row, column): the seed of each stratum} of a per-document file (a pyarrow Table)."""
+    frame = documents.select(["model", "row", "column", "stratum", "seed"]).to_pandas().drop_duplicates()
     out: dict = {}
     for (model, row, column), group in frame.groupby(["model", "row", "column"], sort=False):
         ordered = group.sort_values("stratum")
@@ -99,10 +102,8 @@ def _header(md: str, record: dict) -> tuple[str, str, str]:
 
 def rerender(table: Path, out: Path, today: str) -> dict:
     """Write ``table``'s files again into ``out`` (module docstring); its new record."""
-    record = json.loads(table.with_suffix(".json").read_text())
+    record, parquet, (documents, _, _) = checked_table(table, require_digest=False)  # then it records the digest
     md = table.with_suffix(".md").read_text()
-    parquet = table.parent / f"{table.name}{SUFFIX}"
-    documents, _, columns = read_documents(parquet)
     steps = RecordedSteps(Placement(**record["placement"]), record.get("step_seconds"), list(record["computed_now"]),
                           float(record["compute_time_s"]))
     recorded = {k: record[k] for k in ("seeds", "max_train", "max_ctrl", "limits", "gen_tokens", "tasks")}
@@ -110,8 +111,6 @@ def rerender(table: Path, out: Path, today: str) -> dict:
     profile = dataclasses.replace(known, **recorded)
     title, generated, intro = _header(md, record)
     all_columns = list(dict.fromkeys(c for entry in record["models"].values() for row in entry["rows"] for c in row["ours"]))
-    if set(columns) - set(all_columns):
-        raise ValueError(f"{parquet.name} has columns the JSON lacks: {sorted(set(columns) - set(all_columns))}")
     paper = {model: (entry["paper_model"], _paper_from_markdown(md, model, [r["row"] for r in entry["rows"]], all_columns))
              for model, entry in record["models"].items()}
     notes = {model: {row["row"]: row["notes"] for row in entry["rows"] if row.get("notes")}

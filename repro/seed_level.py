@@ -26,12 +26,14 @@ every difference of a table whose cells have two seeds or more, read from its pe
   differences from the reference row; the table's other comparisons), as the table's own do.
 * beside them, the table's own conditional interval and p, labelled as such.
 
-Columns scored under one seed get no seed-level figure (said in the output).
+Columns scored under one seed get no seed-level figure (said in the output). Before computing, the
+per-document file is checked against the table's JSON (rows, columns, seeds and the digest the JSON
+records: repro/analysis/documents_check.py); another table's file, or one with a seed's rows dropped,
+is refused naming both files.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -40,9 +42,9 @@ import numpy as np
 from scipy import stats
 
 from repro.analysis import intervals
-from repro.analysis.documents_file import SUFFIX, read_documents, shown_path, table_command_line
+from repro.analysis.documents_check import checked_table
+from repro.analysis.documents_file import SUFFIX, shown_path, table_command_line
 from repro.engine.profiles import REPO
-from repro.analysis.report_page import write_readings
 from repro.analysis.tables import markdown_table, p_text, write_record
 
 
@@ -89,9 +91,9 @@ def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATION
 
 
 def analyse(table: Path) -> dict:
-    """{"command", "table", "models": {model: [{"row", "against", "column", seed-level figures, "conditional"}]}}."""
-    record = json.loads(table.with_suffix(".json").read_text())
-    cells, references, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
+    """{"command", "table", "models": {model: [{"row", "against", "column", seed-level figures, "conditional"}]},
+    "one_seed_columns"}, from the table's files once they agree (``checked_table``)."""
+    record, _, (cells, references, columns) = checked_table(table)
     shown = shown_path(table, REPO)
     out = {"command": f"python -m repro.seed_level {shown}", "table": table.name,
            "table_command": record.get("command"), "iterations": intervals.ITERATIONS, "seed": intervals.SEED,
@@ -115,6 +117,8 @@ def analyse(table: Path) -> dict:
                               "conditional": {"ci": given.get("ci"), "p": given.get("p"), "p_bound": given.get("p_bound"),
                                               "test": given.get("test")}})
         adjust(found, reference)
+    multi = {f["column"] for found in out["models"].values() for f in found}
+    out["one_seed_columns"] = [c for c in columns if c not in multi]
     return out
 
 
@@ -160,12 +164,7 @@ def markdown(result: dict, one_seed: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     table = table_command_line(__doc__, argv)
     result = analyse(table)
-    cells, _, columns = read_documents(table.parent / f"{table.name}{SUFFIX}")
-    multi = {f["column"] for found in result["models"].values() for f in found}
-    one_seed = [c for c in columns if c not in multi]
-    result["one_seed_columns"] = one_seed
-    write_record(table.parent / f"{table.name}_seeds", result, markdown(result, one_seed))
-    write_readings(table)  # the summary's cells are these figures; results/index.html (repro/report.py)
+    write_record(table.parent / f"{table.name}_seeds", result, markdown(result, result["one_seed_columns"]))
     return 0
 
 

@@ -183,12 +183,12 @@ def test_recompute_checks_each_cells_n_against_the_documents(tmp_path):
 
 
 def test_recompute_refuses_a_seed_named_twice_in_the_documents(tmp_path):
-    from repro import recompute
+    from repro.analysis import documents_check
 
     cell = {"documents": [{"a": 1.0}, {"a": 0.0}], "seeds": [0, 0]}
-    assert recompute._header_disagreements("m / r / c", 1, cell, "t_documents.parquet") == [
+    assert documents_check.header_disagreements("m / r / c", 1, cell, "t_documents.parquet") == [
         "m / r / c.seeds: t_documents.parquet names seeds [0, 0], one of them twice"]
-    assert recompute._header_disagreements("m / r / c", 1, {**cell, "seeds": [0, 1]}, "f") == []
+    assert documents_check.header_disagreements("m / r / c", 1, {**cell, "seeds": [0, 1]}, "f") == []
 
 
 def test_digests_are_of_the_files_written(tmp_path):

@@ -10,11 +10,15 @@ One record per model, row, column, seed and document of every cell that has per-
     cluster_unit ("context" or None), reference (the row it is compared with, None for that row
     itself), score (None: a document without a score, left out of the mean)
 
-so that ``pandas.read_parquet("results/main_table_documents.parquet")`` is the whole of it.
+so that ``pandas.read_parquet("results/main_table_documents.parquet")`` is the whole of it. The table's
+JSON records which file it was written with (``DIGEST_FIELD``: its name, rows and ``documents_digest``);
+the commands that read the file check it (repro/analysis/documents_check.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -57,8 +61,25 @@ def cell_seeds(cell: dict, profile, column: str) -> list[int | None]:
     return seeds if len(seeds) == count else [None] * count
 
 
-def write_documents(path: Path, cells: dict, columns: list[str], reference: str | None, profile) -> Path:
-    """``path`` (NAME_documents.parquet): the per-document scores of every cell of ``cells`` that has them."""
+DIGEST_FIELD = "documents_file"  # in a table's JSON: {"name", "rows", "sha256"} of the Parquet written beside it
+
+
+def documents_digest(table: pa.Table) -> str:
+    """The sha256 of a per-document file's content: its column names and every value in file order (the
+    order its strata and columns are read in), as JSON. Of the content, not the bytes, so that the same
+    scores written by another pyarrow or compression give the same digest."""
+    content = {"names": table.schema.names, "columns": [column.to_pylist() for column in table.columns]}
+    return hashlib.sha256(json.dumps(content, allow_nan=True).encode()).hexdigest()
+
+
+def documents_record(table: pa.Table, name: str) -> dict:
+    """What a table's JSON records of its per-document file (``DIGEST_FIELD``)."""
+    return {"name": name, "rows": table.num_rows, "sha256": documents_digest(table)}
+
+
+def write_documents(path: Path, cells: dict, columns: list[str], reference: str | None, profile) -> dict:
+    """``path`` (NAME_documents.parquet): the per-document scores of every cell of ``cells`` that has them;
+    its ``documents_record`` (the table's JSON records it)."""
     out: dict[str, list] = {name: [] for name in SCHEMA.names}
     for model, rows in cells.items():
         compared = reference if reference in rows else None
@@ -76,9 +97,10 @@ def write_documents(path: Path, cells: dict, columns: list[str], reference: str 
                                                               None if found is None else found[doc], unit,
                                                               None if label == compared else compared, score)):
                             out[name].append(value)
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.table(out, schema=SCHEMA), sink, compression="zstd")
-    return atomic_write(path, sink.getvalue().to_pybytes())
+    table, sink = pa.table(out, schema=SCHEMA), pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    atomic_write(path, sink.getvalue().to_pybytes())
+    return documents_record(table, path.name)
 
 
 def table_command_line(description: str, argv: list[str] | None) -> Path:
@@ -111,11 +133,24 @@ def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def read_documents(path: Path) -> tuple[dict, dict[str, str | None], list[str]]:
-    """(cells as ``repro.analysis.tables.tally`` builds them, {model: reference row}, columns in order) from ``path``."""
-    import pandas as pd  # deferred: pandas is heavy; only this path needs it
+def load_documents(path: Path) -> pa.Table:
+    """The per-document file ``path`` as read; SystemExit naming it when it is not a readable one of ours
+    (cut short, another file, other columns)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError, pa.ArrowException) as e:  # ArrowInvalid (a ValueError): cut short, not Parquet
+        raise SystemExit(f"{path}: not a readable per-document file ({type(e).__name__}: {e}); restore it from where "
+                         "its table was written (git restore, or the table's command again)") from None
+    if table.schema.names != SCHEMA.names:
+        raise SystemExit(f"{path}: columns {table.schema.names}, where a per-document file has {SCHEMA.names}; restore "
+                         "it from where its table was written (git restore, or the table's command again)")
+    return table
 
-    frame = pd.read_parquet(path)
+
+def read_documents(path: Path | pa.Table) -> tuple[dict, dict[str, str | None], list[str]]:
+    """(cells as ``repro.analysis.tables.tally`` builds them, {model: reference row}, columns in order) from
+    ``path`` (or the file as ``load_documents`` read it)."""
+    frame = (path if isinstance(path, pa.Table) else load_documents(path)).to_pandas()
     cells: dict = {}
     references: dict[str, str | None] = {}
     columns: list[str] = []
