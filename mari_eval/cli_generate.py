@@ -7,6 +7,8 @@ import argparse
 
 from mari_eval.methods import options
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the model's dtypes a command takes (auto: the checkpoint's)
+
 
 def key_values(items: list[str] | None) -> dict[str, str]:
     """``--set KEY=VALUE`` items as {KEY: VALUE}; an item without "=" or a key given twice is refused
@@ -53,6 +55,6 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p, with --temperature")
     p.add_argument("--seed", type=options.seed, default=0, help="the sampling seed")
-    p.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="the model's dtype (auto: the checkpoint's)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.set_defaults(run=run)

@@ -25,6 +25,7 @@ from typing import TextIO
 import torch
 
 from mari_eval.injection import plan as plans
+from mari_eval.injection.devices import check_device
 from mari_eval.storage.models import check_local
 
 
@@ -77,14 +78,24 @@ class _Printer:
 
 def load(bundle: str, model: str | None, options: dict[str, str], dtype: str = "auto", device: str | None = None):
     """A ``MariLM`` with ``bundle`` on ``model`` (default: the model the bundle was trained on), with
-    the method's evaluation ``options`` (scale=..., T_ent=...). A bundle written as a local path
-    that does not exist is named as such before anything else is tried."""
+    the method's evaluation ``options`` (scale=..., T_ent=...). Before the model loads: a bundle written
+    as a local path that does not exist is named as such (``hf://org/name`` is the Hub, read as
+    ``bundle=hf://`` reads it: ``hub.resolve``), the device is one torch here has (``check_device``), and
+    every option is one the bundle's method takes."""
     from mari_eval.methods import hub
     from mari_eval.evaluation.lm import MariLM  # deferred: lm-eval is heavy
 
-    check_local(bundle, "bundle")
+    if not bundle.startswith(hub.HF_PREFIX):
+        check_local(bundle, "bundle")
+    check_device(device)
+    loaded = hub.load_bundle(bundle)
+    unknown = sorted(set(options) - set(loaded.option_fields))
+    if unknown:
+        raise ValueError(f"{unknown[0]}={options[unknown[0]]}: a {loaded.method} bundle takes no option {unknown[0]!r}; "
+                         f"its options: {', '.join(sorted(loaded.option_fields)) or 'none'} (--set KEY=VALUE; the "
+                         "model's dtype and device are --dtype and --device)")
     if model is None:
-        model = hub.load_bundle(bundle).config["base_model"]["name"]
+        model = loaded.config["base_model"]["name"]
     args = ",".join([f"pretrained={model}", f"bundle={bundle}", f"dtype={dtype}",
                      *([f"device={device}"] if device else []), *(f"{k}={v}" for k, v in options.items())])
     return MariLM.create_from_arg_string(args)
@@ -114,9 +125,21 @@ def untouched(lm) -> Iterator[None]:
         lm.plan = kept
 
 
+def check_fits(lm, ids: torch.Tensor, settings: GenerationSettings) -> None:
+    """A ValueError when the prompt (``ids``, as the model reads it) and the answer's tokens exceed what the
+    model reads (``lm.max_length``: its position embeddings): refused with both counts, not run on past it."""
+    needed = ids.shape[1] + settings.max_new_tokens
+    if needed > lm.max_length:
+        raise ValueError(f"the prompt is {ids.shape[1]} tokens as {lm.model_name} reads it (chat template included) and "
+                         f"--max-new-tokens asks {settings.max_new_tokens} more: {needed}, past the {lm.max_length} "
+                         f"tokens the model reads; shorten the prompt by {needed - lm.max_length} tokens or more, or "
+                         "lower --max-new-tokens")
+
+
 def answer(lm, user: str, settings: GenerationSettings, steered: bool = True, out: TextIO | None = None) -> str:
     """One answer to ``user``, streamed to ``out`` (None: not shown), decoded as lm-eval decodes it."""
     ids = prompt_ids(lm, user, steered)
+    check_fits(lm, ids, settings)
     printer = _Printer(lm.tokenizer, out or io.StringIO())  # not shown: written nowhere anyone reads
     torch.manual_seed(settings.seed)
     kwargs = dict(attention_mask=torch.ones_like(ids), streamer=printer, **settings.kwargs())
@@ -147,6 +170,8 @@ def run(bundle: str, prompt: str, model: str | None = None, options: dict[str, s
     to ``out`` under a heading each; returns {"steered": text, "base": text (with compare)}."""
     lm = load(bundle, model, options or {}, dtype, device)
     method = lm.intervention.label if lm.intervention is not None else "no method"
+    for steered in (False, True) if compare else (True,):  # before anything is printed
+        check_fits(lm, prompt_ids(lm, prompt, steered), settings)
     texts = {}
     if compare:
         out.write(f"--- {lm.model_name}, untouched\n")

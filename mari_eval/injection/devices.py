@@ -46,6 +46,32 @@ class Placement:
         return args
 
 
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """A ValueError naming ``device`` and the fix when torch here cannot compute on it (a name torch does not
+    know, CUDA on a machine without it, a GPU index past the last): refused before any model loads, not an
+    AssertionError from inside torch once it has."""
+    if device is None:
+        return
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{flag} {device!r}: not a device torch knows; give cpu, cuda, cuda:N or mps, or leave it "
+                         "out (cuda when available, else cpu)") from None
+    if found.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{flag} {device}: {why} (torch {torch.__version__}); give {flag} cpu, or leave it out "
+                             "(cuda when available, else cpu)")
+        if found.index is not None and found.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif found.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{flag} {device}: MPS is not available here; give {flag} cpu, or leave it out")
+    elif found.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{flag} {device}: a {found.type} device is not one models are placed on here; give cpu, "
+                         "cuda, cuda:N or mps")
+
+
 def input_device(model: nn.Module) -> torch.device:
     """Where a forward pass's inputs go: the device the embedding layer computes on.
 
