@@ -136,3 +136,21 @@ def test_the_command_prints_the_committed_summary_from_the_json_alone():
     refused = subprocess.run([sys.executable, "-m", "repro.summary", "results/no_such_table"], cwd=REPO,
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "results/no_such_table: not a table" in refused.stderr
+
+
+def test_a_cost_of_several_columns_shows_as_the_family_tests_it(table):
+    record = json.loads(table.with_suffix(".json").read_text())
+    columns = json.loads((REPO / "repro" / "primary_family.json").read_text())["costs"]["kl_benign"]["columns"]
+    for row in record["models"]["m"]["rows"]:
+        row["ours"].update({c: row["ours"]["tqa_mc1"] for c in columns})  # three bundles' columns
+    table.with_suffix(".json").write_text(json.dumps(record))
+    _primary(table, rejected=True)
+    primary = json.loads(table.with_name("t_primary.json").read_text())
+    member = {**primary["models"]["m"]["members"][0], "kind": "cost", "columns": columns, "t_ci": [-5.0, 25.0]}
+    primary["models"]["m"]["members"].append(member)
+    table.with_name("t_primary.json").write_text(json.dumps(primary))
+    text = markdown(load(table))
+    grid_line = next(line for line in text.split("\n") if "kl_benign (mean)" in line)
+    assert grid_line.startswith("| row ") and "kl_benign@bbq" not in grid_line  # one column, not three
+    assert _cell(text.split("costs (row - Vanilla)")[1], "MARI").endswith(" 25]†")
+    assert f"kl_benign (mean): per seed, the mean of the differences on {', '.join(columns)}" in _flat(text)

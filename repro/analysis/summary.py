@@ -200,7 +200,7 @@ def _columns(spec: dict, sorry: str, present: list[str], primary_members: list[d
         members = [m for m in primary_members if m["against"] == reference and tuple(m["columns"]) == tuple(cost["columns"])
                    and m.get("per_seed") is not None]
         if members and len(cost["columns"]) > 1:
-            out.append(Column(name, "cost", tuple(cost["columns"])))
+            out.append(Column(f"{name} (mean)", "cost", tuple(cost["columns"])))
         else:
             out += [Column(c, "cost", (c,)) for c in cost["columns"] if c in present]
     taken = {c for col in out for c in col.columns}

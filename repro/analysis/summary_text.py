@@ -149,6 +149,9 @@ def markdown(summary: TableSummary) -> str:
         if model.gate_open is not None:
             lines += [f"## {model.model}: gate_open\n"] + [wrap(f"- {key}: {value}") for key, value in flatten(model.gate_open)]
             lines.append("")
+    combined = {c.header: c.columns for m in summary.models for c in m.shown if len(c.columns) > 1}
+    lines += [wrap(f"{header}: per seed, the mean of the differences on {', '.join(columns)} (a cost of the primary "
+                   "family).") + "\n" for header, columns in combined.items()]
     if summary.missing:
         lines.append(wrap(f"{NOT_COMPUTED.capitalize()} in this table: {', '.join(summary.missing)}.") + "\n")
     if summary.others:
