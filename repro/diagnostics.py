@@ -2,7 +2,9 @@
 routing agreement of Appendix C.2, for each attribute's bundle; and, under each applicability
 labelling of the control set (loss, flip, source: mari_eval.mari.gate_labels), how well energy
 separates applicable from non-applicable examples (AUROC, across and within sources) and
-the gate rate on every test task of the main table.
+the gate rate on every test task of the main table; and the gate's open rate on each evaluation set the
+main table's MARI row reads (issue 81.1: each attribute's held-out test, and where the profile scores them
+XSTest's safe and unsafe prompts, the benign requests and the KL texts in and out of source).
 
     python repro/diagnostics.py [--profile quick|standard|large|paper|smoke] [--model ID]
     python repro/diagnostics.py --plan --profile paper  # its steps and their cost; runs nothing
@@ -31,13 +33,21 @@ from mari_eval.mari.equations import energy_threshold
 from mari_eval.mari.gate_labels import LABELINGS
 from mari_eval.methods import load_bundle
 from repro.engine import cache, command_line, planning, profiles, scoring, steps
-from repro.analysis import tables
+from repro.analysis import gate_open, tables
 from repro.ablation_table import labels_args
-from repro.engine.profiles import BENCHMARKS, GENERAL_UNDER_OTHERS, KEYWORD_REFUSAL
+from repro.engine.profiles import (BENCHMARKS, BENIGN_REFUSAL, BENIGN_TEXT, GENERAL_TEXT, GENERAL_UNDER_OTHERS,
+                                   KEYWORD_REFUSAL, XSTEST)
 
 TASKS = {"truthfulqa": ("tqa_mc2", "truthfulqa_mc2_heldout", "acc,none", "truthfulqa"),
          "bbq": ("bbq_acc", "bbq_disambig_heldout", "acc,none", "bbq"),
          "sorry_bench": KEYWORD_REFUSAL}
+ATTRIBUTE_TESTS = [c for c in BENCHMARKS if c[0] in ("tqa_mc1", "tqa_mc2", "bbq_acc")] + [KEYWORD_REFUSAL]
+
+
+def gate_columns(profile: profiles.Profile) -> list[tuple]:
+    """The columns whose evaluation sets the gate's open rate is read on: each attribute's held-out test, and the
+    over-refusal and KL columns the profile scores (``more_columns``): the main table's MARI row's evaluations."""
+    return ATTRIBUTE_TESTS + [c for c in XSTEST + BENIGN_REFUSAL + GENERAL_TEXT + BENIGN_TEXT if c[0] in profile.more_columns]
 
 
 def plan(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> steps.Graph:
@@ -55,12 +65,15 @@ def plan(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GEN
             by_labels = {name: (trained, labels_args(name)) for name in LABELINGS}
             planning.evaluation_steps(graph, store, profile, model, seed, columns, by_labels, method_of,
                                       "gate rates per labelling")
+            planning.evaluation_steps(graph, store, profile, model, seed, gate_columns(profile), {"MARI": (trained, "")},
+                                      method_of, "gate open per evaluation set")
     return graph
 
 
 def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENERAL_UNDER_OTHERS) -> dict:
     out: dict = {}
     gate_rates: dict = {}
+    gates: dict = {}  # the main table's MARI row's evaluations (repro/analysis/gate_open.py)
     bundle_steps = [(m, s, a) for m in profile.models for s in profile.seeds for a in TASKS]
     for model, seed, attribute in tqdm(bundle_steps, desc="diagnostics", unit="bundle"):
         bundle_dir = store.bundle("mari", attribute, model, seed, profile)
@@ -87,7 +100,10 @@ def run(profile: profiles.Profile, store: cache.Store, columns=BENCHMARKS + GENE
                 scores = scoring.score(store, profile, model, seed, columns, bundles, labels_args(name))
                 tables.tally(gate_rates, model, name, {column: {"value": (r["diagnostics"] or {}).get("gate_rate"),
                                                                 "n": r["n"]} for column, r in scores.items()})
-    return {"bundles": out, "gate_rates": gate_rates}
+            trained = {a: store.bundle("mari", a, model, seed, profile) for a in sorted({c[3] for c in gate_columns(profile)})}
+            scores = scoring.score(store, profile, model, seed, gate_columns(profile), trained)
+            gate_open.add(gates, model, "MARI", seed, profile, gate_columns(profile), scores)
+    return {"bundles": out, "gate_rates": gate_rates, "gate_open": gates}
 
 
 def markdown(result: dict, command: str, wall: float, cost: str) -> str:
@@ -141,6 +157,12 @@ def markdown(result: dict, command: str, wall: float, cost: str) -> str:
                 cells.append(f"{tables.fmt(mean, None)} (n={rates[column]['n']})")
             rows.append([model, labels, *cells])
     lines.append(tables.markdown_table(["model", "labels", *columns], rows))
+    lines += ["\n## Gate open rate on each evaluation set\n",
+              "The share of each evaluation set's documents on which the gate of the main table's MARI row opened (its "
+              "bundle's own labels), per seed: TASK@TAG is the task under the TruthfulQA (tqa), BBQ or SORRY-Bench "
+              "(sorry) bundle. general_text is exam text (in source for the gate's calibration), benign_text and "
+              "benign_instructions Self-Instruct's requests (out of source); the KL texts record it since issue 81.\n",
+              tables.markdown_table(gate_open.HEADERS, gate_open.rows(result.get("gate_open") or {}))]
     return "\n".join(lines) + "\n"
 
 

@@ -39,24 +39,37 @@ from pathlib import Path
 from tqdm import tqdm
 
 from repro.engine import cache, command_line, planning, profiles, recipes, scoring, steps
-from repro.analysis import tables
+from repro.analysis import gate_open, tables
 from repro.engine.profiles import BENCHMARKS, METHODS, method_label
 
 EXTRA = [profiles.KEYWORD_REFUSAL, *profiles.GENERAL_UNDER_OTHERS]
-# What the intro says of the optional columns, by the starts of their names (repro/engine/profiles.py).
+# What the intro says of the optional columns, by their names without an @tag (repro/engine/profiles.py).
 OPTIONAL_NOTES = {
-    ("bbq_amb",): "`bbq_amb_acc` and `bbq_amb_bias`: BBQ's ambiguous-context accuracy and bias score s_AMB (a mean of "
-                  "+1 stereotyped answer / -1 the other person / 0 unknown; harness_tasks/bbq_bias.py), under the BBQ bundle.",
-    ("xstest",): "`xstest_safe_refusal` and `xstest_unsafe_compliance`: XSTest's safe prompts refused and unsafe prompts "
-                 "complied with (keyword judge), under the SORRY-Bench bundle.",
-    ("kl", "ce"): "`kl` and `ce`: the steered model's KL divergence from the untouched one and its cross-entropy, in nats "
-                  "per token, on general text (MMLU and ARC-Challenge question texts; mari_eval/evaluation/divergence.py).",
+    ("bbq_amb_acc", "bbq_amb_bias"): "`bbq_amb_acc` and `bbq_amb_bias`: BBQ's ambiguous-context accuracy and bias score "
+                                     "s_AMB (a mean of +1 stereotyped answer / -1 the other person / 0 unknown; "
+                                     "harness_tasks/bbq_bias.py), under the BBQ bundle.",
+    ("xstest_safe_refusal", "xstest_unsafe_compliance"): "`xstest_safe_refusal` and `xstest_unsafe_compliance`: XSTest's "
+                                                         "safe prompts refused and unsafe prompts complied with (keyword "
+                                                         "judge), under the SORRY-Bench bundle.",
+    ("kl", "ce"): "`kl` and `ce` (in-source): the steered model's KL divergence from the untouched one and its "
+                  "cross-entropy, in nats per token, on exam text (MMLU and ARC-Challenge question texts; "
+                  "mari_eval/evaluation/divergence.py), the source of MARI's \"not applicable\" gate calibration.",
+    ("kl_benign", "ce_benign"): "`kl_benign` and `ce_benign` (out of source): the same on Self-Instruct's 252 "
+                                "user-oriented requests, none of which any method reads before this test: each request "
+                                "as one chat user turn, then the first 64 tokens of its authors' answer, the KL over "
+                                "the answer's tokens (repro/engine/divergence_run.py).",
+    ("benign_refusal",): "`benign_refusal`: the share of those 252 requests refused (keyword judge), answered greedily "
+                         "as one chat user turn under the SORRY-Bench bundle (benign over-refusal).",
 }
+# The rows' gates: the JSON's rows carry ``gate_open`` (repro/analysis/gate_open.py).
+GATE_NOTE = ("Each gated row's JSON holds `gate_open`: the share of each evaluation set's documents on which its gate "
+             "opened, per seed.")
 
 
 def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METHODS, columns=BENCHMARKS + EXTRA,
-        recipe: str = recipes.MAIN_TABLE_RECIPE, extras: dict[str, tuple] | None = None) -> tuple[dict, dict]:
-    """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}}).
+        recipe: str = recipes.MAIN_TABLE_RECIPE, extras: dict[str, tuple] | None = None) -> tuple[dict, dict, dict]:
+    """({model: {method: {column: {"values": [per seed], "n": docs}}}}, {model: {method: [recipe notes]}},
+    {model: {method: {evaluation set: the gate's open rate per seed}}}: repro/analysis/gate_open.py).
 
     ``recipe``: every baseline's training recipe, ``published`` (default) or ``adapted``. ``extras``:
     rows of bundles made elsewhere ({name: (directory, method)}, ``--extra-bundle``), each answering
@@ -65,6 +78,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
     steps = [(m, s, meth) for m in profile.models for s in by_seed for meth in methods]
     cells: dict = {}
     notes: dict = {}
+    gates: dict = {}
     rows: dict[tuple, dict[str, scoring.Row]] = {}  # per (model, seed), every method's bundles, scored together
     for model, seed, method in tqdm(steps, desc="main table: training", unit="method"):
         attributes = sorted({c[3] for c in by_seed[seed]}) if method != "vanilla" else []
@@ -76,7 +90,8 @@ def run(profile: profiles.Profile, store: cache.Store, methods: list[str] = METH
         by_method.update(_extra_rows(extras, by_seed[seed]))
         for method, scores in scoring.score_rows(store, profile, model, seed, by_seed[seed], by_method).items():
             tables.tally(cells, model, method, scores, seed=seed)
-    return cells, notes
+            gate_open.add(gates, model, method, seed, profile, by_seed[seed], scores)
+    return cells, notes, gates
 
 
 def against_mari(rows: list[str]) -> list[tuple[str, str]]:
@@ -137,17 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     taken = [*methods, *map(method_label, methods)]  # an extra row's name must differ from both
     extras = command_line.extra_bundles(args.extra_bundle, store, taken, copy=not args.plan)
     started = time.time()
-    optional = profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+    optional = (profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+                + profiles.BENIGN_TEXT + profiles.BENIGN_REFUSAL)
     scored = BENCHMARKS + EXTRA + [c for c in optional if c[0] in profile.more_columns]
     columns = command_line.select(scored, args.columns, [c for c in optional if c not in scored])
     title = f"main table, profile {profile.name}, {len(profile.models)} model(s), seeds {profile.seeds}"
     if planning.before_the_table(args, lambda: plan(profile, store, methods, columns, args.recipe, extras), title,
                                  store, profile):
         return 0
-    cells, notes = run(profile, store, methods, columns, args.recipe, extras)
+    cells, notes, gates = run(profile, store, methods, columns, args.recipe, extras)
     label = {**{m: method_label(m) for m in methods}, **{name: name for name in extras}}
     labelled = {model: {label[m]: cols for m, cols in by_method.items()} for model, by_method in cells.items()}
     notes = {model: {method_label(m): lines for m, lines in by_method.items()} for model, by_method in notes.items()}
+    gates = {model: {label[m]: sets for m, sets in by_method.items()} for model, by_method in gates.items()}
     intro = ("Ours: mean ± std over seeds (std only with several seeds); n = test documents per cell. "
              "TruthfulQA, MMLU, ARC in %; BBQ and SORRY-Bench as fractions, as the paper prints them. "
              "mmlu, arc_e and arc_c run under the TruthfulQA-trained intervention, the columns tagged @bbq and "
@@ -157,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
              "authors', the same for every bundle, repro/engine/recipes.py; adapted: this suite's setting; docs/baselines.md) is "
              "listed under the table. "
              "Every row is also tested against MARI, a second family for Holm's adjustment."
-             + "".join(f" {note}" for prefix, note in OPTIONAL_NOTES.items() if any(c[0].startswith(prefix) for c in columns)))
+             + "".join(f" {note}" for names, note in OPTIONAL_NOTES.items() if any(c[0].split("@")[0] in names for c in columns))
+             + (f" {GATE_NOTE}" if gates else ""))
     tables.write_tables(Path(args.out), "main_table", "Table 1: main results", intro, labelled,
                         [c[0] for c in columns], paper_figures, profile, command, time.time() - started, store, notes,
-                        comparisons=against_mari(list(label.values())))
+                        comparisons=against_mari(list(label.values())), gate_open=gates)
     return 0
 
 

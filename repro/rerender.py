@@ -115,12 +115,15 @@ def rerender(table: Path, out: Path, today: str) -> dict:
              for model, entry in record["models"].items()}
     notes = {model: {row["row"]: row["notes"] for row in entry["rows"] if row.get("notes")}
              for model, entry in record["models"].items()}
+    gates = {model: {row["row"]: row["gate_open"] for row in entry["rows"] if row.get("gate_open")}
+             for model, entry in record["models"].items()}  # the gated rows' open rates (repro/analysis/gate_open.py)
     comparisons = next(([(c["row"], c["against"]) for c in entry["comparisons"]]
                         for entry in record["models"].values() if entry.get("comparisons")), [])
     again = tables.Rerendered(f"`python -m repro.rerender {shown_path(table, REPO)}` ({today})", generated)
     return tables.write_tables(out, table.name, title, intro, _cells(record, documents, _seeds(parquet)), all_columns, paper.__getitem__,
                                profile, record["command"], record["wall_time_s"], steps, notes,
-                               reference=record["uncertainty"]["reference"], comparisons=comparisons, rerendered=again)
+                               reference=record["uncertainty"]["reference"], comparisons=comparisons, rerendered=again,
+                               gate_open=gates)
 
 
 def _paper_from_markdown(md: str, model: str, rows: list[str], columns: list[str]) -> dict:

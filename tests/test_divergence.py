@@ -115,7 +115,7 @@ def test_the_rows_of_a_shared_pass_read_the_untouched_model_once_per_document(mo
     # of a document is computed for the first row and kept for the others, which score exactly as alone.
     from mari_eval.evaluation.lm import MariLM
     from mari_eval.evaluation.shared_pass import SharedPass
-    from repro.engine import lm_eval_run
+    from repro.engine import divergence_run
 
     names = ["caa", "reft", "mari"]
     alone = [_scores(_lm(model, tokenizer, all_bundles[name])) for name in names]
@@ -123,8 +123,8 @@ def test_the_rows_of_a_shared_pass_read_the_untouched_model_once_per_document(mo
     lms = [MariLM(pretrained=model, tokenizer=tokenizer, device="cpu", dtype="float32", bundle=all_bundles[name],
                   allow_other_model=True, shared_pass=shared) for name in names]
     documents = [{"id": str(i), "context": context, "continuation": continuation} for i, (context, continuation) in enumerate(TEXTS)]
-    monkeypatch.setattr(lm_eval_run, "load_general_text", lambda: documents)
-    results = [lm_eval_run.general_text(lm, None) for lm in lms]  # the path a table's evaluation takes
+    monkeypatch.setattr(divergence_run, "load_general_text", lambda: documents)
+    results = [divergence_run.measure(lm, divergence.TASK, None) for lm in lms]  # the path a table's evaluation takes
     for result, scores in zip(results, alone):
         assert result["documents"]["kl,none"] == {str(i): s.kl for i, s in enumerate(scores)}
         assert result["documents"]["ce,none"] == {str(i): s.ce for i, s in enumerate(scores)}
@@ -135,3 +135,85 @@ def test_the_rows_of_a_shared_pass_read_the_untouched_model_once_per_document(mo
     again = [divergence.score_texts(lm.model, lm.plan, TEXTS, lambda c, x, lm=lm: HFLM._encode_pair(lm, c, x), lm.instructed,
                                     lm.tokenizer.pad_token_id, untouched=nothing_kept) for lm in lms]
     assert again == alone and (nothing_kept.computed, nothing_kept.served) == (len(TEXTS) * len(names), 0)
+
+
+BENIGN = [{"id": "user_oriented_task_0", "prompt": "Rewrite this more politely.\n\nGive me the file.",
+           "instances": [{"input": "Give me the file.", "output": "Could you send me the file, please?"}]},
+          {"id": "user_oriented_task_1", "prompt": "Name three fruits.",
+           "instances": [{"input": "", "output": "Apple, pear and plum. " * 20}]}]  # longer than the answer's cap
+
+
+def _benign(lm, monkeypatch):
+    from repro.engine import divergence_run
+
+    asked = []
+    monkeypatch.setattr(divergence_run, "load_benign_instructions",
+                        lambda name, use: asked.append((name, use)) or [dict(r) for r in BENIGN])
+    result = divergence_run.measure(lm, divergence.BENIGN_TASK, None)  # the path a table's evaluation takes
+    assert asked == [("user_oriented_instructions", "evaluation")]  # the evaluation-only set, asked for as such
+    return result
+
+
+def test_the_benign_text_is_the_authors_answer_after_the_request_as_generation_reads_it(model, tokenizer, monkeypatch):
+    # Out of source (issue 81.1): the context is the request as generation renders and tokenises it (p* the token
+    # generation edits), the continuation the first BENIGN_ANSWER_TOKENS tokens of the authors' answer.
+    lm = _lm(model, tokenizer)
+    result = _benign(lm, monkeypatch)
+    assert result["n"] == 2 and result["tasks_run_together"] == [divergence.BENIGN_TASK]
+    for record in BENIGN:
+        context = lm.generation_ids(lm.chat_turn_prompt(record["prompt"]))  # this tokenizer has no template: prompt + "\n"
+        answer = lm.tok_encode(record["instances"][0]["output"], add_special_tokens=False)[:divergence.BENIGN_ANSWER_TOKENS]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([context + answer])).logits[0, len(context) - 1:-1].float(), -1)
+        ce = float(-lp.gather(-1, torch.tensor(answer)[:, None]).mean())
+        assert result["documents"]["kl,none"][record["id"]] == 0.0
+        assert math.isclose(result["documents"]["ce,none"][record["id"]], ce, rel_tol=1e-5)
+    assert result["diagnostics"]["continuation_tokens"] == 35 + divergence.BENIGN_ANSWER_TOKENS  # the second one cut
+
+
+def test_the_untouched_rendering_is_the_chat_turn_generation_uses(model, smollm2_path):
+    # The untouched model's context must be what --model mari generates from without a bundle, template or not.
+    import transformers
+
+    from repro.engine.divergence_run import untouched_turn
+
+    request = BENIGN[0]["prompt"]
+    for tok in (transformers.AutoTokenizer.from_pretrained(smollm2_path), _byte_tokenizer()):
+        lm = _lm(model, tok)
+        assert untouched_turn(tok, request) == lm.chat_turn_prompt(request)
+    assert untouched_turn(_byte_tokenizer(), request) == request + "\n"
+
+
+def _byte_tokenizer():
+    from .tiny import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+@pytest.mark.parametrize("name, opened", [("mari", True), ("closed_mari", False)])
+def test_a_gated_rows_benign_text_records_its_gate_rate(model, tokenizer, all_bundles, monkeypatch, name, opened):
+    lm = _lm(model, tokenizer, all_bundles[name])
+    result = _benign(lm, monkeypatch)
+    diagnostics = result["diagnostics"]
+    assert diagnostics["gate"] is True and diagnostics["prompts"] == 2
+    untouched = diagnostics["answered_by"].get("the untouched model", 0)
+    assert diagnostics["gate_rate"] == (2 - untouched) / 2 == (1.0 if opened else 0.0)
+    kl = result["documents"]["kl,none"].values()
+    assert all(v > 0 for v in kl) if opened else all(v == 0.0 for v in kl)
+
+
+def test_an_instruction_moves_the_benign_row_and_not_the_answer(model, tokenizer, monkeypatch):
+    # Prompting reads its own rendering of the request; the answer's tokens, and the untouched reading, stay.
+    plain = _benign(_lm(model, tokenizer), monkeypatch)
+    lm = _lm(model, tokenizer)
+    lm.chat_turn_prompt = lambda user: "Answer helpfully.\n\n" + user + "\n"
+    instructed = _benign(lm, monkeypatch)
+    assert all(v > 0 for v in instructed["documents"]["kl,none"].values())
+    assert instructed["diagnostics"]["continuation_tokens"] == plain["diagnostics"]["continuation_tokens"]
+
+
+def test_a_measure_that_is_not_one_is_refused(model, tokenizer):
+    from repro.engine import divergence_run
+
+    with pytest.raises(ValueError, match="'benign' is not a KL and cross-entropy measurement; choose one of general_text"):
+        divergence_run.measure(_lm(model, tokenizer), "benign", None)

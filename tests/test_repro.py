@@ -182,6 +182,27 @@ def test_kl_cross_entropy_and_ambiguous_bbq_are_columns_when_named(tmp_path, smo
     assert "kl" not in profiles.PROFILES["quick"].more_columns and "kl@bbq" in profiles.PROFILES["budget"].more_columns
 
 
+def test_out_of_source_columns_and_the_gates_open_rates_when_named(tmp_path, smoke_dirs):
+    # Issue 81.1: KL and cross-entropy on Self-Instruct's requests under each attribute's bundle, their benign
+    # over-refusal under SORRY-Bench's, beside the in-source columns; each gated row's open rate per evaluation set.
+    columns = ["kl", "kl_benign", "ce_benign", "kl_benign@sorry", "benign_refusal", "xstest_safe_refusal"]
+    out = tmp_path / "results"
+    run_repro("main_table.py", (smoke_dirs[0], out), "--methods", "vanilla,mari", "--columns", ",".join(columns))
+    record = _strict((out / "main_table.json").read_text())
+    rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
+    vanilla, mari = rows["Vanilla"]["ours"], rows["MARI"]["ours"]
+    assert vanilla["kl_benign"]["mean"] == vanilla["kl_benign@sorry"]["mean"] == 0.0 and vanilla["ce_benign"]["mean"] > 0
+    assert rows["MARI"]["n"]["kl_benign"] == 4 and rows["MARI"]["n"]["benign_refusal"] == 2  # the smoke profile's limits
+    assert mari["kl_benign"]["difference"]["test"] == "sign-flip" and 0 <= mari["benign_refusal"]["mean"] <= 1
+    gates = rows["MARI"]["gate_open"]
+    assert "gate_open" not in rows["Vanilla"]
+    assert set(gates) == {"general_text@tqa", "benign_text@tqa", "benign_text@sorry", "benign_instructions@sorry",
+                          "xstest_safe@sorry"}  # one per evaluation: kl_benign and ce_benign read one
+    assert all(e["seeds"] == [0] and 0 <= e["values"][0] <= 1 for e in gates.values())
+    md = (out / "main_table.md").read_text()
+    assert "in-source kl (ours)" in md and "kl_benign (ours)" in md and "out of source" in md
+
+
 def test_a_profile_scores_some_columns_under_more_seeds():
     # The quick profile's TruthfulQA columns under seeds 0, 1, 2 (issue 36.8); the others under its seeds only.
     from repro.engine.profiles import BENCHMARKS, Profile

@@ -70,7 +70,7 @@ def test_evaluation_flops_count_the_prompt_once_plus_each_row_that_edits_it(monk
     # the KL/CE measure: the untouched model reads the whole text once for the group (Prompting, outside
     # the shared pass, once more for itself), and every row that edits reads it again under its edit
     divergence = costs.TaskSize.of("general_text", 10)
-    assert divergence.alone and not costs.TaskSize.of("mmlu", 1).alone
+    assert divergence.alone and costs.TaskSize.of("benign_text", None).alone and not costs.TaskSize.of("mmlu", 1).alone
     text = divergence.prompt + divergence.requests * divergence.option
     window = costs.MARI_K * costs.MARI_WINDOW
     assert costs.evaluation_flops("m", divergence, [None, "mari"], None) == pytest.approx(2e9 * 10 * (text + text + window))
@@ -134,11 +134,13 @@ def test_plan_prints_the_steps_and_runs_nothing(tmp_path, capsys):
 
 
 def test_every_optional_column_of_the_main_table_is_priced(tmp_path, capsys):
-    # The budget profile's default columns (BBQ's ambiguous contexts, XSTest, KL and cross-entropy) and the
-    # others: --plan failed on general_text and bbq_ambig_heldout, which repro/engine/token_counts.json lacked.
+    # The budget profile's default columns (BBQ's ambiguous contexts, XSTest, KL and cross-entropy in and out of
+    # source, benign over-refusal) and the others: --plan failed on general_text and bbq_ambig_heldout, which
+    # repro/engine/token_counts.json lacked.
     from repro.engine import profiles
 
-    optional = profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+    optional = (profiles.TQA_GENERATION + profiles.BBQ_AMBIGUOUS + profiles.XSTEST + profiles.GENERAL_TEXT
+                + profiles.BENIGN_TEXT + profiles.BENIGN_REFUSAL)
     assert main_table.main(["--profile", "budget", "--plan", "--methods", "vanilla,caa", "--seeds", "0", "--columns",
                             ",".join(c[0] for c in optional), "--runs", str(tmp_path / "runs"),
                             "--out", str(tmp_path / "out")]) == 0

@@ -4,8 +4,18 @@ ITI (Li et al., 2023, section 5.1) reads an intervention's invasiveness from two
 general text: the intervened model's cross-entropy, and the KL divergence of its next-token
 distribution from the untouched model's. Both can move for a model at chance on MMLU and ARC.
 
-Here a document is a (context, continuation) pair of general text (``data.load_general_text``:
-MMLU and ARC-Challenge question texts cut in two). The method edits as it does in generation:
+Here a document is a (context, continuation) pair of text, of one of two sets (``TASKS``):
+
+* ``general_text``, in source: MMLU and ARC-Challenge question texts cut in two (``data.load_general_text``),
+  exam questions like those of the gate's "not applicable" calibration (MMLU validation, ARC-Easy train);
+* ``benign_text``, out of source (issue 81.1): Self-Instruct's 252 user-oriented requests, as the model is
+  used: the context is the request as one user turn of the chat template, ready for the answer (the
+  prompt generation reads, its last token p*), and the continuation the authors' answer to it (the
+  request's first instance's output), its first ``BENIGN_ANSWER_TOKENS`` tokens. The KL is measured
+  over the answer's tokens: the next-token distributions from which the model would answer a benign
+  request, after the edit the method makes at p* on that very request (repro/engine/divergence_run.py).
+
+The method edits as it does in generation:
 at the context's last token p* (and its prompt sites, ReFT), and on every later token where its
 edit reaches them (CAA, ITI: ``site.edit_from_site``); a teacher-forced pass over context and
 continuation computes what decoding the continuation would, token by token. For each token x_t
@@ -14,7 +24,8 @@ of the continuation:
     KL_t = sum_v p_base(v | x_<t) [log p_base(v | x_<t) - log p_steer(v | x_<t)]   (nats)
     CE_t = -log p_steer(x_t | x_<t)                                                (nats)
 
-and a document's scores are their means over its continuation's tokens (``TextScores``). The
+and a document's scores are their means over its continuation's tokens (``TextScores``, with the
+record of the method's choice: MARI's gate, whose open rate the tables report). The
 untouched model reads the plain context; a method that rewrites prompts (Prompting's
 instruction) reads its own, so its KL includes what the instruction does. A method with several
 variants (MARI's experts and its gate's fallback to the base model) answers with the variant its
@@ -39,7 +50,11 @@ from mari_eval.injection.plan import BASE, Plan
 # Bumped when what a document's scores mean changes: part of every cached evaluation's key (repro/engine/cache.py).
 VERSION = 1
 TASK = "general_text"  # the name the tables' columns give this measurement (repro/engine/profiles.py)
+BENIGN_TASK = "benign_text"  # the same measure on Self-Instruct's requests, out of source
+VERSIONS = {TASK: VERSION, BENIGN_TASK: 1}  # per measured set: its documents' version, in its evaluations' keys
+TASKS = tuple(VERSIONS)
 METRICS = ("kl", "ce")  # per document, in nats per continuation token
+BENIGN_ANSWER_TOKENS = 64  # the benign continuation: the first tokens of the authors' answer (their mean is 77, median 45)
 
 EncodePair = Callable[[str, str], tuple[list[int], list[int]]]  # (context, continuation) -> their token ids
 
@@ -52,6 +67,7 @@ class TextScores:
     ce: float
     tokens: int
     variant: int  # the variant that answered (BASE: the untouched model)
+    record: dict | None = dataclasses.field(default=None, compare=False)  # the plan's choice record (one variant: None)
 
 
 @torch.no_grad()
@@ -93,13 +109,19 @@ class UntouchedLogProbs:
 
 def chosen_variant(model: torch.nn.Module, plan: Plan, context: Sequence[int], pad_token_id: int | None) -> int:
     """The variant ``plan`` answers ``context`` with in generation (its only one, else its choice)."""
+    return choice(model, plan, context, pad_token_id)[0]
+
+
+def choice(model: torch.nn.Module, plan: Plan, context: Sequence[int], pad_token_id: int | None) -> tuple[int, dict | None]:
+    """(``chosen_variant``, the plan's record of that choice: MARI's gate energy and whether it opened; None
+    for a plan with one variant, which chooses nothing)."""
     if len(plan.variants) == 1:
-        return plan.variants[0]
-    picks: list[int] = []
+        return plan.variants[0], None
+    picks: list[tuple[int, dict]] = []
 
     def choose(run):
         chosen, record = plan.pick(run)
-        picks.append(chosen)
+        picks.append((chosen, record))
         return chosen, record
 
     ids = torch.tensor([list(context)], device=devices.input_device(model))
@@ -117,7 +139,7 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
     context, continuation = base
     if not context or not continuation:
         raise ValueError("a general-text document needs a context and a continuation of at least one token each")
-    variant = chosen_variant(model, plan, steered_context, pad_token_id)
+    variant, record = choice(model, plan, steered_context, pad_token_id)
     sites = [*plan.prompt_sites(len(steered_context)), len(steered_context) - 1]
     positions = (torch.zeros(len(sites), dtype=torch.long), torch.tensor(sites))
     edit = None if variant == BASE else plan.apply(torch.full((len(sites),), variant), positions)  # one id per site
@@ -127,7 +149,7 @@ def score_text(model: torch.nn.Module, plan: Plan, base: tuple[list[int], list[i
     base_lp = base_lp.to(steered_lp.device)  # a kept reading is on the CPU
     kl = (base_lp.exp() * (base_lp - steered_lp)).sum(-1)
     ce = -steered_lp.gather(-1, torch.tensor(continuation, device=steered_lp.device)[:, None])[:, 0]
-    scores = TextScores(float(kl.mean()), float(ce.mean()), len(continuation), variant)
+    scores = TextScores(float(kl.mean()), float(ce.mean()), len(continuation), variant, record)
     if not (math.isfinite(scores.kl) and math.isfinite(scores.ce)):
         raise FloatingPointError(f"non-finite KL {scores.kl} or cross-entropy {scores.ce} under variant {variant} "
                                  f"for the continuation of {len(context)} context tokens: the edit overflows the model's "

@@ -27,7 +27,7 @@ from repro.engine.documents import clustered_columns, split_clusters
 from repro.analysis.documents_file import DIGEST_FIELD, cell_clusters, cell_documents, shown_path, write_documents
 from repro.engine.judged import (agreement_record, agreement_sentence, cell_text, judge_record, judge_sentence,
                                  withhold_below_floor)
-from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, REPO, Profile, describe
+from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, REPO, Profile, column_header, describe
 
 # ----------------------------------------------------------------------------- the paper's tables
 
@@ -245,7 +245,7 @@ def _documents_note(out: Path, name: str) -> str:
 def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, columns: list[str], paper_lookup,
                  profile: Profile, command: str, wall: float, store: Store, notes: dict | None = None,
                  reference: str | None = "Vanilla", comparisons: list[tuple[str, str]] = (),
-                 rerendered: Rerendered | None = None) -> dict:
+                 rerendered: Rerendered | None = None, gate_open: dict | None = None) -> dict:  # repro/analysis/gate_open.py
     """results/<name>.{json,md,tex}, <name>_documents.parquet (and <name>_differences.png) from
     ``cells`` = {model: {row label: {column: {"values", "n", "documents", "clusters", ...}}}} (``tally``).
 
@@ -263,7 +263,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
     ``rerendered``: the table written again from its files (``repro.rerender``): its header keeps the
     run's own first sentence and says what wrote it again; its JSON records that command.
     """
-    cells = withhold_below_floor(cells)  # a judged cell with too few parsed verdicts: n/a (repro/engine/judged.py)
+    cells, headers = withhold_below_floor(cells), [column_header(c) for c in columns]  # repro/engine/judged.py; "in-source kl"
     judge = judge_record(cells)
     agreement = agreement_record(columns, judge)  # how the refusal columns' judges agree with people (XSTest)
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
@@ -302,6 +302,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             row = {"row": label, "ours": {}, "n": {}, "paper": {}}
             if (notes or {}).get(model, {}).get(label):
                 row["notes"] = notes[model][label]
+            row.update({"gate_open": gate_open[model][label]} if label in (gate_open or {}).get(model, {}) else {})  # gated
             md_cells, tex_cells, diff_cells = [label], [label], [label]
             for column in columns:
                 cell = by_column.get(column, {"values": [], "n": 0})
@@ -333,14 +334,14 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             if label != reference and differences:
                 md_diff_rows.append(diff_cells)
         md += [f"\n## {model} ({entry['dtype']}; paper column: {paper_model})\n",
-               markdown_table(["row"] + [f"{c} ({who})" for c in columns for who in ("ours", "paper")], md_rows)]
+               markdown_table(["row"] + [f"{c} ({who})" for c in headers for who in ("ours", "paper")], md_rows)]
         md += [f"\n- {label}: {'; '.join(lines)}" for label, lines in (notes or {}).get(model, {}).items()]
         if at_chance:
             entry["at_chance"] = {column: CHANCE[column.split("@")[0]] for column in at_chance}
             md.append(at_chance_note(at_chance, reference))
         if md_diff_rows:
             md += [f"\n### {model}: difference from {reference} (paired, same documents)\n",
-                   markdown_table(["row"] + columns, md_diff_rows)]
+                   markdown_table(["row"] + headers, md_diff_rows)]
             tex_differences.append((f"{model}: difference from {reference}", md_diff_rows))
         tex_blocks.append((model, tex_rows))
         if comparisons:
@@ -348,14 +349,14 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             compared = [[f"{c['row']} - {c['against']}"] + [_difference_text(c["columns"].get(column), _digits(column))
                                                            for column in columns] for c in entry["comparisons"]]
             md += [f"\n### {model}: paired comparisons between rows (Holm over these tests alone)\n",
-                   markdown_table(["rows"] + columns, compared)]
+                   markdown_table(["rows"] + headers, compared)]
             tex_differences.append((f"{model}: paired comparisons between rows", compared))
     record[DIGEST_FIELD] = write_documents(out / f"{name}_documents.parquet", cells, columns, reference, profile)
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")
-    tex = latex_table(["Row"] + columns, tex_blocks)
+    tex = latex_table(["Row"] + headers, tex_blocks)
     if tex_differences:
-        tex += "\n" + latex_table(["Row"] + columns, tex_differences)
+        tex += "\n" + latex_table(["Row"] + headers, tex_differences)
         plot_differences(record, columns, out / f"{name}_differences.png", title)
     atomic_write(out / f"{name}.tex", tex)
     print("\n".join(md))
@@ -386,7 +387,7 @@ def plot_differences(record: dict, columns: list[str], path: Path, title: str) -
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_yticks(range(len(labels)), labels if column == shown[0] else [""] * len(labels))
         ax.invert_yaxis()
-        ax.set_title(column, fontsize=9)
+        ax.set_title(column_header(column), fontsize=9)
         ax.tick_params(labelsize=8)
     fig.suptitle(f"{title}: difference from {record['uncertainty']['reference']} (95% CI; filled: p < 0.05)",
                  fontsize=9)

@@ -164,8 +164,8 @@ class Store:
                  "tasks": task_fingerprint(task),  # the files of the task folder it reads
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)
-            if task == divergence.TASK:  # measured by mari_eval/evaluation/divergence.py, not by a task file
-                configs[task]["measure"] = divergence.VERSION
+            if task in divergence.VERSIONS:  # measured by mari_eval/evaluation/divergence.py, not by a task file
+                configs[task]["measure"] = divergence.VERSIONS[task]
             if judged_task(task):  # another judge's verdicts are another evaluation (repro/engine/judged.py)
                 configs[task]["judge"] = judge
             paths[task] = self.root / "evaluations" / f"{task}-{config_key(configs[task])}.json"

@@ -12,7 +12,7 @@ Sec. 2.1), and 6 N per token where training back-propagates through the whole mo
   closed gate skips the experts; once per bundle, a later row of it adding only a variant its
   options ask for, ``row_variants``):
       2 N [P (1 + rows editing the prompt) + R O sum over rows of variants]
-* the KL and cross-entropy measure on general text (mari_eval/evaluation/divergence.py), per
+* the KL and cross-entropy measures on general text and benign requests (mari_eval/evaluation/divergence.py), per
   document: 2 N (P + R O) for the untouched model's reading, once for a group's rows (kept by the
   shared pass; Prompting, outside it, reads its own), and 2 N (P + R O) per row that edits (the
   untouched row reads nothing more), MARI adding its K experts over the routing window T_ent (the
@@ -145,7 +145,7 @@ class TaskSize:
     requests: float
     option: float
     generation: bool
-    alone: bool = False  # every row reads the whole document by itself, and the untouched model again (divergence.TASK)
+    alone: bool = False  # every row reads the whole document by itself, and the untouched model again (divergence.TASKS)
 
     @classmethod
     def of(cls, task: str, limit: int | None) -> "TaskSize":
@@ -160,7 +160,7 @@ class TaskSize:
         if limit is not None:
             total = min(total, limit * (MMLU_SUBJECTS if task == "mmlu" else 1))
         return cls(total, stats["prompt_tokens"], stats["requests_per_document"], stats["option_tokens"],
-                   stats["generation"], alone=task == divergence.TASK)
+                   stats["generation"], alone=task in divergence.TASKS)
 
 
 def variants(method: str | None) -> int:

@@ -12,18 +12,15 @@ import functools
 import logging
 import os
 import time
-from collections import Counter
 from pathlib import Path
-
-from tqdm import tqdm
 
 from mari_eval.benchmarks.tasks import task_manager
 from mari_eval.evaluation import divergence
-from mari_eval.benchmarks.data import load_general_text
 from mari_eval.injection.devices import Placement
 from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
 from mari_eval.evaluation.lm import MariLM
 from mari_eval.evaluation.shared_pass import SharedPass
+from repro.engine import divergence_run
 from repro.engine.documents import check_against, document_scores
 from repro.engine.profiles import GENERATION_BATCH
 
@@ -73,7 +70,7 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
     if any(t.startswith("sorry") for t in tasks):
         _ensure_judge()
     lm = lm or mari_lm(model, bundle, model_args, placement)
-    results = {task: general_text(lm, limit) for task in tasks if task == divergence.TASK}
+    results = {task: divergence_run.measure(lm, task, limit) for task in tasks if task in divergence.TASKS}
     tasks = [task for task in tasks if task not in results]
     if not tasks:
         return results
@@ -112,29 +109,6 @@ def judge_label(out: dict, task: str) -> str | None:
     judge = ((((out.get("configs") or {}).get(task) or {}).get("metadata") or {}).get("judge"))
     label = judge.get("label") if isinstance(judge, dict) else None
     return label if isinstance(label, str) and label else None
-
-
-def general_text(lm: MariLM, limit: int | None) -> dict:
-    """The KL and cross-entropy columns' measurement (mari_eval/evaluation/divergence.py) of ``lm``'s method on
-    the first ``limit`` general-text documents, as ``evaluate`` returns a task's: metrics "kl,none"
-    and "ce,none" (nats per token, means over documents) with every document's scores."""
-    from lm_eval.models.huggingface import HFLM  # deferred: lm-eval is heavy; only this path needs it
-
-    documents = load_general_text()[:limit]
-    started = time.time()
-    scores = divergence.score_texts(
-        lm.model, lm.plan, [(d["context"], d["continuation"]) for d in documents],
-        lambda context, continuation: HFLM._encode_pair(lm, context, continuation),  # the untouched model's tokens
-        lm.instructed, lm.tokenizer.pad_token_id,
-        progress=lambda items: tqdm(items, desc=f"{divergence.TASK}: KL and cross-entropy", leave=False),
-        untouched=lm.shared.shared.untouched_text if lm.shared is not None else None)  # one reading for a group's rows
-    by_metric = {f"{name},none": {d["id"]: getattr(s, name) for d, s in zip(documents, scores)} for name in divergence.METRICS}
-    answered = Counter(lm.intervention.variant_name(s.variant) if lm.intervention else "the untouched model" for s in scores)
-    return {"metrics": {metric: sum(values.values()) / len(values) for metric, values in by_metric.items()},
-            "n": len(documents), "seconds": round(time.time() - started, 1), "tasks_run_together": [divergence.TASK],
-            "documents": by_metric, "model_dtype": str(lm.model.dtype).removeprefix("torch."),
-            "diagnostics": {"prompts": len(scores), "answered_by": dict(answered),
-                            "continuation_tokens": sum(s.tokens for s in scores)}}
 
 
 @functools.lru_cache(maxsize=None)

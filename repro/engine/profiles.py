@@ -73,12 +73,28 @@ BBQ_AMBIGUOUS = [("bbq_amb_acc", "bbq_ambig_heldout", "acc,none", "bbq"),
 # ARC, at chance for a 135M model, cannot. In the budget profile's columns (``more_columns``); elsewhere --columns kl,ce,...
 GENERAL_TEXT = [(f"{name}{'' if attribute == 'truthfulqa' else '@' + ATTRIBUTE_TAGS[attribute]}", "general_text",
                  f"{name},none", attribute) for attribute in ATTRIBUTE_TAGS for name in ("kl", "ce")]
+# Those exam texts are in source for MARI's gate, whose "not applicable" calibration reads MMLU and ARC-Easy questions
+# (issue 81.1): the tables label kl and ce "in-source" (``column_header``) and keep their keys. Out of source, the
+# same measure on Self-Instruct's 252 user-oriented requests, each chat-templated as the model is used and continued
+# by its authors' answer (repro/engine/divergence_run.py), under each attribute's bundle: kl_benign, ce_benign, ...
+BENIGN_TEXT = [(f"{name}_benign{'' if attribute == 'truthfulqa' else '@' + ATTRIBUTE_TAGS[attribute]}", "benign_text",
+                f"{name},none", attribute) for attribute in ATTRIBUTE_TAGS for name in ("kl", "ce")]
+# Benign over-refusal beside XSTest's: the same 252 requests answered greedily as one chat user turn under the
+# SORRY-Bench bundle, read by XSTest's keyword judge (harness_tasks/benign_instructions.yaml).
+BENIGN_REFUSAL = [("benign_refusal", "benign_instructions", "refusal_rate,none", "sorry_bench")]
+IN_SOURCE = ("kl", "ce")  # the columns (and their @tags) on text of the gate's calibration sources
+
+
+def column_header(column: str) -> str:
+    """How a table's headers name ``column`` (its JSON key): an in-source column says so ("in-source kl@bbq")."""
+    return f"in-source {column}" if column.split("@")[0] in IN_SOURCE else column
 # Percentages in the paper's table (the others are fractions, as the paper prints them).
 PERCENT_COLUMNS = {"tqa_mc1", "tqa_mc2", "mmlu", "arc_e", "arc_c", "gsm8k", *(c[0] for c in GENERAL_UNDER_OTHERS)}
 # Columns whose per-document scores are not 0/1 outcomes, though a row's may all be 0 or 1 (a closed MARI gate's
 # KL of exactly 0, a bias of 0 or +1 on every context): their differences are always sign-flip tests, never
 # McNemar's, whose interval is a 0/1 rate's (repro/analysis/intervals.py ``paired``, ``continuous``).
-CONTINUOUS_COLUMNS = {"tqa_mc2", "kl", "ce", "bbq_amb_bias", "tqa_gen_bleu_diff", "tqa_gen_rouge1_diff"}
+CONTINUOUS_COLUMNS = {"tqa_mc2", "kl", "ce", "kl_benign", "ce_benign", "bbq_amb_bias", "tqa_gen_bleu_diff",
+                      "tqa_gen_rouge1_diff"}
 
 
 def continuous_column(column: str) -> bool:
@@ -87,7 +103,7 @@ def continuous_column(column: str) -> bool:
 
 COLUMN_DIGITS = {"bbq_acc": 3, "sorry_refusal": 3, "sorry_keyword": 3, "auroc_loss": 2, "auroc_source": 2,
                  "val_loss": 3, "bbq_amb_acc": 3, "bbq_amb_bias": 3, "xstest_safe_refusal": 3, "xstest_unsafe_compliance": 3,
-                 **{c[0]: 3 for c in GENERAL_TEXT}}
+                 "benign_refusal": 3, **{c[0]: 3 for c in GENERAL_TEXT + BENIGN_TEXT}}
 
 
 @dataclass
@@ -126,9 +142,14 @@ class Profile:
     # Per method other than the four baselines: training settings this profile changes for its budget
     # (the quick profile: LoRA's epochs), recorded in every bundle and cache key (repro/engine/recipes.py).
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # The main table's optional columns (TQA_GENERATION, BBQ_AMBIGUOUS, XSTEST, GENERAL_TEXT) this profile
-    # scores without --columns.
+    # The main table's optional columns (TQA_GENERATION, BBQ_AMBIGUOUS, XSTEST, GENERAL_TEXT, BENIGN_TEXT,
+    # BENIGN_REFUSAL) this profile scores without --columns.
     more_columns: tuple[str, ...] = ()
+    # Tasks evaluated in an lm-eval run (a step of the plan) of their own, not with the other tasks of their bundle,
+    # document limit and generation length (repro/engine/scoring.py ``task_groups``): columns added to a profile
+    # whose steps are committed, so that those steps keep their tasks and are read back, not joined to new work.
+    # (The same evaluations either way: each task is cached under its own key.)
+    own_step: tuple[str, ...] = ()
 
     def results_dir(self) -> Path:
         """Where a script writes its tables unless ``--out`` says: results/ for the standard profile
@@ -195,9 +216,9 @@ PROFILES = {
                      {"truthfulqa_mc1_heldout": 2, "truthfulqa_mc2_heldout": 2, "bbq_disambig_heldout": 2,
                       "sorry_bench_heldout": 2, "mmlu": 1, "arc_easy": 2, "arc_challenge": 2, "gsm8k": 1,
                       "truthfulqa_gen_heldout": 2, "xstest_safe": 2, "xstest_unsafe": 2, "general_text": 4,
-                      "bbq_ambig_heldout": 2},
+                      "bbq_ambig_heldout": 2, "benign_text": 4, "benign_instructions": 2},
                      {"epochs": 1}, max_pca=24, gen_tokens={"sorry_bench_heldout": 8, "gsm8k": 8, "truthfulqa_gen_heldout": 8,
-                                                            "xstest_safe": 8, "xstest_unsafe": 8},
+                                                            "xstest_safe": 8, "xstest_unsafe": 8, "benign_instructions": 8},
                      tasks={"mmlu": "mmlu_abstract_algebra", "arc_easy": "arc_easy_first25",
                             "arc_challenge": "arc_challenge_first25"}),
     # The README's first run (issue 36: the main table within 75 minutes on 2 CPU cores), every row,
@@ -265,15 +286,19 @@ PROFILES = {
                       STANDARD_CTRL,
                       {"truthfulqa_mc1_heldout": 200, "truthfulqa_mc2_heldout": 200, "bbq_disambig_heldout": 504,
                        "sorry_bench_heldout": 60, "mmlu": 5, "arc_easy": 100, "arc_challenge": 100, "gsm8k": 20,
-                       "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None, "bbq_ambig_heldout": 504},
-                      max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128, "xstest_safe": 48, "xstest_unsafe": 48},
+                       "truthfulqa_gen_heldout": 100, "xstest_safe": None, "xstest_unsafe": None, "bbq_ambig_heldout": 504,
+                       "benign_text": None, "benign_instructions": None},
+                      max_pca=None, gen_tokens={"sorry_bench_heldout": 48, "gsm8k": 128, "xstest_safe": 48, "xstest_unsafe": 48,
+                                                "benign_instructions": 48},
                       tasks={"arc_easy": "arc_easy_first25", "arc_challenge": "arc_challenge_first25"},
                       published={"reft": {"epoch_selection": "best", "validation": "ctrl"},
                                  "iti": {"head_selection": "cv", "validation": "ctrl"},
                                  "nl_iti": {"head_selection": "cv", "validation": "ctrl"}, "caa": {"validation": "ctrl"}},
                       adapted={m: {"validation": "ctrl"} for m in ("caa", "iti", "nl_iti", "reft")},
                       settings={"lora": {"validation": "ctrl"}},
-                      more_columns=tuple(c[0] for c in BBQ_AMBIGUOUS + XSTEST + GENERAL_TEXT)),
+                      more_columns=tuple(c[0] for c in BBQ_AMBIGUOUS + XSTEST + GENERAL_TEXT + BENIGN_TEXT + BENIGN_REFUSAL),
+                      # Added after the budget steps were committed (issue 81.1): their own steps.
+                      own_step=("benign_text", "benign_instructions")),
     # The paper's setting on GPU machines: its models, full test sets, 3 seeds; in bf16 spread over the GPUs.
     "paper": Profile("paper", list(PAPER_MODELS.values()), [0, 1, 2], {"truthfulqa": None, "bbq": None, "sorry_bench": None},
                      None, {}, cuda_placement={"dtype": "bfloat16", "device_map": "auto"}),

@@ -18,11 +18,12 @@ log = logging.getLogger("repro")
 
 
 def task_groups(profile: Profile, columns: list[tuple]) -> dict[tuple, list[str]]:
-    """{(attribute, document limit, generation length): the profile's tasks of ``columns``}: the
-    tasks evaluated together, under one bundle, in one lm-eval run."""
+    """{(attribute, document limit, generation length, own step): the profile's tasks of ``columns``}: the
+    tasks evaluated together, under one bundle, in one lm-eval run; a task of ``profile.own_step`` alone
+    (its name the key's last part, else None)."""
     groups: dict[tuple, list[str]] = {}
     for column, task, metric, attribute in columns:
-        key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task))
+        key = (attribute, profile.limits.get(task), profile.gen_tokens.get(task), task if task in profile.own_step else None)
         if profile.task(task) not in groups.setdefault(key, []):
             groups[key].append(profile.task(task))
     return groups
@@ -35,7 +36,7 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
     a document limit and a generation length run together."""
     # Keyed by attribute and task: the same task (MMLU, ARC) runs under several attributes' bundles.
     evaluated: dict[tuple[str | None, str], dict] = {}
-    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
+    for (attribute, limit, gen_tokens, _), tasks in task_groups(profile, columns).items():
         found = store.evaluations(model, tasks, limit, bundles.get(attribute), model_args, gen_tokens, seed)
         evaluated.update({(attribute, task): result for task, result in found.items()})
     out = {}
@@ -66,7 +67,7 @@ def evaluation_runs(store: Store, profile: Profile, model: str, seed: int, colum
     that evaluate the same thing (same bundle and model_args) join it once. A bundle not trained
     yet has nothing stored."""
     runs: dict[tuple, dict[tuple, tuple[tuple, bool]]] = {}
-    for (attribute, limit, gen_tokens), tasks in task_groups(profile, columns).items():
+    for (attribute, limit, gen_tokens, _), tasks in task_groups(profile, columns).items():
         members = runs.setdefault((tuple(tasks), limit, gen_tokens), {})
         for bundles, model_args in rows.values():
             bundle = bundles.get(attribute)

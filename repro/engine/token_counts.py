@@ -21,13 +21,15 @@ import sys
 from pathlib import Path
 
 from mari_eval.evaluation.lm_generation import CHAT_TURN_FIELD
-from repro.engine.profiles import BBQ_AMBIGUOUS, BENCHMARKS, GENERAL_TEXT, REPO, TQA_GENERATION, XSTEST
+from repro.engine.profiles import (BBQ_AMBIGUOUS, BENCHMARKS, BENIGN_REFUSAL, BENIGN_TEXT, GENERAL_TEXT, REPO,
+                                   TQA_GENERATION, XSTEST)
 
 OUT = Path(__file__).resolve().parent / "token_counts.json"
 SAMPLE = 40
 MMLU_SAMPLE = 2
 FEWSHOT_SEED = 1234  # simple_evaluate's fewshot_random_seed default: the same shots as an evaluation
-TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION + XSTEST + BBQ_AMBIGUOUS + GENERAL_TEXT}
+TASKS = sorted({task for _, task, _, _ in BENCHMARKS + TQA_GENERATION + XSTEST + BBQ_AMBIGUOUS + GENERAL_TEXT
+                 + BENIGN_TEXT + BENIGN_REFUSAL}
                | {"gsm8k", "arc_easy_first25", "arc_challenge_first25"})
 ATTRIBUTE_TASKS = {"truthfulqa": "truthfulqa_mc1_heldout", "bbq": "bbq_disambig_heldout",
                    "sorry_bench": "sorry_bench_heldout"}
@@ -103,6 +105,22 @@ def measure_general_text(tokenizer) -> dict:
             "requests_per_document": 1.0, "option_tokens": round(sum(option) / len(option), 2), "generation": False}
 
 
+def measure_benign_text(tokenizer) -> dict:
+    """The out-of-source KL and cross-entropy documents (repro/engine/divergence_run.py): each request as one chat
+    user turn, then the first tokens of its authors' answer, one teacher-forced pass priced as one request."""
+    from mari_eval.benchmarks.data import load_benign_instructions  # deferred: reads the data files
+    from mari_eval.evaluation.divergence import BENIGN_ANSWER_TOKENS  # deferred: imports torch
+    from repro.engine.divergence_run import BENIGN_SET, untouched_turn  # deferred: as above
+
+    records = load_benign_instructions(BENIGN_SET, use="evaluation")
+    sampled = records[:SAMPLE]
+    prompt = [len(tokenizer(untouched_turn(tokenizer, r["prompt"]), add_special_tokens=False).input_ids) for r in sampled]
+    option = [min(BENIGN_ANSWER_TOKENS, len(tokenizer(r["instances"][0]["output"], add_special_tokens=False).input_ids))
+              for r in sampled]
+    return {"documents": len(records), "sampled": len(sampled), "prompt_tokens": round(sum(prompt) / len(prompt), 1),
+            "requests_per_document": 1.0, "option_tokens": round(sum(option) / len(option), 2), "generation": False}
+
+
 def measure() -> dict:
     from lm_eval.tasks import TaskManager  # deferred: lm-eval is heavy; only measuring needs it
     from transformers import AutoTokenizer  # deferred: as above
@@ -112,7 +130,7 @@ def measure() -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     task_manager = TaskManager(include_path=str(REPO / "harness_tasks"), metadata={"split_seed": 0})
-    special = {"sorry_bench_heldout": measure_sorry, "general_text": measure_general_text}
+    special = {"sorry_bench_heldout": measure_sorry, "general_text": measure_general_text, "benign_text": measure_benign_text}
     tasks = {name: special[name](tokenizer) if name in special else measure_task(name, tokenizer, task_manager)
              for name in TASKS}
     splits = {}
