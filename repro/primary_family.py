@@ -32,6 +32,7 @@ from scipy import optimize, stats
 from repro.analysis import intervals
 from repro.analysis.documents_check import checked_table
 from repro.analysis.documents_file import shown_path, table_argument
+from repro.analysis.report_page import write_readings
 from repro.analysis.tables import markdown_table, write_record
 from repro.engine.profiles import REPO
 from repro.seed_level import seed_level
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     result = test_family(table, family)
     result["sorry_primary"] = {"column": column, "reason": reason}
     write_record(table.parent / f"{table.name}_primary", result, markdown(result, reason))
+    write_readings(table)  # the summary's verdicts are this family's; results/index.html (repro/report.py)
     return 0
 
 
