@@ -33,7 +33,7 @@ from mari_eval.storage.files import atomic_write_json
 from mari_eval.judge.server import judge_identity
 from mari_eval.methods import load_bundle
 from repro.engine import lm_eval_run
-from repro.engine.cache_keys import DOCUMENTS_VERSION, config_key, task_fingerprint, with_placement
+from repro.engine.cache_keys import config_key, documents_version, task_fingerprint, with_placement
 from repro.engine.documents import documents_disagree
 from repro.engine.cache_digests import (BUNDLE_FIELD, EVALUATION_FIELD, RECORD, bundle_digests, bundle_mismatch, evaluation_digest,
                                         evaluation_mismatch, refuse_if_strict)
@@ -160,7 +160,7 @@ class Store:
         for task in tasks:
             configs[task] = with_placement(
                 {"kind": "evaluation", "model": model, "task": task, "limit": limit, "bundle": fingerprint,
-                 "model_args": model_args, "gen_tokens": gen_tokens, "documents": DOCUMENTS_VERSION,
+                 "model_args": model_args, "gen_tokens": gen_tokens, "documents": documents_version(task),
                  "tasks": task_fingerprint(task),  # the files of the task folder it reads
                  "split_seed": split_seed if "heldout" in task else None},  # the others have no split of ours
                 self.placement, model)

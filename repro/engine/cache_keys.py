@@ -22,9 +22,24 @@ log = logging.getLogger("repro")
 # evaluations stored before documents were kept (1), or before BBQ's carried their context (2), are
 # evaluated again.
 DOCUMENTS_VERSION = 2
+# A generation task's evaluations also keep every completion (3: repro/engine/completions.py, issue 81.4), so
+# that a table can show and re-judge what a bundle said; stored before, they hold none and are generated
+# again. The other tasks keep DOCUMENTS_VERSION: nothing they store changed, and their steps stay valid.
+GENERATION_DOCUMENTS_VERSION = 3
 
 
 KEYED_PACKAGES = ("mari-eval", "torch", "transformers", "lm_eval")  # their versions enter every key
+
+
+@lru_cache(maxsize=None)
+def generation_task(task: str) -> bool:
+    """Whether ``task`` generates text (its YAML's ``output_type: generate_until``; repro/engine/task_files.py)."""
+    return task_files.generates(tasks_dir(), task)
+
+
+def documents_version(task: str) -> int:
+    """The version of what an evaluation of ``task`` keeps per document, part of its key."""
+    return GENERATION_DOCUMENTS_VERSION if generation_task(task) else DOCUMENTS_VERSION
 
 
 def _versions() -> dict[str, str | None]:

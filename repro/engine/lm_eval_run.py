@@ -20,6 +20,7 @@ from mari_eval.injection.devices import Placement
 from mari_eval.judge import ENV_BASE_URL, ENV_MODEL, judge_environment
 from mari_eval.evaluation.lm import MariLM
 from mari_eval.evaluation.shared_pass import SharedPass
+from repro.engine.completions import FIELD as COMPLETIONS, generated
 from repro.engine import divergence_run
 from repro.engine.documents import check_against, document_scores
 from repro.engine.profiles import GENERATION_BATCH
@@ -97,6 +98,9 @@ def evaluate(model, tasks, limit, bundle, model_args, gen_tokens, split_seed, pl
                          "documents": scores,
                          "model_dtype": str(lm.model.dtype).removeprefix("torch."),  # what it computed in
                          "diagnostics": diagnostics}
+        texts = generated(out["samples"], names, task, results[task]["n"], lm.max_gen_toks)
+        if texts is not None:  # every answer a generation task wrote (repro/engine/completions.py)
+            results[task][COMPLETIONS] = texts
         label = judge_label(out, task)
         if label:  # the judge that read it (repro/engine/judged.py)
             results[task]["judge"] = label

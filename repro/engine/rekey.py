@@ -12,9 +12,10 @@ are, and counted: evaluations already under their new key, ones computed with ot
 under other package versions (their name is not the hash of their configuration here), and damaged ones
 (the run that reads them says why). ``--check`` moves nothing and exits 1 when something would move.
 ``--prune`` also deletes the evaluations computed with other task files (a prompt, metric or filter
-since edited): no run of this checkout reads them back, and a committed cache would otherwise carry
-them for ever. It names each file it deletes; ones from other package versions are kept (installing
-those versions reads them back).
+since edited), and those stored under an earlier version of what an evaluation keeps per document
+(``cache_keys.documents_version``: a generation task's before its completions were kept): no run of this
+checkout reads them back, and a committed cache would otherwise carry them for ever. It names each file
+it deletes; ones from other package versions are kept (installing those versions reads them back).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from pathlib import Path
 
 from mari_eval.storage.files import atomic_write_json
 from repro.engine.cache_digests import EVALUATION_FIELD, evaluation_digest, evaluation_mismatch
-from repro.engine.cache_keys import config_key, task_fingerprint, tasks_fingerprint
+from repro.engine.cache_keys import config_key, documents_version, task_fingerprint, tasks_fingerprint
 
 
 STALE = "other task files"  # what --prune deletes
+SUPERSEDED = "an earlier documents version"  # ... and this
 
 
 def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
@@ -45,6 +47,8 @@ def _move(path: Path, folder_hash: str) -> tuple[str, Path | None, dict | None]:
     task, _, key = path.stem.rpartition("-")
     if task != config["task"] or key != config_key(config):
         return "other versions or copied", None, None
+    if config.get("documents") != documents_version(task):
+        return SUPERSEDED, None, None
     new_hash = task_fingerprint(task)
     if config.get("tasks") == new_hash:
         return "already keyed by its task", None, None
@@ -67,8 +71,8 @@ def rekey(runs: Path, check: bool = False, prune: bool = False) -> Counter:
         if what == "moved":
             atomic_write_json(target, moved)
             path.unlink()
-        elif what == STALE and prune:
-            print(f"deleted {path} (computed with other task files)")
+        elif what in (STALE, SUPERSEDED) and prune:
+            print(f"deleted {path} ({'computed with other task files' if what == STALE else 'stored under ' + what})")
             path.unlink()
     return counts
 
@@ -80,15 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     either = parser.add_mutually_exclusive_group()  # --check changes nothing, --prune deletes
     either.add_argument("--check", action="store_true", help="move nothing; exit 1 when something would move")
     either.add_argument("--prune", action="store_true",
-                        help="also delete the evaluations computed with other task files (none is read back)")
+                        help="also delete the evaluations computed with other task files or stored under an earlier "
+                             "documents version (none is read back)")
     args = parser.parse_args(argv)
     if not (args.runs / "evaluations").is_dir():
         raise SystemExit(f"{args.runs}: no evaluations/ folder; give the --runs folder of a table's steps")
     counts = rekey(args.runs, args.check, args.prune)
     verb = "would move" if args.check else "moved"
-    left = {what: n for what, n in counts.items() if what != "moved" and not (args.prune and what == STALE)}
+    left = {what: n for what, n in counts.items() if what != "moved" and not (args.prune and what in (STALE, SUPERSEDED))}
     print(f"{args.runs}: {verb} {counts['moved']} evaluations to their task's key"
           + (f", deleted {counts[STALE]} computed with other task files" if args.prune else "")
+          + (f" and {counts[SUPERSEDED]} stored under {SUPERSEDED}" if args.prune and counts[SUPERSEDED] else "")
           + "; left: " + (", ".join(f"{n} {what}" for what, n in sorted(left.items())) or "none"))
     return 1 if args.check and counts["moved"] else 0
 

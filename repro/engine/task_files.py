@@ -126,3 +126,39 @@ def task_files(root: Path, task: str) -> list[Path]:
     resolver = _Resolver(root)
     resolver.name(task)
     return sorted(resolver.found)
+
+
+GENERATE = "generate_until"  # lm-eval's output type of a task that generates text (SORRY-Bench, XSTest, GSM8K)
+
+
+def generates(root: Path, task: str) -> bool:
+    """Whether ``task`` generates text: its YAML (or the first YAML of its ``include:`` chain that says)
+    declares ``output_type: generate_until``, or, for a group or tag, one of its members does. A name no
+    YAML of the folder defines (lm-eval's own tasks; the KL/cross-entropy measure): False."""
+    names, contents = _index(root)
+    seen: set[str] = set()
+
+    def declared(content: Any, base: Path) -> str | None:
+        while isinstance(content, dict):
+            if "output_type" in content:
+                return content["output_type"]
+            include = content.get("include")
+            if not isinstance(include, str) or not (base.parent / include).is_file():
+                return None
+            base = base.parent / include
+            content = contents.get(base) or yaml.load(base.read_text(), Loader=_Loader)
+        return None
+
+    def of(content: Any, base: Path) -> bool:
+        members = content.get("task") if isinstance(content, dict) else None
+        if isinstance(content, dict) and "group" in content and isinstance(members, list):
+            return any(named(m) if isinstance(m, str) else of(m, base) for m in members)
+        return declared(content, base) == GENERATE
+
+    def named(name: str) -> bool:
+        if name in seen:
+            return False
+        seen.add(name)
+        return any(of(contents.get(path), path) for path in names.get(name, []))
+
+    return named(task)
