@@ -57,10 +57,7 @@ def _train(args: argparse.Namespace) -> int:
     for key, value in key_values(args.set).items():
         if hp.get(key) is not None:
             raise ValueError(f"{key} given twice (--{key} and --set {key}=): give it once")
-        try:
-            hp[key] = json.loads(value)
-        except json.JSONDecodeError:
-            hp[key] = value
+        hp[key] = options.set_value(key, value)  # JSON, numbers read as typed (mari_eval/storage/numbers.py)
     if args.single:
         hp["single"] = True
     if args.recipe is None:  # a baseline's recipe: the tables' unless --recipe says otherwise
@@ -136,7 +133,7 @@ def _import_vector(args: argparse.Namespace) -> int:
         return run_import(args)
     from mari_eval.vectors.vector_sign import SignCheck  # deferred: as above
     check = SignCheck(args.model, args.sign_check) if args.sign_check else None  # measured before anything is written
-    if args.file.endswith((".pt", ".pth", ".csv")):  # lm-eval's --model steered config or SAE CSV (mari_eval/vectors/steer_config.py)
+    if args.file.lower().endswith((".pt", ".pth", ".csv")):  # lm-eval's steered config or SAE CSV (FILE.PT too)
         from mari_eval.vectors.steer_config import import_steer_file  # deferred: keeps this module light
 
         if args.scale != 1.0 or args.allow_other_model:
@@ -259,15 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=options.seed, default=0, help="split and initialisation seed")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--force", action="store_true", help="replace the bundle already at --out")
-    p.add_argument("--layer", type=int, help="injection layer l* (default: num_layers // 2)")
-    p.add_argument("--K", type=int, help="number of experts (MARI; default 4)")
-    p.add_argument("--rank", type=int, help="adapter rank (default 4)")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--rho", type=float, help="gate quantile (default 0.9; can be changed at evaluation)")
-    p.add_argument("--max-train", type=int, help="train on at most this many D_train examples (seeded subset)")
-    p.add_argument("--max-ctrl", type=int, help="calibrate on at most this many examples per control source (smoke runs)")
-    p.add_argument("--max-pca", type=int, help="fit the PCA subspace on at most this many D_pca prompts (smoke runs)")
+    p.add_argument("--layer", type=options.INTEGER_FLAG, help="injection layer l* (default: num_layers // 2)")
+    p.add_argument("--K", type=options.INTEGER_FLAG, help="number of experts (MARI; default 4)")
+    p.add_argument("--rank", type=options.INTEGER_FLAG, help="adapter rank (default 4)")
+    p.add_argument("--epochs", type=options.INTEGER_FLAG)
+    p.add_argument("--lr", type=options.NUMBER_FLAG)
+    p.add_argument("--rho", type=options.NUMBER_FLAG, help="gate quantile (default 0.9; can be changed at evaluation)")
+    p.add_argument("--max-train", type=options.INTEGER_FLAG, help="train on at most this many D_train examples (seeded subset)")
+    p.add_argument("--max-ctrl", type=options.INTEGER_FLAG, help="calibrate on at most this many examples per control source (smoke runs)")
+    p.add_argument("--max-pca", type=options.INTEGER_FLAG, help="fit the PCA subspace on at most this many D_pca prompts (smoke runs)")
     p.add_argument("--single", action="store_true",
                    help="MARI: also train a single adapter (evaluate it with experts=single)")
     p.add_argument("--recipe", choices=["adapted", "published"],
@@ -326,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "ReftModel.save (LoReFT/NoReFT, as a reft bundle: mari_eval/vectors/pyreft_save.py)")
     p.add_argument("--positions", help="pyreft folder: the prompt tokens edited, fN+lM (default f7+l7)")
     _import_arguments(p, "it steers", "a vector whose model hint names another architecture")
-    p.add_argument("--scale", type=float, default=1.0,
+    p.add_argument("--scale", type=options.NUMBER_FLAG, default=1.0,
                    help="the vector's strength in the bundle (llama.cpp's --control-vector-scaled; default 1)")
     p.add_argument("--sign-check", nargs=2, action="append", metavar=("POSITIVE", "NEGATIVE"), help="flip each added "
                    "direction the prompts' states say points away from POSITIVE (repeatable; mari_eval/vectors/vector_sign.py)")

@@ -25,6 +25,7 @@ from repro.engine.cache_keys import resolved_dtype
 from repro.analysis.differences import comparisons_json, reference_differences
 from repro.engine.documents import clustered_columns, split_clusters
 from repro.analysis.documents_file import DIGEST_FIELD, cell_clusters, cell_documents, shown_path, write_documents
+from repro.analysis.completions_file import write_completions
 from repro.engine.judged import (agreement_record, agreement_sentence, cell_text, judge_record, judge_sentence,
                                  withhold_below_floor)
 from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, REPO, Profile, column_header, describe
@@ -84,6 +85,8 @@ def tally(cells: dict, model: str, label: str, scores: dict[str, dict], seed: in
         cell["cluster_unit"] = cell["cluster_unit"] or unit
         cell["seeds"].append(seed)
         cell["stderr"].append(result.get("stderr"))
+        if "completions" in result:  # a generation column's answers (repro/analysis/completions_file.py)
+            cell.setdefault("completions", []).append(result["completions"])
         if result.get("judged"):  # repro/engine/judged.py
             cell["judged"] = True
             cell.setdefault("judge", []).append(result.get("judge"))
@@ -353,6 +356,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
             tex_differences.append((f"{model}: paired comparisons between rows", compared))
     record[DIGEST_FIELD] = write_documents(out / f"{name}_documents.parquet", cells, columns, reference, profile)
     write_results_json(out / f"{name}.json", record)  # strict: a missing number (NaN) is null
+    write_completions(out, name, cells, columns, profile, command)
     atomic_write(out / f"{name}.md", "\n".join(md) + "\n")
     tex = latex_table(["Row"] + headers, tex_blocks)
     if tex_differences:

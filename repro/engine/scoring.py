@@ -10,6 +10,8 @@ import logging
 from pathlib import Path
 
 from repro.engine.cache import Store
+from repro.engine.cache_keys import generation_task
+from repro.engine.completions import cell_completions
 from repro.engine.judged import judged_column
 from repro.engine.lm_eval_run import mari_lm, shared_pass_over
 from repro.engine.profiles import PERCENT_COLUMNS, Profile
@@ -49,6 +51,9 @@ def score(store: Store, profile: Profile, model: str, seed: int, columns: list[t
         documents = {doc: None if v is None else v * scale for doc, v in result["documents"].get(metric, {}).items()}
         out[column] = {"value": value, "n": result["n"], "diagnostics": result.get("diagnostics"), "documents": documents,
                        "stderr": float(stderr) * scale if isinstance(stderr, (int, float)) else None}
+        if generation_task(profile.task(task)):  # what it wrote, or documents None (repro/engine/completions.py)
+            out[column]["completions"] = cell_completions(result, profile.task(task), metric, bundles.get(attribute),
+                                                           model_args)
         if judged_column(profile.task(task), metric):  # repro/engine/judged.py: its judge and unparseable verdicts
             out[column].update(judged=True, judge=result.get("judge"))
     return out
