@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout that is not pip
 import importlib.metadata as md
 
 from mari_eval.storage.files import write_results_json  # noqa: E402
+from mari_eval.storage.numbers import flag_type  # noqa: E402
 from repro.benchmark import gpu_bench_steps as steps, random_model  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="write results/gpu_bench.{json,md} from these raw files (one or several runs) and stop")
     p.add_argument("--out", default=str(REPO / "results"), help="with --render: the folder written")
     p.add_argument("--raw", default=str(REPO / "runs" / "gpu_bench_raw.json"), help="the raw JSON this run writes")
-    p.add_argument("--deadline-s", type=float, help="skip the steps that would start or end after this many seconds")
+    p.add_argument("--deadline-s", type=flag_type(lo=0), help="skip the steps that would start or end after this many seconds")
     p.add_argument("--settings", help="JSON object of Settings fields to change (e.g. the CPU test's tiny limits)")
     for name in ("shape", "tokenizer", "device", "dtype"):
         p.add_argument(f"--{name}", default=getattr(defaults, name))

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from mari_eval.benchmarks.data import load_xstest_completions
 from mari_eval.storage.files import check_writable_dir
+from mari_eval.storage.numbers import flag_type
 from mari_eval.judge import agreement as A
 from mari_eval.judge.prompt import REFUSAL, UNPARSEABLE, keyword_refusal
 from repro.analysis import intervals
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "results", help="where judge_agreement.{json,md} go")
     parser.add_argument("--llm", action="store_true", help="also score the LLM judge (MARI_JUDGE_*, else the embedded one)")
-    parser.add_argument("--llm-limit", type=int, help="ask the LLM judge about the first N completions of each model")
+    parser.add_argument("--llm-limit", type=flag_type(integer=True, lo=1), help="ask the LLM judge about the first N completions of each model")
     args = parser.parse_args(argv)
     if args.llm_limit is not None and (not args.llm or args.llm_limit < 1):
         parser.error("--llm-limit N needs --llm and N >= 1")

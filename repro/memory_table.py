@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from mari_eval.methods import options
 from mari_eval.training import memory
 from mari_eval.injection import site
 from mari_eval.storage.files import atomic_write, write_results_json
@@ -183,7 +184,7 @@ def markdown(rows: dict, counts: dict, command: str, tokenizer: str, seed: int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=options.seed, default=0)
     parser.add_argument("--tokenizer-model", default="smollm2-135m-instruct")
     parser.add_argument("--out", default=str(REPO / "results"))
     parser.add_argument("--gpu-runs", default=str(REPO / "results" / "gpu_bench_runs"),

@@ -35,6 +35,7 @@ import torch
 
 from mari_eval.injection import devices, site
 from mari_eval.evaluation.prefix_cache import common_prefix
+from mari_eval.storage.numbers import NumberError, read_number
 
 ONE_AT_A_TIME_TOKENS = 1024  # row tokens per pass when questions go one at a time (the runner's default)
 MAX_TOKENS = 8192  # row tokens per pass at most: the packed mask grows with their square
@@ -68,11 +69,16 @@ class Batching:
         return cls(1, batch_tokens or ONE_AT_A_TIME_TOKENS) if size == 1 else cls(size, batch_tokens or token_budget(model))
 
 
-def check_batch_tokens(batch_tokens: object) -> None:
-    """Refuse a ``batch_tokens=`` that is not a positive whole number of tokens (ValueError)."""
-    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1):
-        raise ValueError(f"batch_tokens={batch_tokens!r}: give a positive whole number of tokens per pass "
-                         "(or leave it out: a budget from the device's free memory)")
+def check_batch_tokens(batch_tokens: object) -> int | None:
+    """``batch_tokens=`` (as typed, or an int) as a positive whole number of tokens, or a ValueError
+    (``numbers.read_number``); None stays None."""
+    if batch_tokens is None:
+        return None
+    try:
+        return read_number(batch_tokens, integer=True, lo=1)
+    except NumberError as e:
+        raise ValueError(f"batch_tokens={batch_tokens!r}: give a positive whole number of tokens per pass (or leave it "
+                         f"out: a budget from the device's free memory); {e.why}") from None
 
 
 def token_budget(model: torch.nn.Module) -> int:

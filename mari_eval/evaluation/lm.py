@@ -47,12 +47,13 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from mari_eval import methods
-from mari_eval.evaluation import batching, lm_checks as checks, runner
+from mari_eval.evaluation import batching, lm_args, lm_checks as checks, runner
 from mari_eval.methods import hub, options
 from mari_eval.evaluation.choice_log import ChoiceLog, prompt_order
 from mari_eval.evaluation.lm_generation import (CHAT_TURN_FIELD,  # noqa: F401 (CHAT_TURN_FIELD: the tasks' doc field)
                                      GenerationMixin)
 from mari_eval.storage.models import DEFAULT_MODEL, resolve_model
+from mari_eval.storage.numbers import read_number
 from mari_eval.evaluation.shared_pass import OwnRuns, SharedPass, join_shared
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,17 @@ INSTRUCTION_DELIMITER = "\n\n"  # between a method's instruction and what follow
 class MariLM(GenerationMixin, HFLM):
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        """lm-eval's, refusing a key given twice (``rho=0.0,rho=1.0``: lm-eval keeps the last silently)."""
-        keys = [item.split("=", 1)[0].strip() for item in (arg_string or "").split(",") if item.strip()]
-        twice = sorted({key for key in keys if keys.count(key) > 1})
-        if twice:
-            raise ValueError(f"{', '.join(twice)} given more than once in --model_args ({arg_string!r}): lm-eval would "
-                             "keep the last one silently; give each key once")
-        return super().create_from_arg_string(arg_string, additional_config)
+        """lm-eval's, refusing a key given twice (``rho=0.0,rho=1.0``: lm-eval keeps the last silently) and
+        reading numbers from the text (``lm_args``)."""
+        return super().create_from_arg_obj(lm_args.from_arg_string(arg_string, _own_args), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """lm-eval's; under the ``lm_eval`` command (which hands over a dict), ``--model_args`` read again from
+        the command line: a key given twice refused, numbers read from the text (``lm_args``)."""
+        if checks.is_lm_eval_command(sys.argv):
+            arg_dict = lm_args.from_command_line(arg_dict, sys.argv[1:], _own_args)
+        return super().create_from_arg_obj(arg_dict, additional_config)
 
     def __init__(
         self,
@@ -91,7 +96,9 @@ class MariLM(GenerationMixin, HFLM):
         names = methods.option_names() if kwargs else set()
         method_options = options.given({k: kwargs.pop(k) for k in list(kwargs) if k in names})
         checks.bundle_args(bundle, bundle_revision, **method_options, diagnostics=diagnostics, allow_other_model=allow_other_model)
-        batching.check_batch_tokens(batch_tokens)
+        batch_tokens = batching.check_batch_tokens(batch_tokens)
+        if max_batch_size is not None:
+            max_batch_size = read_number(max_batch_size, "max_batch_size=", integer=True, lo=1, where="in --model_args")
         # Batches are sized by tokens; lm-eval's max_batch_size caps their requests only when given (batching.py).
         self.batch_tokens, self.request_cap = batch_tokens, max_batch_size
         if diagnostics:
@@ -371,3 +378,8 @@ def _cpu_ranks_under_a_launcher() -> None:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def _own_args() -> set[str]:
+    """The model args ``MariLM`` reads itself (``lm_args.typed`` hands them the text as typed)."""
+    return set(lm_args.OWN_ARGS) | methods.option_names()

@@ -31,13 +31,15 @@ from mari_eval.storage.outputs import OutputError, output_error, unsaved_place
 _WRAPPED = "_mari_eval_checked"  # attribute marking a wrapped writer (wrap once)
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """lm-eval's parser refused the arguments (it would have exited)."""
 
 
-def _run_parser(seen: list[str]) -> argparse.ArgumentParser:
+def run_parser(seen: list, dest: str = "output_path") -> argparse.ArgumentParser:
     """lm-eval's parser of ``lm_eval run`` (also the legacy form without ``run``), built as lm-eval builds
-    it, with every value given to ``--output_path`` recorded in ``seen`` (argparse keeps only the last)."""
+    it, with every value given to the option ``dest`` (``--output_path``, ``--model_args``...) recorded in
+    ``seen`` (argparse keeps only the last, or merges them). Its ``parse_known_args`` raises ``Refused``
+    where lm-eval's would exit."""
     from lm_eval._cli.run import Run  # deferred: only the lm_eval command needs it
 
     subparsers = argparse.ArgumentParser(prog="lm-eval").add_subparsers(dest="command")
@@ -45,10 +47,10 @@ def _run_parser(seen: list[str]) -> argparse.ArgumentParser:
     parser = subparsers.choices["run"]
 
     def refuse(message: str):
-        raise _Refused(message)
+        raise Refused(message)
 
     parser.error = refuse  # never exit this process: lm-eval reports its own parse errors
-    action = next(a for a in parser._actions if a.dest == "output_path")
+    action = next(a for a in parser._actions if a.dest == dest)
     stored = type(action)
 
     class Recorded(stored):  # type: ignore[misc, valid-type]
@@ -68,8 +70,8 @@ def output_path_given(argv: list[str]) -> str | None:
     seen: list[str] = []
     args = list(argv[1:] if argv[:1] == ["run"] else argv)
     try:
-        namespace, _ = _run_parser(seen).parse_known_args(args)
-    except _Refused:
+        namespace, _ = run_parser(seen).parse_known_args(args)
+    except Refused:
         return None  # not an evaluation lm-eval runs: it refuses these arguments itself
     if len(set(seen)) > 1:
         raise ValueError(f"lm_eval --output_path is given {len(seen)} times ({', '.join(map(repr, seen))}; -o and "

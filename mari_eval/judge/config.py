@@ -21,6 +21,8 @@ import os
 import urllib.parse
 from dataclasses import dataclass, field
 
+from mari_eval.storage.numbers import NumberError, read_number
+
 ENV_BASE_URL = "MARI_JUDGE_BASE_URL"
 ENV_MODEL = "MARI_JUDGE_MODEL"
 ENV_API_KEY = "MARI_JUDGE_API_KEY"
@@ -100,10 +102,10 @@ class JudgeConfig:
             value = os.environ.get(_env_name(name))
             if name not in kwargs and value:
                 try:
-                    kwargs[name] = kind(value)
-                except ValueError:
+                    kwargs[name] = read_number(value, integer=kind is int)
+                except NumberError as e:
                     noun = "whole number" if kind is int else "number"
-                    raise JudgeError(f"{_env_name(name)}={value!r} is not a {noun}: it is {what}, "
+                    raise JudgeError(f"{_env_name(name)}={value!r} is not a {noun} ({e.why}): it is {what}, "
                                      f"{_rule(kind, low, high)} (default {_default(name)}); set it to one or unset it") from None
         return cls(base_url=base_url.rstrip("/"), model=model, api_key=api_key, **kwargs)
 

@@ -36,6 +36,7 @@ from mari_eval.judge.presets import (ENV_PRESET, PRESETS, SERVERS, Preset, find_
                                      serve_command)
 from mari_eval.judge.prompt import load_prompt
 from mari_eval.storage.models import DEFAULT_MODEL, resolve_model
+from mari_eval.storage.numbers import flag_type
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                        "preset's model, else the embedded one)")
     serve.add_argument("--server", choices=SERVERS, default="transformers", help="transformers serve or vllm serve")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    serve.add_argument("--port", type=int, default=None, help="default: a free port (8000 with --dry-run)")
+    serve.add_argument("--port", type=flag_type(integer=True, lo=0, hi=65535), default=None, help="default: a free port (8000 with --dry-run)")
     serve.add_argument("--device", default="auto", help="transformers serve's device (vLLM: CUDA_VISIBLE_DEVICES)")
     serve.add_argument("--dry-run", action="store_true", help="print the server's command line and the exports; "
                        "start nothing")

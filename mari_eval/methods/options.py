@@ -10,10 +10,12 @@ them, so a method's ``configure`` receives checked values only.
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from mari_eval.storage.numbers import flag_type, meant_as_number, read_number
 
 
 @dataclass(frozen=True)
@@ -22,34 +24,22 @@ class Option:
 
     kind: type
     example: str  # shown in errors, e.g. "rho=0.9"
-    finite: bool = False  # float options: refuse NaN and infinities
+    finite: bool = True  # kept for plugins that set it: every float option is finite (numbers.read_number)
 
     def parse(self, name: str, value: Any) -> Any:
         if self.kind is bool:
             return as_bool(value, name)
         if self.kind is float:
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{name}={value!r} in --model_args is not a number: e.g. {self.example}") from None
-            if self.finite and not math.isfinite(number):
-                raise ValueError(f"{name}={value!r} in --model_args is not a finite number: e.g. {self.example}")
-            return number
+            return read_number(value, f"{name}=", where="in --model_args", example=self.example)
         if self.kind is int:
             return as_int(value, name, self.example)
         return str(value)
 
 
 def as_int(value: Any, name: str, example: str) -> int:
-    """``value`` as an integer, never truncated: lm-eval hands "2.7" over as the float 2.7, which int()
-    would read as 2; an integral float (3.0) and a string of ASCII digits are integers."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
-        return int(value)
-    raise ValueError(f"{name}={value!r} in --model_args is not an integer: e.g. {example}")
+    """``value`` as an integer, never truncated (``numbers.read_number``): lm-eval hands "2.7" over as the
+    float 2.7, which int() would read as 2; an integral float (3.0) and a string of ASCII digits are integers."""
+    return read_number(value, f"{name}=", integer=True, where="in --model_args", example=example)
 
 
 def as_bool(value: Any, name: str) -> bool:
@@ -90,11 +80,25 @@ def parse_options(method: str, fields: dict[str, Option], values: dict[str, Any]
     return {name: fields[name].parse(name, value) for name, value in values.items()}
 
 
-def positive_int(text: Any) -> int:
-    """A command line's count of at least 1 (argparse's type): "invalid positive_int value" otherwise."""
-    if not re.fullmatch(r"\s*\+?[0-9]+\s*", str(text)) or int(text) < 1:
-        raise ValueError(f"{text!r} is not a positive integer")
-    return int(text)
+# argparse types of numeric flags (numbers.flag_type): a count of at least 1; any integer or number, their
+# ranges checked where the values are used
+positive_int, INTEGER_FLAG, NUMBER_FLAG = flag_type(integer=True, lo=1), flag_type(integer=True), flag_type()
+
+
+def set_value(key: str, text: str) -> Any:
+    """A ``mari-eval train --set KEY=VALUE`` value: JSON (``layers=[3,9]``, ``single=true``) with its numbers
+    read by ``read_number`` (NaN, Infinity and what overflows refused), else the text itself; text that starts
+    as a number (``1_0``, ``٣``, ``.5``) is read as one, never kept as a string."""
+    def constant(word: str) -> float:
+        return read_number(word, f"--set {key}=")  # NaN, Infinity: refused, naming the key
+
+    try:
+        return json.loads(text, parse_float=lambda t: read_number(t, f"--set {key}="), parse_constant=constant)
+    except json.JSONDecodeError:
+        pass
+    if meant_as_number(text):  # "1_0", "٣", ".5": read as a number (or refused), never kept as text
+        return read_number(text, f"--set {key}=", integer=not re.search(r"[.eE]|inf|nan", text, re.IGNORECASE))
+    return text
 
 
 # The seeds every part of the code can take: scikit-learn's and NumPy's legacy random_state hold 0 .. 2**32 - 1.
@@ -105,9 +109,7 @@ def seed(text: Any) -> int:
     """A command line's seed (``--seed``, ``--seeds``) as an integer in 0 .. MAX_SEED: a ValueError for
     what is not an integer (argparse: "invalid seed value"), an ``argparse.ArgumentTypeError`` naming the
     range for one outside it (argparse prints its message)."""
-    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", str(text)):
-        raise ValueError(f"seed {text!r} is not an integer")
-    number = int(text)
+    number = read_number(text, "seed", integer=True)
     if not 0 <= number <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"seed {number} is out of range: give 0 to {MAX_SEED} (the seeds NumPy's and "
                                          "scikit-learn's random states take)")

@@ -90,13 +90,14 @@ def listed(text: str, option: str, kind: type = str, allow_empty: bool = False) 
     if "" in items:
         raise SystemExit(f"{option} {text!r} holds an empty item (a stray comma?): give comma-separated values, "
                          "e.g. 1,2,4")
+    read = {int: options.INTEGER_FLAG, float: options.NUMBER_FLAG}.get(kind, kind)  # numbers: numbers.read_number
     try:
-        return [kind(item) for item in items]
-    except argparse.ArgumentTypeError as e:  # a typed item's own reason (options.seed: its range)
+        return [read(item) for item in items]
+    except argparse.ArgumentTypeError as e:  # a typed item's own reason (numbers.read_number; options.seed: its range)
         raise SystemExit(f"{option} {text!r}: {e}") from None
-    except ValueError:
+    except ValueError as e:
         raise SystemExit(f"{option} {text!r}: every item must be {'an integer' if kind in (int, options.seed) else 'a number'}, "
-                         "e.g. 1,2,4") from None
+                         f"e.g. 1,2,4 ({e})") from None
 
 
 def methods_listed(text: str, option: str = "--methods", extra: tuple[str, ...] = ("vanilla",)) -> list[str]:
@@ -139,10 +140,7 @@ def at_least(least: int):
     """An argparse ``type`` for a count option: an integer >= ``least`` (``--repeats 0`` would be a
     median of nothing, ``--prompts -1`` a slice from the end), refused with a usage error."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        value = options.INTEGER_FLAG(text)  # numbers.read_number: ASCII digits, no underscore
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} is below {least}: give an integer >= {least}")
         return value
