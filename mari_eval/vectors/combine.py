@@ -20,28 +20,25 @@ from pathlib import Path
 import torch
 
 from mari_eval.methods.bundle_spec import BundleError, check_bundle_directory
+from mari_eval.storage.numbers import meant_as_number, read_number
 from mari_eval.methods.bundles import load_bundle
 from mari_eval.vectors.control_vector import COMBINED_FORMAT, _family, build, bundle_directions
 from mari_eval.vectors.control_vector_files import read_gguf
 
 
 def parse_term(text: str) -> tuple[str, float]:
-    """"PATH:W" as (PATH, W); "PATH" (or a PATH whose last colon is not followed by a number) as (PATH, 1)."""
+    """"PATH:W" as (PATH, W); "PATH" (or a PATH whose last colon is not followed by a number, "C:/dir") as
+    (PATH, 1). A weight is read by ``numbers.read_number``: "caa:1_0" or "caa:٢" is refused, never 10 or 2."""
     path, sep, weight = str(text).rpartition(":")
-    if sep:
-        try:
-            value = float(weight)
-        except ValueError:
-            return str(text), 1.0
-        if not torch.isfinite(torch.tensor(value)):
-            raise ValueError(f"{text!r}: the weight {weight} is not a finite number")
-        return path, value
+    if sep and meant_as_number(weight):
+        return path, read_number(weight, f"combine {text!r}: the weight",
+                                 example=f"{path}:0.5")
     return str(text), 1.0
 
 
 def _term(path: str) -> tuple[dict[int, torch.Tensor], str | None, str | None]:
     """(directions at scale 1, the base model a bundle names or None, a GGUF's model hint or None)."""
-    if path.endswith(".gguf"):
+    if Path(path).suffix.lower() == ".gguf":
         vector = read_gguf(path)
         return vector.directions, None, vector.model_hint
     if not Path(path).is_dir():
@@ -58,8 +55,8 @@ def combine(terms: list[str], out: str | Path, model: str | None = None) -> Path
     check_bundle_directory(out)
     total: dict[int, torch.Tensor] = {}
     models, hints, described = [], set(), []
-    for text in terms:
-        path, weight = parse_term(text)
+    parsed = [parse_term(text) for text in terms]  # every weight read before any file
+    for path, weight in parsed:
         directions, base, hint = _term(path)
         models += [base] if base else []
         hints |= {_family(hint)} if hint else set()
@@ -68,8 +65,16 @@ def combine(terms: list[str], out: str | Path, model: str | None = None) -> Path
             if layer in total and total[layer].numel() != vector.numel():
                 raise BundleError(f"{path}: its direction at layer {layer} has {vector.numel()} values, an earlier "
                                   f"term's {total[layer].numel()}: the terms were made for different models")
+            if not bool(torch.isfinite(vector).all()):
+                raise BundleError(f"{path}: its direction at layer {layer} holds non-finite values (NaN or infinite): "
+                                  "the vector is damaged; make or export it again")
             total[layer] = total.get(layer, torch.zeros_like(vector)) + weight * vector
         described.append(f"{weight:g} x {Path(path).name}")
+    for layer, vector in total.items():  # every term is finite (above): only the weighted sum can overflow
+        if not bool(torch.isfinite(vector).all()):
+            raise BundleError(f"combine: the weighted sum {' + '.join(described)} overflows float32 at layer {layer} "
+                              f"(beyond {torch.finfo(torch.float32).max:.3g}); lower the weights, e.g. "
+                              f"{' '.join(f'{path}:1' for path, _ in parsed)}")
     if len(hints) > 1:
         raise BundleError(f"the GGUF terms name models of different families ({', '.join(sorted(hints))}): combine "
                           "vectors made for one model")

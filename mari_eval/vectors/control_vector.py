@@ -57,6 +57,8 @@ from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Obj, St
 from mari_eval.methods.bundles import load_bundle
 from mari_eval.vectors.control_vector_files import GGUF_FORMAT, read_gguf, write_gguf
 from mari_eval.vectors.edit_positions import POSITIONS_OPTION, EditPositions, parse_layers
+from mari_eval.vectors.vector_kind import check_kind
+from mari_eval.storage.numbers import NumberError, read_number
 from mari_eval.methods.intervention import Intervention
 from mari_eval.methods.options import Option
 from mari_eval.injection.plan import Plan
@@ -209,6 +211,9 @@ def build(directions: dict[int, torch.Tensor], model: str | torch.nn.Module, sou
             raise BundleError(f"{message}. Import it with --model naming a {hint} model, or pass --allow-other-model "
                               "if the architectures do match")
         log.warning("%s; imported anyway (--allow-other-model)", message)
+    if not directions:
+        raise BundleError(f"{where} holds no direction at any layer: there is nothing to add. Make it again with at "
+                          "least one layer (a SteeringVector: train_steering_vector(..., layers=[...]))")
     layers = sorted(directions)
     for layer in layers:
         vector = directions[layer]
@@ -242,6 +247,15 @@ def import_gguf(path: str | Path, model: str | torch.nn.Module, out: str | Path,
     return build(vector.directions, model, source, scale, allow_other_model, where=str(path)).save(out)
 
 
+def _layer_key(key: Any, n_layers: int) -> int | None:
+    """A SteeringVector's layer key, an int (as steering-vectors indexes layers: not a float, which int() would
+    truncate, nor a string or a bool) read by ``numbers.read_number`` in -n_layers .. n_layers - 1; else None."""
+    try:
+        return read_number(key, integer=True, lo=-n_layers, hi=n_layers - 1) if isinstance(key, int) else None
+    except NumberError:  # a bool, or out of range
+        return None
+
+
 def from_steering_vector(vector, model_name_or_model: str | torch.nn.Module, out: str | Path, scale: float = 1.0) -> Path:
     """A ``steering_vectors.SteeringVector`` (layer_type "decoder_block") as a bundle for the model,
     saved to ``out``: its ``layer_activations[i]`` is added after ``model.model.layers[i]``, at
@@ -255,11 +269,14 @@ def from_steering_vector(vector, model_name_or_model: str | torch.nn.Module, out
         raise BundleError(f"this SteeringVector steers {layer_type!r} layers; a control vector bundle adds to the "
                           "decoder blocks' outputs only: train it with layer_type='decoder_block'")
     n_layers = _model_description(model_name_or_model)[2]
-    bad = [i for i in activations if isinstance(i, bool) or not isinstance(i, int) or not -n_layers <= i < n_layers]
-    if bad:  # int(5.7) would steer layer 5
+    layers = {key: _layer_key(key, n_layers) for key in activations}
+    bad = [key for key, layer in layers.items() if layer is None]
+    if bad:
         raise BundleError(f"this SteeringVector's layer_activations has key(s) {bad!r}: a layer is an integer from "
                           f"{-n_layers} to {n_layers - 1} for this model of {n_layers} decoder layers")
-    directions = {(i + n_layers if i < 0 else i): t.detach().float().cpu().reshape(-1) for i, t in activations.items()}
+    directions = {(layers[i] + n_layers if layers[i] < 0 else layers[i]):
+                  check_kind(t, f"this SteeringVector's layer_activations[{i!r}]").detach().float().cpu().reshape(-1)
+                  for i, t in activations.items()}
     if len(directions) != len(activations):
         raise BundleError("this SteeringVector names one layer twice (once counted from the end): keep one of them")
     digest = hashlib.sha256()

@@ -29,6 +29,7 @@ import torch
 
 from mari_eval.methods.bundle_spec import BundleError
 from mari_eval.storage.files import atomic_write_with, file_sha256
+from mari_eval.storage.numbers import NumberError, read_number
 from mari_eval.storage.outputs import refuse_special
 
 ARCHITECTURE = "controlvector"
@@ -80,10 +81,14 @@ def read_gguf(path: str | Path) -> VectorFile:
     directions: dict[int, torch.Tensor] = {}
     for tensor in reader.tensors:
         prefix, _, number = tensor.name.partition(".")
-        if prefix != "direction" or not (number.isascii() and number.isdigit()):  # "٥" is a digit to str.isdigit
-            raise BundleError(f"{path}: tensor {tensor.name!r} is not named direction.N (N a layer number); llama.cpp "
-                              "would refuse this file too. Rename it, or export the vector again")
-        layer = int(number)
+        layer, why = None, ""
+        try:  # N read by numbers.read_number: "٥" is a digit to str.isdigit and int(), not here
+            layer = read_number(number, integer=True, lo=0) if prefix == "direction" else None
+        except NumberError as e:
+            why = f": {e.why}"
+        if layer is None:
+            raise BundleError(f"{path}: tensor {tensor.name!r} is not named direction.N (N a layer number{why}); "
+                              "llama.cpp would refuse this file too. Rename it, or export the vector again")
         if layer == 0:
             raise BundleError(f"{path}: tensor direction.0 names layer 0, which llama.cpp refuses (its control "
                               "vectors start at layer 1, the output of the second decoder layer). Export the "

@@ -22,7 +22,6 @@ The table scripts never set these: each method is scored at its published settin
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import torch
 
 from mari_eval.injection import site
 from mari_eval.methods.options import Option
+from mari_eval.storage.numbers import NumberError, read_number
 
 RULES = ("all", "from_last", "last", "from:N")
 # The ``positions=`` evaluation option of every method that takes it (``EditPositions.parse`` reads it).
@@ -46,9 +46,12 @@ class EditPositions:
     @classmethod
     def parse(cls, text: str) -> "EditPositions":
         value = str(text).strip()
-        match = re.fullmatch(r"from:([0-9]+)", value)
-        if match:
-            return cls("from", int(match.group(1)))
+        if value.startswith("from:"):  # N read by numbers.read_number: "from:٣" is refused, not token 3
+            try:
+                return cls("from", read_number(value.removeprefix("from:"), integer=True, lo=0))
+            except NumberError as e:
+                raise ValueError(f"positions={text!r} in --model_args: give one of {', '.join(RULES)} (N a token index, "
+                                 f"a whole number >= 0, e.g. positions=from:4; here {e.why})") from None
         if value in ("all", "from_last", "last"):
             return cls(value)
         raise ValueError(f"positions={text!r} in --model_args: give one of {', '.join(RULES)} (N a token index, e.g. "
@@ -98,10 +101,13 @@ def _last_site(positions):
 
 def parse_layers(text: str, num_layers: int) -> list[int]:
     """``layers=A-B`` (or ``A``) as the decoder layers A..B of a model of ``num_layers``."""
-    match = re.fullmatch(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", str(text))
-    if not match:
-        raise ValueError(f"layers={text!r} in --model_args: give A-B or A (decoder layers, 0-based), e.g. layers=10-14")
-    low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    low_text, dash, high_text = str(text).partition("-")
+    try:  # A and B read by numbers.read_number: "1_0" or "٣" is refused, not layer 10 or 3
+        low = read_number(low_text, integer=True)
+        high = read_number(high_text, integer=True) if dash else low
+    except NumberError as e:
+        raise ValueError(f"layers={text!r} in --model_args: give A-B or A (decoder layers, 0-based), e.g. layers=10-14 "
+                         f"({e.why})") from None
     if not low <= high < num_layers:
         raise ValueError(f"layers={text!r} in --model_args: give A <= B within the model's decoder layers 0..{num_layers - 1}")
     return list(range(low, high + 1))

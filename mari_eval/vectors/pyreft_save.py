@@ -56,6 +56,7 @@ import torch
 from mari_eval.methods.bundle_spec import BundleError, check_bundle_directory
 from mari_eval.storage.files import file_sha256
 from mari_eval.vectors.control_vector import _model_description
+from mari_eval.vectors.vector_kind import check_kind
 
 FORMAT = "pyreft"
 CONFIG = "config.json"
@@ -164,7 +165,7 @@ def _tensor(path: Path, state: dict[str, torch.Tensor], name: str, shape: tuple[
             return None
         raise BundleError(f"{path} lacks {name!r} (it holds {sorted(state)}): not the state dict this intervention "
                           "class saves; save it again with reft_model.save(DIR)")
-    tensor = state[name].detach().float()
+    tensor = check_kind(state[name], f"{path}: {name}").detach().float()
     if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
         if hidden in shape and hidden not in tuple(tensor.shape):
             raise BundleError(f"{path}: {name} has shape {tuple(tensor.shape)}, but {model!r}'s hidden size is "

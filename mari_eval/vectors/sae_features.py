@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +56,13 @@ import torch
 
 from mari_eval.methods.bundle_spec import BundleError
 from mari_eval.storage.files import file_sha256
+from mari_eval.storage.numbers import NumberError, read_number
+from mari_eval.vectors.vector_kind import check_kind
 
 log = logging.getLogger(__name__)
 
 LOADERS = ("sparsify", "sae_lens")
+EXTRA = "\0extra"  # csv.DictReader's key for the fields of a row beyond the header's
 REQUIRED = ("loader", "sparse_model", "hookpoint", "feature_index", "steering_coefficient")
 WEIGHTS = {"sparsify": "sae.safetensors", "sae_lens": "sae_weights.safetensors"}
 
@@ -71,10 +73,21 @@ def read_sae_csv(path: str | Path, hidden: int) -> tuple[dict[str, dict[str, Any
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (an lm-eval SAE-feature steering CSV)")
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.DictReader(fh)
-        columns = [c.strip() for c in reader.fieldnames or []]
-        rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh, restkey=EXTRA)
+            columns = [c.strip() for c in reader.fieldnames or []]
+            rows = [row for row in reader]
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start}: Latin-1 or "
+                          f"another legacy encoding?); save it as UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > "
+                          f"{path.with_name(path.stem + '-utf8.csv')}") from None
+    for number, row in enumerate(rows, start=2):  # the header is line 1
+        if EXTRA in row:
+            raise BundleError(f"{path}, row {number}: {len(columns) + len(row[EXTRA])} fields under a header of "
+                              f"{len(columns)} ({', '.join(map(repr, row[EXTRA]))} beyond it): a comma inside a value? "
+                              "Quote that value, or drop the extra fields")
+    rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in rows]
     missing = [c for c in REQUIRED if c not in columns]
     if missing:
         raise BundleError(f"{path}: no column {', '.join(missing)}; lm-eval's steering CSV has the header "
@@ -120,14 +133,14 @@ def _row(where: str, row: dict[str, str], hidden: int, csv_dir: Path) -> tuple[s
 
 
 def _number(where: str, column: str, text: str, integer: bool = False) -> float | int:
+    """A CSV field read by ``numbers.read_number`` ("٣" and "3_0" are not rows 3 and 30)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or (integer and (value != int(value) or value < 0)):
-        kind = "a feature's row in W_dec, an integer >= 0" if integer else "a finite number"
-        raise BundleError(f"{where}: {column} {text!r} is not {kind}")
-    return int(value) if integer else value
+        return read_number(text, f"{where}: {column}", integer=integer, lo=0 if integer else None)
+    except NumberError as e:
+        if integer:
+            raise BundleError(f"{where}: {column} {text!r} is not a feature's row in W_dec, an integer >= 0 "
+                              f"({e.why})") from None
+        raise BundleError(str(e)) from None
 
 
 def sae_weights_file(where: str, sparse_model: str, loader: str, hookpoint: str, sae_id: str, csv_dir: Path) -> Path:
@@ -171,8 +184,9 @@ def _decoder_row(where: str, weights: Path, feature: int, hidden: int, need_bias
             decoder = f.get_slice("W_dec")
             shape = list(decoder.get_shape())
             _check_decoder(where, weights, shape, feature, hidden)
-            vector = decoder[feature:feature + 1].reshape(-1).float()
-            bias = f.get_tensor("b_dec").float().reshape(-1) if "b_dec" in names else None
+            vector = check_kind(decoder[feature:feature + 1], f"{where}: W_dec in {weights}").reshape(-1).float()
+            bias = check_kind(f.get_tensor("b_dec"), f"{where}: b_dec in {weights}").float().reshape(-1) \
+                if "b_dec" in names else None
     except SafetensorError as e:
         raise BundleError(f"{where}: {weights} is not a readable safetensors file ({e}); copy it again") from None
     if need_bias and bias is None:

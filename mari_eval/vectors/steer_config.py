@@ -37,6 +37,7 @@ from mari_eval.methods.bundle_spec import BundleError, Float, Int, List, Obj, St
 from mari_eval.vectors.control_vector import ControlVector, _model_description
 from mari_eval.methods.registry import register_method
 from mari_eval.storage.files import file_sha256
+from mari_eval.vectors.vector_kind import check_kind
 
 FORMAT = "lm_eval.steered"
 CSV_FORMAT = "lm_eval.steered.csv"  # SAE features (mari_eval/vectors/sae_features.py)
@@ -141,6 +142,11 @@ def _entry(path: Path, hookpoint: Any, entry: Any, n_layers: int) -> tuple[int, 
     coefficient = entry.get("steering_coefficient", 1.0)
     if not torch.is_tensor(vector) or not (bias is None or torch.is_tensor(bias)):
         raise BundleError(f"{where}: steering_vector and bias must be tensors")
+    for what, tensor in (("steering_vector", vector), ("bias", bias), ("steering_coefficient", coefficient)):
+        if torch.is_tensor(tensor):  # complex, sparse, integer, boolean: refused (vector_kind.py)
+            check_kind(tensor, f"{where}: {what}")
+    if torch.is_tensor(coefficient) and coefficient.numel() != 1:
+        raise BundleError(f"{where}: steering_coefficient is a tensor of {coefficient.numel()} values; give one number")
     if action == "add" and bias is not None:
         raise BundleError(f"{where}: a bias with action add (lm-eval refuses it too)")
     if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float, torch.Tensor)):
