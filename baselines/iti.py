@@ -66,7 +66,7 @@ from mari_eval.methods.registry import register_method
 
 from .common import (RECIPE_FIELD, SELECTION_KEY, VALIDATION_FIELD, VALIDATION_FIELDS, ScaledVector, prepare_validation,
                      validation_losses, validation_record, validation_split)
-from .iti_heads import HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summary, rank_heads
+from .iti_heads import HEAD_SCORE_FIELD, HEAD_SELECTIONS, RECORD_FIELDS, choice_record, heads_summary, rank_heads
 from .iti_activations import ITI_RECIPE, NL_ITI_RECIPE, Recipe
 from .iti_published import fit_published
 
@@ -279,15 +279,15 @@ class ITI(ScaledVector):
         "probe_width": Int(1, optional=True), "probe_epochs": Int(1, optional=True), "probe_lr": Float(0, lo_open=True, optional=True),
         "probe_weight_decay": Float(0, optional=True), "probe_batch_size": Int(1, optional=True),
         # What the published recipe's probe rows are (iti_activations.probe_answers); absent before issue 36 (MC1's options).
-        "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")),
-        "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True), **VALIDATION_FIELDS,
+        "probe_answers": Str(optional=True, choices=("mc2", "options", "refusal")), **VALIDATION_FIELDS,
+        "head_selection": Str(optional=True, choices=HEAD_SELECTIONS), "probe_folds": Int(2, optional=True), "head_score": HEAD_SCORE_FIELD,
     }
     # The record of the chosen heads (iti_heads.choice_record); other diagnostics are not checked.
     config_fields = {"diagnostics": Obj(RECORD_FIELDS, optional=True)}
     label, command_line_recipe = "ITI", "published"  # `mari-eval train`'s default recipe: the one the tables score
     training_fields = {"head_fractions": List(Float(0, 1, lo_open=True), optional=True), "alphas": List(Float(), optional=True),
                        "recipe": RECIPE_FIELD, "head_selection": Str(optional=True, choices=HEAD_SELECTIONS),
-                       "validation": VALIDATION_FIELD}
+                       "head_score": HEAD_SCORE_FIELD, "validation": VALIDATION_FIELD}
 
     @classmethod
     def tensor_spec(cls, config: dict[str, Any], names: set[str]) -> tuple[dict[str, int], dict[str, TensorSpec]]:
@@ -333,8 +333,8 @@ class ITI(ScaledVector):
     @classmethod
     def fit_adapted(cls, session: Session, data: AttributeData, config: dict[str, Any], hyperparameters: dict[str, Any],
                     seed: int) -> Intervention:
-        if "head_selection" in hyperparameters:
-            raise ValueError(f"{cls.label}: the adapted recipe does not read ['head_selection'] (the published recipe's)")
+        if published_only := sorted({"head_selection", "head_score"} & set(hyperparameters)):  # it ranks by balanced accuracy
+            raise ValueError(f"{cls.label}: the adapted recipe does not read {published_only} (the published recipe's)")
         fractions = hyperparameters.get("head_fractions") or list(HEAD_FRACTIONS)
         alphas = hyperparameters.get("alphas") or list(ALPHAS)
         source = hyperparameters.get("validation")  # None: the seeded 20% of D_train (common.VALIDATION_SOURCES)
@@ -378,7 +378,7 @@ class ITI(ScaledVector):
             "diagnostics": {"validation_loss": {f"{k_}:{a}": v for (k_, a), v in scores.items()},
                             SELECTION_KEY: scores[k, alpha],
                             "validation_loss_base": base, "probe_accuracy": accuracy[top].tolist(), "heads": heads.tolist(),
-                            **choice_record(accuracy, ranked, k, n_heads, y[~is_fit]),
+                            **choice_record(accuracy, ranked, k, n_heads, y[~is_fit], "balanced_accuracy"),
                             "validation_ids": [ex.id for ex in val_examples]},
         }
         return cls(config, {"heads": heads.contiguous(), "directions": theta.contiguous(), "sigma": sigma.contiguous()})

@@ -37,6 +37,19 @@ from mari_eval.methods.bundle_spec import Float, Int, List, Obj, Str
 TIE_RULE = "seeded random order among equal accuracies (seed: the training seed)"
 HEAD_SELECTIONS = ("validation", "cv")
 CV_FOLDS = 5  # folds of questions for head_selection="cv"
+HEAD_SCORES = ("accuracy", "balanced_accuracy", "auroc")  # what ranks the heads (the module's docstring)
+HEAD_SCORE_SETTINGS = (*HEAD_SCORES, "auto")  # the published recipe's --set head_score=
+# The setting as given, in a published bundle's hyperparameters (absent where not given: DEFAULT_HEAD_SCORE).
+HEAD_SCORE_FIELD = Str(optional=True, choices=HEAD_SCORE_SETTINGS)
+# Absent: plain accuracy, the authors' score, and that of every bundle trained before issue 81.5 (their cache keys
+# name no head_score, so the same key must train the same bundle).
+DEFAULT_HEAD_SCORE = "accuracy"
+# head_score="auto": balanced accuracy above this majority share of the scored rows. TruthfulQA's MC2 answers, the
+# rows both originals probe with plain accuracy, are 56.1% false over its 817 questions (3,297 of 5,882), and a
+# random slice of 163 questions (honest_llama's 20%) never passed 0.6 in 20,000 draws, one of 100 in 0.05%; BBQ's
+# correct option against the others is at least 2/3 (91.67% in the budget profile's rows). So "auto" keeps the
+# authors' score on the authors' data and leaves it where always answering the majority already scores over 0.6.
+AUTO_MAJORITY = 0.6
 
 # What the record adds to a bundle's diagnostics; every key optional (bundles trained before issue 36 lack them).
 RECORD_FIELDS = {
@@ -49,17 +62,61 @@ RECORD_FIELDS = {
                              "accuracy_min": Float(0, 1), "accuracy_max": Float(0, 1)}, optional=True),
     "head_selection": Str(optional=True, choices=HEAD_SELECTIONS),
     "selection_warnings": List(Str(), optional=True),
+    # Absent before issue 81.5: plain accuracy (published) or balanced accuracy (adapted).
+    "head_score": Str(optional=True, choices=HEAD_SCORES),
+    "head_score_setting": Str(optional=True, choices=HEAD_SCORE_SETTINGS),
+    "head_score_threshold": Float(0, 1, optional=True),
 }
 
-# score(x_fit [N, G, d], y_fit [N], x_val [M, G, d], y_val [M], seed) -> accuracy of each of G probes [G]
+# score(x_fit [N, G, d], y_fit [N], x_val [M, G, d], y_val [M], seed) -> the score of each of G probes [G]
 ProbeScore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def majority_share(y: torch.Tensor) -> float:
+    """The share of the rows labelled ``y`` [M] in their larger class: always answering it scores this plain accuracy."""
+    true_rows = int((y > 0.5).sum())
+    return max(true_rows, len(y) - true_rows) / len(y)
+
+
+def resolve_head_score(setting: str, y: torch.Tensor) -> str:
+    """The score (``HEAD_SCORES``) that ranks heads whose probes are scored on rows labelled ``y``:
+    ``setting`` itself, or for "auto" balanced accuracy above ``AUTO_MAJORITY`` majority share, else plain accuracy."""
+    if setting not in HEAD_SCORE_SETTINGS:
+        raise ValueError(f"head_score={setting!r}: use one of {', '.join(HEAD_SCORE_SETTINGS)} (--set head_score=...)")
+    if setting != "auto":
+        return setting
+    return "balanced_accuracy" if majority_share(y) > AUTO_MAJORITY else "accuracy"
+
+
+def head_scores(decisions: torch.Tensor, y: torch.Tensor, score: str) -> torch.Tensor:
+    """``score`` of each of G probes [G] from their decisions [M, G] on rows labelled ``y`` [M]; a
+    probe answers 1 where its decision is above 0. Plain accuracy is computed as ``accuracy_score``
+    (the hits over M, in float64, then float32: the same value as scikit-learn's)."""
+    gold = y > 0.5
+    hits = (decisions > 0) == gold[:, None]
+    if score == "accuracy":
+        return (hits.double().sum(0) / len(y)).float()
+    if gold.all() or not gold.any():
+        raise ValueError(f"head_score={score}: the {len(y)} rows the probes are scored on (a validation slice or a "
+                         "fold of questions) are one class only; use more training examples or head_score=accuracy")
+    if score == "balanced_accuracy":  # the mean of the recalls of the two classes
+        return (0.5 * (hits[gold].double().mean(0) + hits[~gold].double().mean(0))).float()
+    if score == "auroc":
+        # Mann-Whitney: (the true rows' rank sum - n1 (n1 + 1) / 2) / (n1 n0), ranks over all M rows, ties averaged.
+        from scipy.stats import rankdata  # deferred: scipy is heavy; only this score needs it
+
+        ranks = torch.from_numpy(rankdata(decisions.double().numpy(), axis=0))
+        n1, n0 = int(gold.sum()), int((~gold).sum())
+        return ((ranks[gold].sum(0) - n1 * (n1 + 1) / 2) / (n1 * n0)).float()
+    raise ValueError(f"head score {score!r}: use one of {', '.join(HEAD_SCORES)}")
 
 
 def cross_validated_accuracy(score: ProbeScore, x: torch.Tensor, y: torch.Tensor, owner: torch.Tensor, seed: int,
                              folds: int = CV_FOLDS) -> torch.Tensor:
-    """Each head's probe accuracy over all rows ``x`` [N, G, d], every row predicted by a probe (``score``)
+    """Each head's probe score over all rows ``x`` [N, G, d], every row predicted by a probe (``score``)
     fitted on the rows of the other folds; the folds split the questions (``owner``: each row's question),
-    seeded, so that no question is both fitted and scored."""
+    seeded, so that no question is both fitted and scored. The folds' scores are averaged weighted by
+    their rows: for plain accuracy, the share of all rows predicted right."""
     questions = sorted(set(owner.tolist()))
     if len(questions) < 2:
         raise ValueError("cross-validated head selection needs at least 2 training questions")
@@ -77,18 +134,33 @@ def cross_validated_accuracy(score: ProbeScore, x: torch.Tensor, y: torch.Tensor
     return (correct / len(y)).float()
 
 
+def score_label(score: str) -> str:
+    """How prose names a head score: "accuracy", "balanced accuracy", "AUROC"."""
+    return "AUROC" if score == "auroc" else score.replace("_", " ")
+
+
 def selection_warnings(record: dict[str, Any], k: int) -> list[str]:
-    """What makes a choice of heads uninformative (``choice_record``'s record of it): the K-th
-    accuracy within one probe row of the majority class, or more heads tied at it than K."""
+    """What makes a choice of heads uninformative (``choice_record``'s record of it): the K-th head's
+    score within one probe row of what no signal scores (plain accuracy: always answering the majority
+    class; balanced accuracy or AUROC: 0.5, within one row of the minority class), or more heads tied
+    at it than K."""
     out = []
-    rows = record.get("probe_validation", {}).get("rows")
-    majority = record.get("probe_validation", {}).get("majority_accuracy")
-    if rows and majority is not None and record["boundary_accuracy"] - majority <= 1 / rows + 2e-6:  # both rounded to 1e-6
-        out.append(f"the K-th head's probe accuracy {record['boundary_accuracy']:.4f} is within one of {rows} rows of "
-                   f"always answering the majority class ({majority:.4f})")
+    score = record.get("head_score", DEFAULT_HEAD_SCORE)
+    probe = record.get("probe_validation", {})
+    rows, majority = probe.get("rows"), probe.get("majority_accuracy")
+    kth = record["boundary_accuracy"]
+    if score == "accuracy":
+        if rows and majority is not None and kth - majority <= 1 / rows + 2e-6:  # both rounded to 1e-6
+            out.append(f"the K-th head's probe accuracy {kth:.4f} is within one of {rows} rows of "
+                       f"always answering the majority class ({majority:.4f})")
+    elif rows and "true_rows" in probe:
+        minority = min(probe["true_rows"], rows - probe["true_rows"])
+        if minority and kth - 0.5 <= 0.5 / minority + 1e-6:  # one minority row moves balanced accuracy by 0.5 / minority
+            out.append(f"the K-th head's probe {score_label(score)} {kth:.4f} is within one of the {minority} rows of the "
+                       "minority class of 0.5, what a probe without signal scores")
     if record["heads_tied_at_boundary"] > k:
-        out.append(f"{record['heads_tied_at_boundary']} heads tie at the K-th accuracy, more than K = {k}: the seeded "
-                   f"order chose {record['tied_heads_chosen']} of them")
+        out.append(f"{record['heads_tied_at_boundary']} heads tie at the K-th {score_label(score)}, more than K = {k}: "
+                   f"the seeded order chose {record['tied_heads_chosen']} of them")
     return out
 
 
@@ -103,10 +175,10 @@ def rank_heads(accuracy: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 def choice_record(accuracy: torch.Tensor, ranked: torch.Tensor, k: int, n_heads: int,
-                  y_val: torch.Tensor | None = None) -> dict[str, Any]:
+                  y_val: torch.Tensor | None = None, score: str = DEFAULT_HEAD_SCORE) -> dict[str, Any]:
     """The diagnostics of choosing ``ranked[:k]`` (heads of ``n_heads`` per layer) by ``accuracy``
-    [layers * n_heads]; ``y_val``: the probes' validation labels, for the size and majority class of
-    the slice they were scored on."""
+    [layers * n_heads], the probes' ``score`` (``HEAD_SCORES``); ``y_val``: the probes' validation
+    labels, for the size and majority class of the slice they were scored on."""
     if not 1 <= k <= len(ranked):
         raise ValueError(f"K = {k} heads asked of {len(ranked)}: choose K between 1 and the model's number of heads")
     top = ranked[:k]
@@ -119,6 +191,7 @@ def choice_record(accuracy: torch.Tensor, ranked: torch.Tensor, k: int, n_heads:
         "heads_tied_at_boundary": int(tied.sum()),
         "tied_heads_chosen": int(tied[top].sum()),
         "head_tie_rule": TIE_RULE,
+        "head_score": score,
     }
     if y_val is not None:
         true_rows = int((y_val > 0.5).sum())

@@ -49,8 +49,12 @@ sort; ordering them by head index favoured layers 0 and 1). The chosen heads wit
 validation accuracies, and how many heads share the K-th accuracy, are recorded in the
 bundle's diagnostics (``iti_heads.choice_record``) and shown in lm-eval's
 ``config.mari_diagnostics``; ``head_selection="cv"`` scores the probes by cross-validation over
-all of D_train instead (``iti_heads``). K scales with the model: 48 / 1024 of its heads (13 of
-SmolLM2-135M's 30 x 9), so that the share of the model moved is the authors'; alpha is in units
+all of D_train instead (``iti_heads``). ``head_score`` names the score that ranks them: absent or
+"accuracy", the authors' plain accuracy; "balanced_accuracy" or "auroc"; "auto", balanced accuracy
+where more than 60% of the scored rows are one class (BBQ's), else plain accuracy
+(``iti_heads.AUTO_MAJORITY``); a deviation from the authors, recorded as given in the
+hyperparameters and as used in the diagnostics (NL-ITI then also keeps each probe's epoch by that
+score). K scales with the model: 48 / 1024 of its heads (13 of SmolLM2-135M's 30 x 9), so that the share of the model moved is the authors'; alpha is in units
 of sigma and stays 15. The probes are fitted on the answers of the 80% of the questions of
 ``common.validation_split`` and scored on those of its 20% (a split by question, as the
 authors'; ``validation=ctrl``: fitted on all of D_train, scored on D_ctrl's attribute examples);
@@ -72,17 +76,20 @@ shifts the last prompt token (``start_edit_location='lt'``), which ``shift_from:
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 from .iti_activations import Recipe, other_questions, probe_answers, recipe_activations
 from .common import SELECTION_KEY, validation_loss, validation_record, validation_split
-from .iti_heads import CV_FOLDS, choice_record, cross_validated_accuracy, rank_heads, selection_warnings
+from .iti_heads import (AUTO_MAJORITY, CV_FOLDS, DEFAULT_HEAD_SCORE, choice_record, cross_validated_accuracy, head_scores,
+                        rank_heads, resolve_head_score, score_label, selection_warnings)
 
 if TYPE_CHECKING:
     from mari_eval.methods.intervention import Intervention
@@ -103,8 +110,9 @@ BATCH_NORM_EPS, BATCH_NORM_MOMENTUM = 1e-5, 0.1  # torch.nn.BatchNorm1d's defaul
 
 
 def logistic_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                      seed: int) -> torch.Tensor:
-    """Plain validation accuracy [G] of one scikit-learn ``LogisticRegression`` per head on the raw
+                      seed: int, score: str = DEFAULT_HEAD_SCORE) -> torch.Tensor:
+    """Validation ``score`` [G] (plain accuracy unless told: ``iti_heads.head_scores``; ``predict`` is
+    ``decision_function > 0``) of one scikit-learn ``LogisticRegression`` per head on the raw
     outputs ``x`` [N, G, d]: ITI's own probe (``train_probes``: C = 1, lbfgs, max_iter 1000,
     ``random_state=seed``), in float64 as the authors' float16 activations reach it. The
     authors' estimator rather than a re-solve: the same optimum to lbfgs's tolerance, in about
@@ -116,25 +124,26 @@ def logistic_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Ten
 
     fit_x, val_x = x_fit.double().numpy(), x_val.double().numpy()
     fit_y, val_y = y_fit.numpy() > 0.5, y_val.numpy() > 0.5
-    accuracy, unconverged = [], 0
+    decisions, unconverged = [], 0
     for g in range(fit_x.shape[1]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)  # counted below, reported once
             probe = LogisticRegression(C=LOGISTIC_C, solver="lbfgs", max_iter=LBFGS_ITERATIONS, random_state=seed)
             probe.fit(fit_x[:, g], fit_y)
         unconverged += int(probe.n_iter_[0] >= LBFGS_ITERATIONS)
-        accuracy.append(float((probe.predict(val_x[:, g]) == val_y).mean()))
+        decisions.append(probe.decision_function(val_x[:, g]))
     if unconverged:
         log.warning("ITI probes: lbfgs stopped at max_iter=%d on %d of %d heads (as it would in honest_llama)",
                     LBFGS_ITERATIONS, unconverged, fit_x.shape[1])
-    return torch.tensor(accuracy)
+    return head_scores(torch.from_numpy(np.stack(decisions, 1)), y_val, score)
 
 
-def mlp_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, seed: int) -> torch.Tensor:
+def mlp_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, seed: int,
+                 score: str = DEFAULT_HEAD_SCORE) -> torch.Tensor:
     """Validation accuracy [G] of each head's NL-ITI probe (Linear d-16, BatchNorm, ReLU, Linear
     16-1, sigmoid; BCE, Adam), at the epoch of its best validation accuracy (the first best),
-    as ``probing.train_model`` keeps. All heads train as one batched network; every head starts
-    from the same initial weights, as every probe of the authors' runs is built after
+    as ``probing.train_model`` keeps (another ``score``, ``iti_heads.head_scores``: that score, at
+    its best epoch). All heads train as one batched network; every head starts from the same initial weights, as every probe of the authors' runs is built after
     ``set_seeds(seed)``, and sees the same batches: one ``randperm`` per epoch from a generator
     seeded ``seed`` (their DataLoader's is seeded 0)."""
     n, groups, dim = x_fit.shape
@@ -176,7 +185,9 @@ def mlp_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_val: torch.Tensor, 
                 F.binary_cross_entropy_with_logits(out, y_fit[batch, None].expand_as(out), reduction="none").mean(0).sum().backward()
                 opt.step()
         with torch.no_grad():
-            accuracy = ((logits(x_val, train=False) > 0) == gold).float().mean(0)
+            out = logits(x_val, train=False)
+            # Plain accuracy in float32 as before issue 81.5, so that a bundle's key trains the same heads.
+            accuracy = ((out > 0) == gold).float().mean(0) if score == "accuracy" else head_scores(out, y_val, score)
             best = torch.where(accuracy > best, accuracy, best)
     return best
 
@@ -201,8 +212,9 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
                   hyperparameters: dict[str, Any], seed: int) -> Intervention:
     """``cls`` (ITI or NL-ITI) trained by its authors' recipe, ``cls.published``."""
     recipe: Recipe = cls.published
-    fixed = sorted(set(hyperparameters) - {"recipe", "head_selection", "validation"})
+    fixed = sorted(set(hyperparameters) - {"recipe", "head_selection", "head_score", "validation"})
     selection = hyperparameters.get("head_selection", "validation")  # how the probes are scored (iti_heads)
+    setting = hyperparameters.get("head_score", DEFAULT_HEAD_SCORE)  # what ranks them (iti_heads.HEAD_SCORES)
     if fixed:
         raise ValueError(f"{cls.method}: the published recipe fixes K and alpha (the authors' 48/1024 of the heads and 15); "
                          f"drop --set {', '.join(fixed)} or use --recipe adapted, which chooses them on the validation slice")
@@ -218,7 +230,9 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     in_train, sigma_in_train = (is_fit, sigma_fit) if source == "ctrl" else (torch.ones_like(is_fit), torch.ones_like(sigma_fit))  # D_train
     if y[~is_fit].min() == y[~is_fit].max():
         raise ValueError(f"{cls.method}: the validation slice has one class only; use more training examples")
-    score = logistic_accuracy if recipe.probe == "linear" else mlp_accuracy
+    scored = y[in_train] if selection == "cv" else y[~is_fit]  # the rows the probes are scored on
+    head_score = resolve_head_score(setting, scored)
+    score = functools.partial(logistic_accuracy if recipe.probe == "linear" else mlp_accuracy, score=head_score)
     if selection == "cv":  # every row scored by a probe fitted without its question
         accuracy = cross_validated_accuracy(score, flat["probe"][in_train], y[in_train], acts["owner"][in_train], seed)
     else:
@@ -227,18 +241,21 @@ def fit_published(cls: type[Intervention], session: Session, data: AttributeData
     ranked = rank_heads(accuracy, seed)
     top = ranked[:k]
     heads = torch.stack([top // n_heads, top % n_heads], 1)
-    choice = choice_record(accuracy, ranked, k, n_heads, y[in_train] if selection == "cv" else y[~is_fit])
-    choice.update(head_selection=selection, selection_warnings=selection_warnings(choice, k))
+    choice = choice_record(accuracy, ranked, k, n_heads, scored, head_score)
+    choice.update(head_selection=selection, head_score_setting=setting, selection_warnings=selection_warnings(choice, k),
+                  **({"head_score_threshold": AUTO_MAJORITY} if setting == "auto" else {}))
     for warning in choice["selection_warnings"]:
         log.warning("%s (published) head choice: %s", cls.method, warning)
-    log.info("%s (published): %d of %d heads share the K-th validation accuracy %.4f, %d of them chosen by the seeded "
-             "tie order", cls.method, choice["heads_tied_at_boundary"], len(accuracy), choice["boundary_accuracy"],
-             choice["tied_heads_chosen"])
+    log.info("%s (published): heads ranked by %s (head_score=%s, majority share %.4f); %d of %d share the K-th score "
+             "%.4f, %d of them chosen by the seeded tie order", cls.method, score_label(head_score), setting,
+             choice["probe_validation"]["majority_accuracy"], choice["heads_tied_at_boundary"], len(accuracy),
+             choice["boundary_accuracy"], choice["tied_heads_chosen"])
 
     hp = {"recipe": "published", "alpha": ALPHA, "num_heads": k, "head_fraction": HEAD_FRACTION, "probe": recipe.probe,
           "probe_answers": answer_kind, "probe_tokens": recipe.probe_tokens, "tokens": recipe.tokens, "shift_from": recipe.shift_from,
           **recipe.formats(), **validation_record(source, val_examples),
-          **({"head_selection": "cv", "probe_folds": CV_FOLDS} if selection == "cv" else {})}
+          **({"head_selection": "cv", "probe_folds": CV_FOLDS} if selection == "cv" else {}),
+          **({"head_score": setting} if "head_score" in hyperparameters else {})}
     hp.update({"probe_C": LOGISTIC_C, "probe_max_iter": LBFGS_ITERATIONS} if recipe.probe == "linear"
               else {f"probe_{name}": value for name, value in MLP.items()})
     position = ("attention heads' outputs, every token after the last prompt token (the answer's)" if recipe.shift_from == "answer"

@@ -40,7 +40,7 @@ def plan(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINE
             rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
             method_of: dict = {}
             for method in methods:
-                for recipe in recipes.RECIPES:
+                for recipe in recipes.TRAINING_RECIPES:
                     settings = recipes.recipe_settings(method, profile, recipe)
                     bundle = planning.train_step(graph, store, profile, method, "truthfulqa", model, seed, settings)
                     rows[f"{METHOD_LABELS[method]} ({recipe})"], method_of[bundle] = ({"truthfulqa": bundle}, ""), method
@@ -75,7 +75,7 @@ def run(profile: profiles.Profile, store: cache.Store, methods=recipes.BASELINES
         rows: dict[str, scoring.Row] = {"Vanilla": ({}, "")}
         configs: dict[str, dict] = {}
         for method in methods:
-            for recipe in recipes.RECIPES:
+            for recipe in recipes.TRAINING_RECIPES:
                 bundle = recipes.recipe_bundle(store, method, "truthfulqa", model, seed, profile, recipe)
                 label = f"{METHOD_LABELS[method]} ({recipe})"
                 rows[label] = ({"truthfulqa": bundle}, "")

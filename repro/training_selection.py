@@ -1,6 +1,7 @@
 """How each baseline bundle of the main table chose what it kept, read from the bundles themselves (issue 55.2).
 
     python repro/training_selection.py [--profile quick|standard|budget|large|paper|smoke] [--runs DIR] [--out DIR]
+                                       [--recipe published|adapted|published_head_score_auto]
 
 Trains and evaluates nothing: it reads the main table's bundles (the same cache keys as the main
 table's, repro/engine/recipes.py ``table_settings``) that are stored under --runs, each checked as
@@ -10,11 +11,13 @@ of the methods that select on held-out data (CAA, ITI, NL-ITI, ReFT, LoRA):
 * the validation loss of the configuration kept and the untouched model's on the same validation
   examples (``validation_loss_selected`` and ``validation_loss_base``, baselines/common.py), and
   whether the kept one does worse than no edit there;
-* ITI's and NL-ITI's heads (baselines/iti_heads.py): K, the K-th head's probe accuracy (cross-validated
-  under ``head_selection=cv``) beside the share of the probe's rows in their majority class and how far above
-  it (``above_majority``: rows, binomial standard errors, and whether the probe is told apart from it), how many
-  heads tie at the K-th accuracy and how many of those the seeded order chose, the selection's
-  warnings, and the chosen heads;
+* ITI's and NL-ITI's heads (baselines/iti_heads.py): K, the score that ranked them (``head_score``: plain
+  accuracy, the authors', unless the recipe names another; the adapted recipe's balanced accuracy), the K-th
+  head's probe score (cross-validated under ``head_selection=cv``) beside the share of the probe's rows in their
+  majority class and how far above what no signal scores (plain accuracy: the majority share, ``above_majority``:
+  rows, binomial standard errors, and whether the probe is told apart from it; balanced accuracy or AUROC: 0.5,
+  ``above_chance``), how many heads tie at the K-th score and how many of those the seeded order chose, the
+  selection's warnings, and the chosen heads;
 * ReFT's and LoRA's training length: the validation loss after every epoch, the epoch kept, and
   whether the epoch kept is the last with the loss still falling into it (baselines/common.py
   ``still_falling_when_stopped``: a longer run might have kept a better one).
@@ -42,17 +45,17 @@ log = logging.getLogger("repro")
 METHODS = ("caa", "iti", "nl_iti", "reft", "lora")  # those that record a validation loss for what they kept
 
 
-def main_table_bundles(profile: Profile, store: Store, methods: tuple[str, ...] = METHODS
-                       ) -> tuple[list[tuple[str, int, str, str, Path]], list[dict]]:
+def main_table_bundles(profile: Profile, store: Store, methods: tuple[str, ...] = METHODS,
+                       recipe: str = recipes.MAIN_TABLE_RECIPE) -> tuple[list[tuple[str, int, str, str, Path]], list[dict]]:
     """([(model, seed, method, attribute, bundle directory)] stored under the store, [the others, by the same fields]):
-    the main table's bundles of ``METHODS`` under every seed its columns are scored under."""
+    the main table's bundles of ``METHODS`` (its baselines in ``recipe``) under every seed its columns are scored under."""
     found, missing = [], []
     for model in profile.models:
         for seed, columns in profile.seeded_columns(BENCHMARKS).items():
             for method in methods:
                 for attribute in sorted({c[3] for c in columns}):
                     final, config = store.bundle_target(method, attribute, model, seed, profile,
-                                                        recipes.table_settings(method, profile))
+                                                        recipes.table_settings(method, profile, recipe))
                     if store.is_stored(final, config):
                         found.append((model, seed, method, attribute, final))
                     else:
@@ -84,16 +87,39 @@ def above_majority(kth_accuracy: float, majority_accuracy: float | None, rows: i
     return {"excess_rows": round(excess, 1), "z": round(z, 2), "told_apart": z >= MAJORITY_Z}
 
 
+def above_chance(kth_score: float, score: str, rows: int | None, true_rows: int | None) -> dict | None:
+    """How far the K-th head's balanced accuracy or AUROC is above 0.5, what a probe without signal
+    scores, in standard errors of that score under no signal: balanced accuracy, 0.25 sqrt(1/n1 + 1/n0)
+    (the mean of two recalls of a coin toss); AUROC, sqrt((n1 + n0 + 1) / (12 n1 n0)) (Mann-Whitney's
+    null); whether it reaches ``MAJORITY_Z`` (the rows of one question are not independent, as in
+    ``above_majority``). None where the bundle records no class counts or either class is empty."""
+    if not rows or true_rows is None or not 0 < true_rows < rows:
+        return None
+    n1, n0 = true_rows, rows - true_rows
+    spread = 0.25 * math.sqrt(1 / n1 + 1 / n0) if score == "balanced_accuracy" else math.sqrt((n1 + n0 + 1) / (12 * n1 * n0))
+    z = (kth_score - 0.5) / spread
+    return {"excess": round(kth_score - 0.5, 4), "z": round(z, 2), "told_apart": z >= MAJORITY_Z}
+
+
+def head_score(diagnostics: dict, hyperparameters: dict) -> str:
+    """The score that ranked a bundle's heads: recorded since issue 81.5; before it, plain accuracy in the
+    published recipe and balanced accuracy in the adapted one (baselines/iti_heads.py)."""
+    return diagnostics.get("head_score") or ("accuracy" if hyperparameters.get("recipe") == "published" else "balanced_accuracy")
+
+
 def _heads(diagnostics: dict, hyperparameters: dict) -> dict | None:
     """ITI's and NL-ITI's choice of heads, as their bundles record it (baselines/iti_heads.py), with the
-    K-th head's probe against the majority class (``above_majority``, computed here)."""
+    K-th head's probe against what no signal scores (``above_majority``, ``above_chance``, computed here)."""
     if "boundary_accuracy" not in diagnostics:
         return None
     probe = diagnostics.get("probe_validation") or {}
+    score, kth = head_score(diagnostics, hyperparameters), diagnostics["boundary_accuracy"]
+    plain = score == "accuracy"
     return {"k": len(diagnostics.get("heads") or []), "selection": hyperparameters.get("head_selection"),
-            "kth_accuracy": diagnostics["boundary_accuracy"], "majority_accuracy": probe.get("majority_accuracy"),
-            "probe_rows": probe.get("rows"),
-            "kth_above_majority": above_majority(diagnostics["boundary_accuracy"], probe.get("majority_accuracy"), probe.get("rows")),
+            "score": score, "score_setting": diagnostics.get("head_score_setting"),
+            "kth_accuracy": kth, "majority_accuracy": probe.get("majority_accuracy"), "probe_rows": probe.get("rows"),
+            "kth_above_majority": above_majority(kth, probe.get("majority_accuracy"), probe.get("rows")) if plain else None,
+            "kth_above_chance": None if plain else above_chance(kth, score, probe.get("rows"), probe.get("true_rows")),
             "tied_at_kth": diagnostics.get("heads_tied_at_boundary"),
             "tied_chosen": diagnostics.get("tied_heads_chosen"), "warnings": list(diagnostics.get("selection_warnings") or []),
             "chosen": [{"layer": h["layer"], "head": h["head"], "accuracy": h["validation_accuracy"]}
@@ -123,8 +149,8 @@ def bundle_record(bundle: dict) -> dict:
             "heads": _heads(diagnostics, hyperparameters), "epochs": _epochs(diagnostics, hyperparameters)}
 
 
-def run(profile: Profile, store: Store) -> dict:
-    found, missing = main_table_bundles(profile, store)
+def run(profile: Profile, store: Store, recipe: str = recipes.MAIN_TABLE_RECIPE) -> dict:
+    found, missing = main_table_bundles(profile, store, recipe=recipe)
     rows = []
     for model, seed, method, attribute, directory in found:
         bundle = json.loads((directory / "bundle.json").read_text())
@@ -137,6 +163,19 @@ def _over_majority(check: dict | None) -> str:
     if check is None:
         return "n/a"
     return f"{check['excess_rows']:+.0f} rows, z {check['z']:.2f}" + ("" if check["told_apart"] else ": not told apart")
+
+
+def _over_bar(heads: dict) -> str:
+    """The K-th head's probe over what no signal scores: the majority class (plain accuracy) or 0.5."""
+    chance = heads.get("kth_above_chance")
+    if chance is None:
+        return _over_majority(heads.get("kth_above_majority"))
+    return f"{chance['excess']:+.4f} over 0.5, z {chance['z']:.2f}" + ("" if chance["told_apart"] else ": not told apart")
+
+
+def _score_name(heads: dict) -> str:
+    setting = heads.get("score_setting")
+    return heads["score"] + (f" ({setting})" if setting and setting != heads["score"] else "")
 
 
 def _loss(value) -> str:
@@ -170,22 +209,25 @@ def markdown(record: dict, command: str) -> str:
     heads = [r for r in rows if r["heads"]]
     if heads:
         lines += ["", "## ITI's and NL-ITI's heads", "",
-                  "K heads by probe accuracy (cross-validated over D_train grouped by question under `cv`); the K-th "
-                  "head's accuracy beside the share of the probe's rows in their majority class, and how far above it "
-                  f"(rows, and binomial standard errors z of the majority share; 'not told apart' below z = {MAJORITY_Z:g}, "
-                  "a generous bound: rows of one question are not independent); heads tied at the K-th "
-                  "accuracy, and how many of them the seeded order chose; chosen heads as layer.head (accuracy).", ""]
-        checked = [r for r in heads if r["heads"].get("kth_above_majority")]
-        near = [r for r in checked if not r["heads"]["kth_above_majority"]["told_apart"]]
-        lines += [f"K-th head's probe not told apart from always answering the majority class: {len(near)} of {len(checked)} "
-                  "bundles" + (" (" + ", ".join(f"{method_label(r['method'])} {r['attribute']} seed {r['seed']}" for r in near) + ")"
-                               if near else "") + ".", ""]
+                  "K heads by their probes' score (`score`: plain accuracy, the authors', unless the recipe's head_score "
+                  "names another, its setting in brackets; cross-validated over D_train grouped by question under `cv`); "
+                  "the K-th head's score beside the share of the probe's rows in their majority class, and how far above "
+                  "what no signal scores (plain accuracy: the majority share, in rows and binomial standard errors z of it; "
+                  "balanced accuracy or AUROC: 0.5, in standard errors of the score under no signal; 'not told apart' below "
+                  f"z = {MAJORITY_Z:g}, a generous bound: rows of one question are not independent); heads tied at the K-th "
+                  "score, and how many of them the seeded order chose; chosen heads as layer.head (score).", ""]
+        checked = [r for r in heads if r["heads"].get("kth_above_majority") or r["heads"].get("kth_above_chance")]
+        near = [r for r in checked if not (r["heads"].get("kth_above_majority") or r["heads"]["kth_above_chance"])["told_apart"]]
+        lines += ["K-th head's probe not told apart from always answering the majority class (plain accuracy) or from 0.5 "
+                  f"(balanced accuracy, AUROC): {len(near)} of {len(checked)} bundles"
+                  + (" (" + ", ".join(f"{method_label(r['method'])} {r['attribute']} seed {r['seed']}" for r in near) + ")"
+                     if near else "") + ".", ""]
         lines.append(tables.markdown_table(
-            ["method", "attribute", "seed", "selection", "K", "K-th accuracy", "majority class", "rows", "K-th over majority",
-             "tied at K-th (chosen)", "warnings", "chosen heads"],
-            [[method_label(r["method"]), r["attribute"], str(r["seed"]), str(h["selection"]), str(h["k"]), f"{h['kth_accuracy']:.4f}",
-              "n/a" if h["majority_accuracy"] is None else f"{h['majority_accuracy']:.4f}", str(h["probe_rows"]),
-              _over_majority(h.get("kth_above_majority")),
+            ["method", "attribute", "seed", "selection", "score", "K", "K-th score", "majority class", "rows",
+             "K-th over its bar", "tied at K-th (chosen)", "warnings", "chosen heads"],
+            [[method_label(r["method"]), r["attribute"], str(r["seed"]), str(h["selection"]), _score_name(h), str(h["k"]),
+              f"{h['kth_accuracy']:.4f}", "n/a" if h["majority_accuracy"] is None else f"{h['majority_accuracy']:.4f}",
+              str(h["probe_rows"]), _over_bar(h),
               f"{h['tied_at_kth']} ({h['tied_chosen']})", "; ".join(h["warnings"]) or "none",
               ", ".join(f"{c['layer']}.{c['head']} ({c['accuracy']:.3f})" for c in h["chosen"])]
              for r in heads for h in [r["heads"]]]))
@@ -212,13 +254,19 @@ def markdown(record: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _arguments(parser) -> None:
+    parser.add_argument("--recipe", default=recipes.MAIN_TABLE_RECIPE, choices=recipes.RECIPES,
+                        help="the baselines' recipe whose main-table bundles to read (default: %(default)s; "
+                             "repro/engine/recipes.py)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, profile, store, command = command_line.start(__doc__, "training_selection.py", argv)
+    args, profile, store, command = command_line.start(__doc__, "training_selection.py", argv, _arguments)
     started = time.time()
     runs = Path(args.runs).resolve()
     record = {"command": command, "profile": profile.name, "seeds": profile.seeds, "max_train": profile.max_train,
               "max_ctrl": profile.max_ctrl, "runs": str(runs.relative_to(REPO) if runs.is_relative_to(REPO) else runs),
-              **run(profile, store)}
+              **({"recipe": args.recipe} if args.recipe != recipes.MAIN_TABLE_RECIPE else {}), **run(profile, store, args.recipe)}
     record["wall_time_s"] = round(time.time() - started, 1)
     tables.write_record(Path(args.out) / "training_selection", record, markdown(record, command))
     return 0

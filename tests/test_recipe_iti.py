@@ -81,9 +81,9 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
     seen, texts = {}, []
     scored = iti_published.logistic_accuracy
 
-    def spy(x_fit, y_fit, x_val, y_val, seed):
-        seen.update(fit=y_fit.clone(), val=y_val.clone())
-        return scored(x_fit, y_fit, x_val, y_val, seed)
+    def spy(x_fit, y_fit, x_val, y_val, seed, **score):
+        seen.update(fit=y_fit.clone(), val=y_val.clone(), **score)
+        return scored(x_fit, y_fit, x_val, y_val, seed, **score)
 
     read = iti_activations.window_outputs
     monkeypatch.setattr(iti_published, "logistic_accuracy", spy)
@@ -94,6 +94,7 @@ def test_published_probe_rows_are_every_mc2_answer_of_the_fit_and_validation_que
         true, false = sum(len(mc2[i][0]) for i in ids), sum(len(mc2[i][1]) for i in ids)
         assert (len(seen[part]), int(seen[part].sum())) == (true + false, true), part
     assert fitted.config["diagnostics"]["probe_validation"]["rows"] == len(seen["val"])
+    assert seen["score"] == fitted.config["diagnostics"]["head_score"] == "accuracy"  # no head_score given: the authors'
     answers = {target for _, target in texts}
     assert answers >= {f" {a}" for true, false in mc2.values() for a in true + false}
     assert not answers & {f" {c}" for ex in examples for c in ex.choices}  # no MC1 option is probed

@@ -13,7 +13,16 @@ was made on 4-5 validation questions in the standard profile, and the adapted re
 already the minimum of a 12-15-cell grid over the same questions, so it was biased towards
 ``adapted`` and close to a coin toss. ``python repro/main_table.py --recipe adapted`` scores the
 other recipe, and ``repro/baseline_recipes.py`` shows both side by side with their validation
-losses, which are reported, not used to choose."""
+losses, which are reported, not used to choose.
+
+A variant of the published recipe for pricing and measuring one change (issue 81.5):
+``--recipe published_head_score_auto`` trains ITI and NL-ITI with ``head_score=auto`` (their heads
+ranked by balanced accuracy where more than 60% of the probe rows are one class, BBQ's;
+baselines/iti_heads.py) and every other baseline as ``published``. Those ITI and NL-ITI bundles
+get keys of their own, so the committed ones (keyed without head_score: plain accuracy, the
+authors' score) are neither read nor replaced, and only they and their evaluations are computed:
+``python repro/main_table.py --profile budget --runs results/budget_steps --recipe
+published_head_score_auto --out results/profiles/budget/head_score_auto`` (``--plan`` first)."""
 
 from __future__ import annotations
 
@@ -23,7 +32,10 @@ from repro.engine.cache import Store
 from repro.engine.profiles import Profile
 
 BASELINES = ("caa", "iti", "nl_iti", "reft")
-RECIPES = ("adapted", "published")
+TRAINING_RECIPES = ("adapted", "published")  # every baseline's two (repro/baseline_recipes.py scores both)
+HEAD_SCORE_AUTO = "published_head_score_auto"  # the published recipe, ITI's and NL-ITI's heads by head_score=auto
+HEAD_SCORE_METHODS = ("iti", "nl_iti")
+RECIPES = (*TRAINING_RECIPES, HEAD_SCORE_AUTO)  # what a table's --recipe accepts
 MAIN_TABLE_RECIPE = "published"
 
 
@@ -39,7 +51,12 @@ def recipe_settings(method: str, profile: Profile, recipe: str) -> dict | None:
     """The hyperparameters ``recipe`` trains ``method`` with (None: the adapted recipe's defaults)."""
     if recipe == "adapted":
         return dict(profile.adapted[method]) if method in profile.adapted else None
-    return {"recipe": recipe, **profile.published.get(method, {})}
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: use one of {', '.join(RECIPES)}")
+    published = {"recipe": "published", **profile.published.get(method, {})}
+    if recipe == HEAD_SCORE_AUTO and method in HEAD_SCORE_METHODS:
+        published["head_score"] = "auto"  # a key of its own; absent (the tables' default): plain accuracy
+    return published
 
 
 def table_settings(method: str, profile: Profile, recipe: str = MAIN_TABLE_RECIPE) -> dict | None:
