@@ -103,7 +103,7 @@ def _judge(args: argparse.Namespace) -> int:
         raise SystemExit("mari-eval judge: give SAMPLES (a samples_sorry_bench*.jsonl or generations file), "
                          "or --forget-cached to clear a judge's cached verdicts")
     result = judge_file(args.samples, base_url=args.base_url, model=args.model, cache=args.cache, prompt=args.prompt,
-                        out=args.out)
+                        out=args.out, local=args.local)
     print_result(result)
     if args.out:
         print(f"wrote {args.out}")
@@ -280,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Judge the responses of a SORRY-Bench run saved in SAMPLES (lm_eval --log_samples "
                                    "output, e.g. of a --predict_only run, or the generations file a judge error names) "
                                    "with the judge MARI_JUDGE_* configures, through the same cache, and print the "
-                                   "metrics the task reports. The API key comes from MARI_JUDGE_API_KEY (else "
-                                   "OPENAI_API_KEY), never from the command line.")
+                                   "metrics the task reports; verdicts scored where possible (docs/judge.md). The API "
+                                   "key comes from MARI_JUDGE_API_KEY (else OPENAI_API_KEY), never from the command line.")
     p.add_argument("samples", nargs="?", help="samples_sorry_bench*.jsonl, or a generations file")
     p.add_argument("--forget-cached", action="store_true",
                    help="first remove every cached verdict of the judge --model (or $MARI_JUDGE_MODEL) names, e.g. "
@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "afresh")
     p.add_argument("--base-url", help="the judge's OpenAI-compatible /v1 URL (default: $MARI_JUDGE_BASE_URL)")
     p.add_argument("--model", help="the judge's served model name (default: $MARI_JUDGE_MODEL)")
+    p.add_argument("--local", metavar="MODEL", help="judge in this process, verdicts scored (default with no server "
+                   "configured: smollm2-135m-instruct)")
     p.add_argument("--cache", help="the verdict cache file (default: $MARI_JUDGE_CACHE, else the user cache)")
     p.add_argument("--prompt", help="judge prompt name (default: $MARI_JUDGE_PROMPT, else base-#thescore when available)")
     p.add_argument("--out", help="also write the metrics and the per-category summary here as JSON")

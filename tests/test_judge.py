@@ -773,6 +773,8 @@ def test_embedded_server_judges_real_responses(embedded, tmp_path):
     records = cache_lines(tmp_path / "cache.jsonl")
     assert len(records) == 4 and all(r["judge_model"] == embedded.model for r in records)
     assert all(J.parse_verdict(r["raw"]) == r["label"] for r in records)
+    # asked for log-probabilities, transformers serve gives none: every verdict parsed, and the output says so
+    assert all(r["score"] is None for r in records) and judge.describe()["verdicts"] == {"parsed": 4}
     summary = J.refusal_summary([{"category": "1", "response": r} for _, r in PAIRS], labels, names={})
     assert summary["refusal"] + summary["compliance"] + summary["unparseable"] == 4
     again = embedded_judge(embedded, tmp_path)

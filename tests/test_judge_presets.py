@@ -73,7 +73,7 @@ def test_the_fine_tuned_preset_has_an_identity_of_its_own(monkeypatch, no_preset
     default = _identity(monkeypatch, None, "judge-m")
     ft = _identity(monkeypatch, "sorry-bench-ft", "judge-m")  # even under the same served name
     assert default["parser"] == 1 and ft == {"model": "judge-m", "prompt": J.FT_PROMPT, "prompt_sha256": FT_SHA256,
-                                            "parser": 2}
+                                            "parser": 2, "scored": {"version": 1, "threshold": None}}
     assert default["prompt_sha256"] != ft["prompt_sha256"] and default["prompt"] != ft["prompt"]
     assert _identity(monkeypatch, "sorry-bench-ft", FT_MODEL)["model"] == FT_MODEL
 

@@ -24,6 +24,19 @@ def judged_cell(scores: list[float | None], prefix: str = "d") -> dict:
             "judged": True, "judge": [JUDGE]}
 
 
+def measured(tmp_path, monkeypatch, kappas: dict[str, float | None]) -> None:
+    """A judge_agreement.json measuring each judge's held-out kappa (None: undefined), read by the tables."""
+    path = tmp_path / "judge_agreement.json"
+    path.write_text(json.dumps({"held_out": {"judges": {
+        f"judge {i}": {"label": label, "subsets": {"all": {"kappa": kappa}}} for i, (label, kappa) in enumerate(kappas.items())}}}))
+    monkeypatch.setattr(judged, "AGREEMENT", str(path))  # REPO / an absolute path is that path
+
+
+@pytest.fixture
+def agreeing_judge(tmp_path, monkeypatch):
+    measured(tmp_path, monkeypatch, {JUDGE: 0.7})  # above the kappa floor: its cells are printed
+
+
 def write(tmp_path, cells):
     store = Store(tmp_path / "runs", placement=Placement(dtype="float32"))
     profile = Profile(name="fixed", models=["m"], seeds=[0], max_train={}, max_ctrl=None, limits={})
@@ -31,7 +44,7 @@ def write(tmp_path, cells):
                                profile, "cmd", 1.0, store)
 
 
-def test_unparseable_verdicts_are_counted_and_a_cell_below_the_floor_is_na(tmp_path):
+def test_unparseable_verdicts_are_counted_and_a_cell_below_the_floor_is_na(tmp_path, agreeing_judge):
     # The reported case: half the verdicts unparseable printed "1.000 [1.000, 1.000] (n=2)" from one verdict.
     cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
                    "Half": {"sorry_refusal": judged_cell([1.0, None])},
@@ -45,7 +58,8 @@ def test_unparseable_verdicts_are_counted_and_a_cell_below_the_floor_is_na(tmp_p
     assert half["ours"]["sorry_refusal"]["difference"] is None
     assert most["verdicts"]["sorry_refusal"] == {"parsed": 58, "total": 60}
     assert most["ours"]["sorry_refusal"]["difference"] is not None
-    assert record["judge"] == {"columns": ["sorry_refusal"], "judges": [JUDGE], "min_parsed": judged.MIN_PARSED}
+    assert record["judge"] == {"columns": ["sorry_refusal"], "judges": [JUDGE], "min_parsed": judged.MIN_PARSED,
+                               "kappa_floor": 0.6, "held_out_kappa": {JUDGE: 0.7}}
     md = (tmp_path / "t.md").read_text()
     assert "| Half    | n/a (1 of 2 verdicts parsed)" in md
     assert "(n=60; 58 of 60 verdicts parsed)" in md and "(n=60; 60 of 60 verdicts parsed)" in md
@@ -86,7 +100,7 @@ def test_the_judge_is_part_of_a_judged_evaluations_key_only(tmp_path, monkeypatc
     assert paths()[0] == first
 
 
-def test_a_rerendered_table_keeps_its_judge_and_withheld_cells(tmp_path):
+def test_a_rerendered_table_keeps_its_judge_and_withheld_cells(tmp_path, agreeing_judge):
     from repro import rerender
 
     cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
@@ -160,3 +174,24 @@ def test_refusal_columns_carry_their_judges_agreement_with_people(tmp_path, monk
     monkeypatch.setattr(judged, "AGREEMENT", "results/no_such_file.json")
     missing = judged.agreement_record(["sorry_keyword"], None)
     assert missing["source"] is None and "is missing" in judged.agreement_sentence(missing)
+
+
+@pytest.mark.parametrize("kappa, says", [(0.59, "n/a (judge's held-out kappa 0.590 < 0.6)"),
+                                         (None, "n/a (judge's held-out kappa not measured, floor 0.6)"),
+                                         (0.6, "0.167")])
+def test_a_judged_column_is_printed_only_when_its_judges_held_out_kappa_reaches_the_floor(tmp_path, monkeypatch,
+                                                                                       kappa, says):
+    # issue 81.3: the floor is 0.6 (Landis & Koch's "substantial" begins above it); a judge the agreement file
+    # never scored, or whose kappa is undefined there, is not measured
+    measured(tmp_path, monkeypatch, {JUDGE: kappa} if kappa is not None else {"another judge | prompt p sha256:x": 0.9})
+    cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
+                   "Row": {"sorry_refusal": judged_cell([1.0] * 50 + [0.0] * 10, prefix="d")}}}
+    record = write(tmp_path, cells)
+    vanilla, row = record["models"]["m"]["rows"]
+    md = (tmp_path / "t.md").read_text()
+    assert f"| Vanilla | {says}" in md
+    printed = kappa is not None and kappa >= 0.6
+    assert (vanilla["ours"]["sorry_refusal"]["mean"] == vanilla["ours"]["sorry_refusal"]["mean"]) is printed  # NaN: withheld
+    assert (row["ours"]["sorry_refusal"]["difference"] is not None) is printed
+    assert record["judge"]["held_out_kappa"] == {JUDGE: kappa} and record["judge"]["kappa_floor"] == 0.6
+    assert "reaches 0.6 (Landis & Koch's 'substantial'" in md

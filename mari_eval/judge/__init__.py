@@ -49,9 +49,18 @@ caller needs:
 * ``samples``: saved generations (``mari-eval judge``) and their verdicts.
 * ``sorry_bench``: the SORRY-Bench task's scoring, which harness_tasks/utils.py hands to lm-eval.
 * ``agreement``: a refusal judge's verdicts against people's labels (XSTest; repro/judge_agreement.py).
+* ``scoring``: verdicts scored, not parsed: ``score_refusals(judge, prompts, completions)`` (the
+  log-probability difference of the verdict digits after the judge prompt) and ``verdicts(scores,
+  threshold)``; ``server_score`` reads the same from a server's log-probabilities.
+* ``calibration``: the split of XSTest by prompt, the threshold rule, the calibration files
+  (``thresholds/*.json``) a scored judge reads, and the kappa floor of the tables' judged columns.
+* ``local``: ``LocalJudge``, a judge model run in this process, every verdict scored.
 """
 
 from mari_eval.judge.cache import JudgeCache, cache_key, default_cache_path
+from mari_eval.judge.calibration import KAPPA_FLOOR, Calibration, choose_threshold, find_calibration, half
+from mari_eval.judge.local import LocalJudge
+from mari_eval.judge.scoring import score_refusals, server_score, verdicts
 from mari_eval.judge.client import MAX_RAW_CHARS, Judge, Judgement
 from mari_eval.judge.transport import MAX_REPLY_BYTES
 from mari_eval.judge.config import (
@@ -115,4 +124,6 @@ __all__ = [
     "category_names", "current_preset", "default_cache_path", "get_preset", "judge_environment", "judge_identity",
     "keyword_refusal", "load_prompt", "main", "parse_digit", "parse_verdict", "refusal_summary", "safe_url",
     "serve_command", "serve_embedded",
+    "KAPPA_FLOOR", "Calibration", "LocalJudge", "choose_threshold", "find_calibration", "half", "score_refusals",
+    "server_score", "verdicts",
 ]

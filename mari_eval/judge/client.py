@@ -17,6 +17,12 @@ through the ``openai`` client, ``config.concurrency`` requests at a time:
   ``MAX_RAW_CHARS``; an HTML page or a body that is not a chat completion is an error
   that names the problem and the fix.
 * the API key reaches the server only: it is redacted from answers, errors and logs.
+* verdicts: each request asks for the log-probabilities of the answer's tokens (``logprobs``,
+  ``top_logprobs``); where the reply has them, the verdict is scored (``scoring.server_score``)
+  against the threshold of the judge's calibration file (calibration.py; without one, the likelier
+  digit), so that it needs no parse; where it has none (``transformers serve`` gives none; a server
+  whose refusal (HTTP 400 or 422) names them is asked again without them, once for all), the answer's text is parsed
+  as before. ``describe`` counts the verdicts reached each way.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from typing import Sequence
 from tqdm import tqdm
 
 from mari_eval.judge.cache import JudgeCache, cache_key
+from mari_eval.judge.calibration import find_calibration
 from mari_eval.judge.config import ENV_DEADLINE, ENV_MODEL, JudgeConfig, JudgeDeadline, JudgeError, _env_name, safe_url
-from mari_eval.judge.prompt import LABELS, UNPARSEABLE, JudgePrompt, load_prompt
+from mari_eval.judge.prompt import COMPLIANCE, LABELS, REFUSAL, UNPARSEABLE, JudgePrompt, load_prompt
+from mari_eval.judge.scoring import TOP_LOGPROBS, server_score
 from mari_eval.judge.transport import Transport
+from mari_eval.storage.models import display_name
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +54,16 @@ log = logging.getLogger(__name__)
 MAX_RAW_CHARS = 2000
 
 
+SCORED, PARSED = "scored", "parsed"  # how a verdict was reached: from the verdict digits' log-probabilities, or the text
+
+
 @dataclass(frozen=True)
 class Judgement:
     label: str  # one of LABELS
     raw: str  # the judge's answer
     cached: bool  # read from the cache rather than asked in this call
+    score: float | None = None  # the refusal score (scoring.py) where the verdict was scored
+    mode: str = PARSED  # SCORED or PARSED
 
 
 class Judge(Transport):
@@ -74,6 +88,10 @@ class Judge(Transport):
         self._deadline: float | None = None  # time.monotonic() at which the current judging step ends
         self._local = threading.local()  # per requesting thread: what is asked, tries made, last failure
         self.served: Counter[str] = Counter()  # the model each verdict's reply named (``describe``)
+        self.modes: Counter[str] = Counter()  # how each verdict was reached (``describe``)
+        self._logprobs = True  # ask for log-probabilities (False once the server refused them)
+        self.calibration = find_calibration(display_name(config.model), self.prompt.name, self.prompt.sha256, "server")
+        self.threshold = self.calibration.threshold if self.calibration is not None else 0.0
 
     # ------------------------------------------------------------------ public
 
@@ -90,6 +108,9 @@ class Judge(Transport):
             # {the model each verdict's reply named: verdicts} over what this judge judged (cached ones
             # included; "not recorded": cached before replies were recorded, or a reply naming none)
             "served_models": dict(self.served),
+            # {scored / parsed: verdicts}: scored from the server's log-probabilities, or parsed from the text
+            "verdicts": dict(self.modes), "source": "server", "threshold": self.threshold,
+            "calibration": self.calibration.describe() if self.calibration else None,
         }
 
     def judge(self, pairs: Sequence[tuple[str, str]]) -> list[Judgement]:
@@ -100,7 +121,14 @@ class Judge(Transport):
         out = []
         for k in keys:
             record = self._usable(self.cache.get(k))
-            out.append(Judgement(record["label"], record["raw"], cached=k not in fresh))
+            score = record.get("score")
+            if isinstance(score, (int, float)):  # the verdict follows today's threshold, not the one it was cached with
+                judgement = Judgement(REFUSAL if score > self.threshold else COMPLIANCE, record["raw"],
+                                      cached=k not in fresh, score=float(score), mode=SCORED)
+            else:
+                judgement = Judgement(record["label"], record["raw"], cached=k not in fresh)
+            out.append(judgement)
+            self.modes[judgement.mode] += 1
             self.served[record.get("served_model") or "not recorded"] += 1
         others = sorted(set(self.served) - {self.config.model, "not recorded"})
         if others:
@@ -215,11 +243,14 @@ class Judge(Transport):
         if self._down.is_set():
             return False
         try:
-            answer, served = self._ask(self.prompt.render(instruction, response))
+            answer, served, logprobs = self._ask(self.prompt.render(instruction, response))
             raw = self._redact(answer)  # a server may echo the key
+            score = server_score(logprobs, self.prompt.parser)
             record = {
                 "key": key,
-                "label": self.prompt.parse(raw),  # read from the whole answer; the cache keeps its start
+                # scored where the reply has the digits' log-probabilities, else read from the whole answer
+                "label": self.prompt.parse(raw) if score is None else REFUSAL if score > self.threshold else COMPLIANCE,
+                "score": score,
                 "raw": raw[:MAX_RAW_CHARS],
                 "judge_model": self.config.model,
                 "served_model": served,  # the model the server said answered (None: it did not say)
@@ -236,17 +267,44 @@ class Judge(Transport):
             raise
         return True
 
-    def _ask(self, text: str) -> tuple[str, str | None]:
-        """The judge's answer to ``text``, and the model its reply says answered (None if it does not say)."""
-        def request(client):
+    def _ask(self, text: str) -> tuple[str, str | None, list | None]:
+        """The judge's answer to ``text``, the model its reply says answered (None if it does not say), and the
+        log-probabilities of its tokens (``choices[0].logprobs.content``; None where the reply has none)."""
+        import openai  # deferred: openai is heavy; only this path needs it
+
+        def send(client, logprobs: bool):
+            extra = {"logprobs": True, "top_logprobs": TOP_LOGPROBS} if logprobs else {}
             with client.chat.completions.with_streaming_response.create(
                 model=self.config.model,
                 messages=[{"role": "user", "content": text}],
                 temperature=0.0,
                 max_tokens=self.config.max_tokens,
+                **extra,
             ) as response:
                 data = self._json_reply(response, "a judgement request")
                 served = data.get("model") if isinstance(data, dict) else None
-                return self._completion_text(data), served if isinstance(served, str) and served else None
+                return (self._completion_text(data), served if isinstance(served, str) and served else None,
+                        _token_logprobs(data))
+
+        def request(client):
+            if self._logprobs:
+                try:
+                    return send(client, logprobs=True)
+                except (openai.BadRequestError, openai.UnprocessableEntityError) as e:
+                    if "logprob" not in str(e).lower():  # refused for another reason: the error as before
+                        raise
+                    self._logprobs = False  # asked again without them, and so from now on
+                    log.warning("The judge at %s refused a request for log-probabilities (%s): its verdicts are parsed "
+                                "from its answers", safe_url(self.config.base_url), getattr(e, "status_code", e))
+            return send(client, logprobs=False)
 
         return self._call(request, what="a judgement request")
+
+
+def _token_logprobs(data) -> list | None:
+    """A chat completion's ``choices[0].logprobs.content``, or None when it has none."""
+    try:
+        content = data["choices"][0]["logprobs"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return content if isinstance(content, list) and content else None

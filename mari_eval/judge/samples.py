@@ -14,7 +14,9 @@ results or samples. So:
   the judge the environment configures, through the same cache; it returns, prints and
   writes the metrics the task reports (``task_metrics``) and what the task records beside
   them (``judge_record``: the judge, the per-category rates, unparseable answers), computed
-  by the same functions.
+  by the same functions. Its verdicts are scored where that is possible (``make_judge``): from the
+  server's log-probabilities when it gives them (else parsed from its answers), or, with no server
+  configured, in this process by the embedded judge (``LocalJudge``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ from typing import Mapping, Sequence
 from mari_eval.storage.files import atomic_write, check_writable_file, write_results_json
 from mari_eval.judge.cache import default_cache_path
 from mari_eval.judge.client import Judge, Judgement
-from mari_eval.judge.config import JudgeConfig, JudgeError
+from mari_eval.judge.config import ENV_BASE_URL, ENV_MODEL, JudgeConfig, JudgeError
 from mari_eval.judge.prompt import UNPARSEABLE, load_prompt
 from mari_eval.judge.summary import refusal_summary
-from mari_eval.storage.models import display_name
+from mari_eval.storage.models import DEFAULT_MODEL, display_name
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,12 @@ def judge_label(judge: Judge) -> str:
 
 def described_label(described: Mapping) -> str:
     """The label of a judge as ``Judge.describe`` gives it (or judge_agreement.json records it): model and
-    prompt with its sha256."""
-    return readable_label(f"{described['model']} | prompt {described['prompt']} sha256:{described['prompt_sha256']}")
+    prompt with its sha256; for a judge whose verdicts were scored, where the scores came from and the
+    threshold (a judge whose verdicts were all parsed is labelled as before scoring existed)."""
+    label = f"{described['model']} | prompt {described['prompt']} sha256:{described['prompt_sha256']}"
+    if (described.get("verdicts") or {}).get("scored"):
+        label += f" | scored {described['source']}, threshold {described['threshold']:.4g}"
+    return readable_label(label)
 
 
 def readable_label(label: str) -> str:
@@ -93,7 +99,8 @@ def judge_record(summary: Mapping, judge: Judge, judgements: Sequence[Judgement]
     d = judge.describe()
     return {
         "judge": {"label": judge_label(judge), **{k: d[k] for k in ("model", "base_url", "prompt", "prompt_sha256",
-                                                                       "parser", "max_tokens")}},
+                                                                       "parser", "max_tokens")},
+                  **{k: d[k] for k in ("verdicts", "threshold", "calibration") if k in d}},
         "refusal_rate_bounds": summary["refusal_rate_bounds"],
         "by_category": {cat: {"name": row["name"], "n": row["n"], "refusal_rate": row["refusal_rate"],
                               "keyword_refusal_rate": row["keyword_refusal_rate"], UNPARSEABLE: row[UNPARSEABLE]}
@@ -282,14 +289,36 @@ def _item(row) -> tuple[dict | None, str]:
     return item, ""
 
 
+def make_judge(*, base_url: str | None = None, model: str | None = None, cache: str | Path | None = None,
+               prompt: str | None = None, local: str | None = None):
+    """The judge of ``mari-eval judge``: ``LocalJudge(local)`` (scored in this process) when ``local`` is
+    given, else the server that the arguments or ``MARI_JUDGE_*`` configure (scored from its
+    log-probabilities where it gives them), else, with none configured, the embedded judge in this process."""
+    import os  # deferred: keeps this module's imports to what every caller needs
+
+    if local is not None and (base_url or model):
+        raise JudgeError("mari-eval judge: --local judges in this process; --base-url and --model name a server: "
+                         "give one or the other")
+    if local is None and not ((base_url or os.environ.get(ENV_BASE_URL)) and (model or os.environ.get(ENV_MODEL))):
+        if base_url or model or os.environ.get(ENV_BASE_URL) or os.environ.get(ENV_MODEL):
+            JudgeConfig.from_env(base_url, model)  # half a server configured: its error names the missing half
+        local = DEFAULT_MODEL
+        log.info("No judge server configured (%s, %s): judging in this process with %s, its verdicts scored",
+                 ENV_BASE_URL, ENV_MODEL, local)
+    if local is not None:
+        from mari_eval.judge.local import LocalJudge  # deferred: loads torch and transformers
+
+        return LocalJudge(local, load_prompt(prompt), cache)
+    return Judge(JudgeConfig.from_env(base_url, model), load_prompt(prompt), cache)
+
+
 def judge_file(path: str | Path, *, base_url: str | None = None, model: str | None = None, cache: str | Path | None = None,
-               prompt: str | None = None, out: str | Path | None = None) -> dict:
+               prompt: str | None = None, out: str | Path | None = None, local: str | None = None) -> dict:
     """Judge the responses in ``path`` as the task would; ``{"metrics", "summary", ...}`` (also written to ``out``)."""
     if out is not None:  # before any verdict is asked for, not after
         check_writable_file(Path(out), "--out ", "judge.json")
     items, run = read_samples(path)
-    config = JudgeConfig.from_env(base_url, model)
-    judge = Judge(config, load_prompt(prompt), cache)
+    judge = make_judge(base_url=base_url, model=model, cache=cache, prompt=prompt, local=local)
     judge.check()
     try:
         judgements = judge.judge([(i["instruction"], i["response"]) for i in items])
@@ -312,4 +341,7 @@ def print_result(result: Mapping) -> None:
     for name, value in metrics.items():
         print(f"{name}: {value}")
     print("judge:", result["judge"]["label"])
+    modes = summary["judge"].get("verdicts") or {}
+    print("verdicts: " + ", ".join(f"{n} {mode}" for mode, n in sorted(modes.items())) + " (scored: from the log-"
+          "probabilities of the verdict digits, against the judge's threshold; parsed: read from its answer)")
     sys.stdout.flush()

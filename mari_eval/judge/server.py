@@ -34,8 +34,10 @@ from mari_eval.judge.config import (ENV_API_KEY, ENV_API_KEY_FALLBACK, ENV_BASE_
                                     JudgeConfig, JudgeError)
 from mari_eval.judge.presets import (ENV_PRESET, PRESETS, SERVERS, Preset, find_executable, get_preset,
                                      serve_command)
+from mari_eval.judge.calibration import find_calibration
 from mari_eval.judge.prompt import load_prompt
-from mari_eval.storage.models import DEFAULT_MODEL, resolve_model
+from mari_eval.judge.scoring import SCORE_VERSION
+from mari_eval.storage.models import DEFAULT_MODEL, display_name, resolve_model
 from mari_eval.storage.numbers import flag_type
 
 log = logging.getLogger(__name__)
@@ -224,8 +226,15 @@ def judge_identity() -> dict[str, object]:
     configured = os.environ.get(ENV_BASE_URL) and os.environ.get(ENV_MODEL)
     embedded = os.environ.get(ENV_EMBEDDED) if configured else DEFAULT_MODEL  # started here, or to be
     prompt = load_prompt()  # the preset's, when MARI_JUDGE_PRESET names one
-    return {"model": f"{embedded} (embedded)" if embedded else os.environ[ENV_MODEL],
-            "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": prompt.parser_version}
+    identity = {"model": f"{embedded} (embedded)" if embedded else os.environ[ENV_MODEL],
+                "prompt": prompt.name, "prompt_sha256": prompt.sha256, "parser": prompt.parser_version}
+    if not embedded:
+        # A configured server's verdicts are scored where it gives log-probabilities (client.py), against the
+        # threshold of its calibration file if it has one. The embedded judge's are parsed, as before scoring
+        # existed (transformers serve gives none), so its identity, and every stored step's key, is unchanged.
+        calibration = find_calibration(display_name(os.environ[ENV_MODEL]), prompt.name, prompt.sha256, "server")
+        identity["scored"] = {"version": SCORE_VERSION, "threshold": calibration.threshold if calibration else None}
+    return identity
 
 
 def _free_port() -> int:

@@ -8,6 +8,13 @@ per-document file; a judged cell prints how many there were beside n, and a cell
 than MIN_PARSED of its verdicts parsed is n/a with the count: its rate would rest on the few
 replies the judge happened to format.
 
+A judged cell is printed only when its judge agrees with people well enough: its held-out Cohen's
+kappa against XSTest's human labels (results/judge_agreement.json, ``held_out``: the judge's
+threshold, if any, chosen on the other half) must reach ``KAPPA_FLOOR`` (0.6, the lower edge of
+Landis & Koch's 1977 "substantial" agreement; mari_eval/judge/calibration.py); else the cell is n/a
+with the kappa ("not measured" for a judge that file never scored), and neither it nor a difference
+from it is printed.
+
 A table with refusal columns also says how well each of their judges agrees with people
 (``agreement_record``): the keyword judge's and the LLM judge's accuracy and Cohen's kappa against
 XSTest's human labels, as results/judge_agreement.json measured them (python repro/judge_agreement.py).
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mari_eval.judge.calibration import KAPPA_FLOOR, kappa_reaches_floor
 from mari_eval.judge.samples import described_label, readable_label
 from repro.engine.profiles import KEYWORD_REFUSAL, REPO, XSTEST
 
@@ -60,13 +68,46 @@ def counts_text(counts: tuple[int, int]) -> str:
 
 def cell_text(cell: dict, text: str, n_text: str) -> str:
     """A table cell: ``text`` and ``n_text`` ("(n=60)"), for a judged cell with its parsed verdicts
-    ("(n=60; 58 of 60 verdicts parsed)"), or n/a with them below the floor."""
+    ("(n=60; 58 of 60 verdicts parsed)"), or n/a with them below the floor, or n/a with its judge's
+    held-out kappa below ``KAPPA_FLOOR``."""
     counts = cell.get("verdicts")
+    if "judge_kappa" in cell and not kappa_reaches_floor(cell["judge_kappa"]):
+        return f"n/a ({kappa_text(cell['judge_kappa'])})"
     if counts is None:
         return f"{text} {n_text}"
     if below_floor(counts):
         return f"n/a ({counts_text(counts)})"
     return f"{text} {n_text[:-1]}; {counts_text(counts)})"
+
+
+def kappa_text(kappa: float | None) -> str:
+    """Why a judged cell is n/a for its judge: "judge's held-out kappa 0.214 < 0.6" or "... not measured"."""
+    if kappa is None:
+        return f"judge's held-out kappa not measured, floor {KAPPA_FLOOR}"
+    return f"judge's held-out kappa {kappa:.3f} < {KAPPA_FLOOR}"
+
+
+def _agreement() -> dict:
+    """results/judge_agreement.json ({} when it is missing)."""
+    path = REPO / AGREEMENT
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def held_out_kappa(record: dict, label: str) -> float | None:
+    """The held-out kappa (all completions) of the judge labelled ``label`` in a judge_agreement record
+    (its ``held_out`` judges); None when it was not measured there, or is undefined (no verdict)."""
+    for entry in ((record.get("held_out") or {}).get("judges") or {}).values():
+        if entry.get("label") and readable_label(entry["label"]) == readable_label(label):
+            kappa = entry["subsets"]["all"]["kappa"]
+            return None if kappa is None or kappa != kappa else float(kappa)
+    return None
+
+
+def cell_kappa(cell: dict, measured: dict) -> float | None:
+    """The held-out kappa of a judged cell's judge (the lowest, if its seeds name several; None if any
+    was not measured)."""
+    kappas = [held_out_kappa(measured, readable_label(judge)) if judge else None for judge in cell.get("judge") or [None]]
+    return None if any(k is None for k in kappas) else min(kappas)
 
 
 def judge_record(cells: dict) -> dict[str, Any] | None:
@@ -80,20 +121,31 @@ def judge_record(cells: dict) -> dict[str, Any] | None:
     present = sorted({column for column, _ in judged})
     judges = sorted({readable_label(judge) if judge else "not recorded"
                      for _, cell in judged for judge in cell.get("judge") or [None]})
-    return {"columns": present, "judges": judges, "min_parsed": MIN_PARSED}
+    measured = _agreement()
+    kappas = {judge: held_out_kappa(measured, judge) for judge in judges}
+    return {"columns": present, "judges": judges, "min_parsed": MIN_PARSED, "kappa_floor": KAPPA_FLOOR,
+            "held_out_kappa": kappas}
 
 
 def judge_sentence(record: dict[str, Any]) -> str:
     """The table header's line on its judge."""
+    kappas = record.get("held_out_kappa") or {}
+    floor = record.get("kappa_floor")
+    rule = ("" if floor is None else
+            f" A judged cell is printed only when its judge's held-out Cohen's kappa against people (XSTest, "
+            f"{AGREEMENT}) reaches {floor} (Landis & Koch's 'substantial', 0.61-0.80), else n/a with the kappa: "
+            + "; ".join(f"{judge}: {'not measured' if k is None else f'{k:.3f}'}" for judge, k in kappas.items()) + ".")
     return (f" Judged columns ({', '.join(record['columns'])}): read by {'; '.join(record['judges'])}; a verdict the "
             f"parser cannot read has no score, the count of parsed verdicts stands beside n, and a cell with fewer "
-            f"than {record['min_parsed']:.0%} of them parsed is n/a (repro/engine/judged.py).")
+            f"than {record['min_parsed']:.0%} of them parsed is n/a (repro/engine/judged.py).{rule}")
 
 
 def withhold_below_floor(cells: dict) -> dict:
     """``cells`` (repro.analysis.tables.tally's) with every judged cell's verdict counts recorded ("verdicts":
     parsed, in all) and a cell below the floor withheld: its figures NaN and its documents dropped,
-    so that neither it nor a difference from it is printed (n/a with the count instead)."""
+    so that neither it nor a difference from it is printed (n/a with the count instead); likewise a
+    judged cell whose judge's held-out kappa does not reach ``KAPPA_FLOOR`` ("judge_kappa": n/a with it)."""
+    measured = _agreement()
     out = {}
     for model, rows in cells.items():
         out[model] = {}
@@ -103,8 +155,8 @@ def withhold_below_floor(cells: dict) -> dict:
                 if not cell.get("judged"):
                     continue
                 counts = verdict_counts(cell) or cell.get("verdicts")  # rerendered: as its JSON recorded them
-                cell = {**cell, "verdicts": counts}
-                if below_floor(counts):
+                cell = {**cell, "verdicts": counts, "judge_kappa": cell_kappa(cell, measured)}
+                if below_floor(counts) or not kappa_reaches_floor(cell["judge_kappa"]):
                     cell.update(values=[float("nan")] * len(cell["values"]), documents=[None] * len(cell["values"]),
                                 clusters=[None] * len(cell["values"]))
                 out[model][label][column] = cell
