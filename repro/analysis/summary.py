@@ -315,24 +315,32 @@ def load(table: Path) -> TableSummary:
         out.missing = [c for c in dict.fromkeys(wanted) if c not in present]
         if not any(m.gates or m.gate_open is not None for m in out.models):
             out.missing.append("gate open rates (gate_open)")
-    out.verdicts = _verdicts(out, seeds_file, primary_file, refresh)
+    multi_seed = any(len(o["values"]) > 1 for m in record["models"].values() for r in m["rows"] for o in r["ours"].values())
+    out.verdicts = _verdicts(out, seeds_file, primary_file, refresh, multi_seed)
     return out
 
 
-def _verdicts(out: TableSummary, seeds_file: dict | None, primary_file: dict | None, refresh: dict) -> str:
-    tested = sum(1 for m in (seeds_file or {}).get("models", {}).values() for e in m
-                 if e["against"] == (out.models[0].reference if out.models else None) and e["t_p"] is not None)
-    own = (f"Holm over this table's {tested} seed-level tests of a difference from the reference row "
-           f"({out.table.name}_seeds.md)") if seeds_file else None
+def _verdicts(out: TableSummary, seeds_file: dict | None, primary_file: dict | None, refresh: dict,
+              multi_seed: bool) -> str:
+    name = out.table.name
     if primary_file:
         return (f"Verdicts: the primary family ({primary_file['size']} tests fixed in {primary_file['family']}; "
-                f"{out.table.name}_primary.md) for its members; the other cells carry no † (their seed-level tests: "
-                f"{out.table.name}_seeds.md).")
-    where = (f"{own}; the primary family (repro/primary_family.json) not computed for this table (`{refresh['primary']}`)"
-             if own else f"seed-level tests not computed (`{refresh['seeds']}`); the primary family not computed")
-    conditional = any(c.source == "conditional" for m in out.models for c in m.cells.values())
-    return f"Verdicts: {where}." + (" A column under one seed (marked so where others have more): the table's own paired "
-                                    "test, conditional on the trained bundles, Holm over its tests." if conditional else "")
+                f"{name}_primary.md) for its members; the other cells carry no † (their seed-level tests: {name}_seeds.md).")
+    reference = out.models[0].reference if out.models else None
+    tested = sum(1 for m in (seeds_file or {}).get("models", {}).values() for e in m
+                 if e["against"] == reference and e["t_p"] is not None)
+    sources = {c.source for m in out.models for c in m.cells.values()}
+    own = "the table's own paired tests, Holm over its tests (one seed: conditional on the trained bundles)"
+    if seeds_file:
+        where = f"Holm over this table's {tested} seed-level tests of a difference from the reference row ({name}_seeds.md)"
+    elif multi_seed:
+        where = f"seed-level tests not computed (`{refresh['seeds']}`); meanwhile {own}"
+    else:
+        where = f"{own}; no seed-level test with one seed"
+    primary = f"the primary family not computed for this table (`{refresh['primary']}`)" if multi_seed else ""
+    mixed = ("A column under one seed (marked so where others have more): the table's own paired test, Holm over its "
+             "tests." if seeds_file and "conditional" in sources else "")
+    return " ".join(part for part in (f"Verdicts: {where}" + (f"; {primary}." if primary else "."), mixed) if part)
 
 
 def _digits(half_widths: list[float]) -> int:

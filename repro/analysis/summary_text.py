@@ -109,17 +109,29 @@ def intro(summary: TableSummary) -> list[str]:
     # No-break spaces inside a link's text: a wrapped line never cuts one.
     links = " · ".join(f"[{what.replace(' ', NBSP)}]({name})" for what, name in summary.links.items())
     reference = next((m.reference for m in summary.models if m.reference), "the reference row")
-    marks = "; ".join(f"{mark} {meaning}" for mark, meaning in MARKS.items())
+    used = {c.mark for m in summary.models for c in [*m.cells.values(), *(c for _, by in m.between for c in by.values())]}
+    marks = "; ".join(f"{mark} {meaning}" for mark, meaning in MARKS.items() if mark in used)
     return [f"# Summary: {summary.shown_path}\n",
             wrap(f"{summary.title}. {links}. From `{summary.shown_path}` (profile `{summary.profile}`, seeds "
                  f"{', '.join(map(str, summary.seeds))}). Written with the table (repro/analysis/summary.py); "
                  f"`python -m repro.summary {summary.shown_path}` prints it.") + "\n",
-            wrap(f"Each cell: the row minus {reference}, the mean over seeds of each seed's difference, with its 95% "
-                 f"seed-level t interval (seeds - 1 degrees of freedom). {summary.verdicts} Marks: {marks}.") + "\n"
+            wrap(f"Each cell: the row minus {reference}, {_what(summary)} {summary.verdicts}"
+                 + (f" Marks: {marks}." if marks else "")) + "\n"
             if any(not m.means for m in summary.models) else
             wrap("Each cell: the row's figure, the mean over seeds, with its 95% interval where the table has one; "
                  "the table has no reference row to take differences from.") + "\n",
             *(wrap(f"Note: {note}") + "\n" for note in summary.notes)]
+
+
+def _what(summary: TableSummary) -> str:
+    """What a difference cell holds: seed-level figures, the table's own (one seed), or both by column."""
+    sources = {c.source for m in summary.models for c in m.cells.values()}
+    seed_level = ("the mean over seeds of each seed's difference, with its 95% seed-level t interval (seeds - 1 "
+                  "degrees of freedom)")
+    if sources == {"conditional"}:
+        return "paired on the same documents, with the table's own 95% interval (one seed)."
+    return seed_level + ("; a column under one seed: the table's own paired difference." if "conditional" in sources
+                         else ".")
 
 
 def markdown(summary: TableSummary) -> str:
