@@ -384,9 +384,16 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
             assert (rate is None) if row["row"] in UNGATED_ROWS else 0 <= rate <= 1, (row["row"], column, rate)
     if script == "ablation_table.py":  # EG-MARI with tau_E recalibrated on each labelling (issue 22)
         rows = [r["row"] for r in record["models"]["smollm2-135m-instruct"]["rows"]]
-        assert rows[-3:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)"]
-        [compared] = record["models"]["smollm2-135m-instruct"]["comparisons"]  # issue 36.7
-        assert (compared["row"], compared["against"]) == ("EG-MARI", "w/o Multi-Adapter") and compared["columns"]
+        # and EG-MARI whose gate is also calibrated on Self-Instruct seed tasks, its own bundles (issue 81.2)
+        assert rows[-4:] == ["EG-MARI", "EG-MARI (labels=flip)", "EG-MARI (labels=source)", "EG-MARI (requests in D_ctrl)"]
+        compared = record["models"]["smollm2-135m-instruct"]["comparisons"]  # issue 36.7
+        assert [(c["row"], c["against"]) for c in compared] == [("EG-MARI", "w/o Multi-Adapter"),
+                                                                 ("EG-MARI (requests in D_ctrl)", "EG-MARI")]
+        assert all(c["columns"] for c in compared)
+        requests = [b for b in (smoke_dirs[0] / "bundles").iterdir() if b.name.startswith("mari-")
+                    and json.loads((b / "bundle.json").read_text())["hyperparameters"].get("gate_requests")]
+        assert requests and all("requests" in json.loads((b / "bundle.json").read_text())["gate"]["ctrl_sources"]
+                                for b in requests)
     if script == "sensitivity.py":  # the rho sweep per labelling, the alpha_probe axis (issue 22)
         rows = {r["row"]: r for r in record["models"]["smollm2-135m-instruct"]["rows"]}
         assert list(rows) == ["Vanilla", "K=4", "rho=0.8, labels=loss", "rho=0.8, labels=source", "alpha_probe=1.0",
