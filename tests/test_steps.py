@@ -204,11 +204,16 @@ def test_the_other_scripts_plans_read_the_main_tables_bundles(tmp_path):
     evaluations = [s for s in graph.steps.values() if s.kind == steps.EVALUATE]
     own = [s for s in evaluations if s.key.endswith("(each bundle's task)")]
     by_labels = [s for s in evaluations if s.key.endswith("(gate rates per labelling)")]
-    assert len(own) + len(by_labels) == len(evaluations)
+    gates = [s for s in evaluations if s.key.endswith("(gate open per evaluation set)")]
+    assert len(own) + len(by_labels) + len(gates) == len(evaluations)
     assert {args for s in own for _, args in s.action.rows} == {"", "gate=false"}
     assert {args for s in by_labels for _, args in s.action.rows} == {"", "labels=flip", "labels=source"}
+    # the gate's open rate on each attribute's test set (issue 81.1): the main table's MARI row, its evaluations
+    assert {args for s in gates for _, args in s.action.rows} == {""}
+    assert {t for s in gates for t in s.action.tasks} == {"truthfulqa_mc1_heldout", "truthfulqa_mc2_heldout",
+                                                          "bbq_disambig_heldout", "sorry_bench_heldout"}
     bbq = [s for s in evaluations if "bbq_disambig_heldout" in s.action.tasks]
-    assert len(bbq) == 2  # BBQ in both parts, kept apart under their names
+    assert len(bbq) == 3  # BBQ in every part, kept apart under their names
 
     (tqa,) = [s for s in transfer_gsm8k.plan(profile, store).steps.values() if s.kind == steps.TRAIN]
     assert tqa.key in mari and "truthfulqa" in tqa.label
