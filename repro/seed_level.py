@@ -45,6 +45,7 @@ from repro.analysis import intervals
 from repro.analysis.documents_check import checked_table
 from repro.analysis.documents_file import SUFFIX, shown_path, table_command_line
 from repro.engine.profiles import REPO
+from repro.analysis.report_page import write_readings
 from repro.analysis.tables import markdown_table, p_text, write_record
 
 
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     table = table_command_line(__doc__, argv)
     result = analyse(table)
     write_record(table.parent / f"{table.name}_seeds", result, markdown(result, result["one_seed_columns"]))
+    write_readings(table)  # the summary's cells are these figures; results/index.html (repro/report.py)
     return 0
 
 

@@ -26,6 +26,7 @@ from repro.analysis.differences import comparisons_json, reference_differences
 from repro.engine.documents import clustered_columns, split_clusters
 from repro.analysis.documents_file import DIGEST_FIELD, cell_clusters, cell_documents, shown_path, write_documents
 from repro.analysis.completions_file import write_completions
+from repro.analysis.report_page import write_readings
 from repro.engine.judged import (agreement_record, agreement_sentence, cell_text, judge_record, judge_sentence,
                                  withhold_below_floor)
 from repro.engine.profiles import COLUMN_DIGITS, PAPER, PERCENT_COLUMNS, REPO, Profile, column_header, describe
@@ -363,6 +364,7 @@ def write_tables(out: Path, name: str, title: str, intro: str, cells: dict, colu
         tex += "\n" + latex_table(["Row"] + headers, tex_differences)
         plot_differences(record, columns, out / f"{name}_differences.png", title)
     atomic_write(out / f"{name}.tex", tex)
+    write_readings(out / name)  # NAME_summary.md; results/index.html for a table of results/ (repro/report.py)
     print("\n".join(md))
     return record
 
