@@ -127,9 +127,18 @@ def start(binary: str, profile: Path) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(f"{binary} did not start: {process.stderr.read().decode(errors='replace')[-2000:]}")
         time.sleep(0.1)
     port = port_file.read_text().split()[0]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=START_SECONDS) as answer:
-        pages = [t for t in json.loads(answer.read()) if t["type"] == "page"]
-    return process, pages[0]["webSocketDebuggerUrl"]
+    while True:  # on a loaded machine the list can answer empty, or without the page, for a moment after the port
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=START_SECONDS) as answer:
+                pages = [t for t in json.loads(answer.read()) if t["type"] == "page"]
+        except (ValueError, OSError):
+            pages = []
+        if pages:
+            return process, pages[0]["webSocketDebuggerUrl"]
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{binary} gave no page to drive within {START_SECONDS} s")
+        time.sleep(0.2)
 
 
 def ink(png: bytes) -> float:
