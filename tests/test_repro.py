@@ -391,6 +391,7 @@ def test_every_repro_script_runs_in_smoke_mode(smoke_dirs, script, args, outputs
                                                                  ("EG-MARI (requests in D_ctrl)", "EG-MARI")]
         assert all(c["columns"] for c in compared)
         requests = [b for b in (smoke_dirs[0] / "bundles").iterdir() if b.name.startswith("mari-")
+                    and (b / "bundle.json").is_file()
                     and json.loads((b / "bundle.json").read_text())["hyperparameters"].get("gate_requests")]
         assert requests and all("requests" in json.loads((b / "bundle.json").read_text())["gate"]["ctrl_sources"]
                                 for b in requests)
