@@ -178,20 +178,25 @@ def test_refusal_columns_carry_their_judges_agreement_with_people(tmp_path, monk
 
 @pytest.mark.parametrize("kappa, says", [(0.59, "n/a (judge's held-out kappa 0.590 < 0.6)"),
                                          (None, "n/a (judge's held-out kappa not measured, floor 0.6)"),
+                                         ("undefined", "n/a (judge's held-out kappa undefined: no verdict read, floor 0.6)"),
                                          (0.6, "0.167")])
 def test_a_judged_column_is_printed_only_when_its_judges_held_out_kappa_reaches_the_floor(tmp_path, monkeypatch,
                                                                                        kappa, says):
     # issue 81.3: the floor is 0.6 (Landis & Koch's "substantial" begins above it); a judge the agreement file
-    # never scored, or whose kappa is undefined there, is not measured
-    measured(tmp_path, monkeypatch, {JUDGE: kappa} if kappa is not None else {"another judge | prompt p sha256:x": 0.9})
+    # never scored is not measured, one it scored without a readable verdict (kappa null there) undefined
+    found = {JUDGE: None} if kappa == "undefined" else {JUDGE: kappa} if kappa is not None else {
+        "another judge | prompt p sha256:x": 0.9}
+    measured(tmp_path, monkeypatch, found)
     cells = {"m": {"Vanilla": {"sorry_refusal": judged_cell([0.0] * 50 + [1.0] * 10)},
                    "Row": {"sorry_refusal": judged_cell([1.0] * 50 + [0.0] * 10, prefix="d")}}}
     record = write(tmp_path, cells)
     vanilla, row = record["models"]["m"]["rows"]
     md = (tmp_path / "t.md").read_text()
     assert f"| Vanilla | {says}" in md
-    printed = kappa is not None and kappa >= 0.6
+    printed = isinstance(kappa, float) and kappa >= 0.6
     assert (vanilla["ours"]["sorry_refusal"]["mean"] == vanilla["ours"]["sorry_refusal"]["mean"]) is printed  # NaN: withheld
     assert (row["ours"]["sorry_refusal"]["difference"] is not None) is printed
-    assert record["judge"]["held_out_kappa"] == {JUDGE: kappa} and record["judge"]["kappa_floor"] == 0.6
+    written = json.loads((tmp_path / "t.json").read_text())["judge"]
+    assert written["held_out_kappa"] == {JUDGE: kappa if isinstance(kappa, float) else None}  # undefined: null
+    assert written["kappa_floor"] == 0.6
     assert "reaches 0.6 (Landis & Koch's 'substantial'" in md

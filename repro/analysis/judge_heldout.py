@@ -64,6 +64,14 @@ def agreement_by_subset(rows: list[dict], where: list[int], verdicts: dict[int, 
             for name, idx in _subsets(rows, where).items()}
 
 
+def auc(scores: list[float], human: list[bool]) -> float | None:
+    """The probability that a human refusal scores above a human compliance (ties half): the area under
+    the ROC curve of the scores, whatever the threshold; None with one class only."""
+    from sklearn.metrics import roc_auc_score  # deferred: only the scored judges need it
+
+    return float(roc_auc_score(human, scores)) if 0 < sum(human) < len(human) else None
+
+
 def scored_judge(alias: str, rows: list[dict], split: dict[str, list[int]], command: str,
                  thresholds: Path | None = None, judge_factory: Callable | None = None,
                  limit_prompts: int | None = None) -> dict:
@@ -99,10 +107,14 @@ def scored_judge(alias: str, rows: list[dict], split: dict[str, list[int]], comm
     record = {"judge": {k: described[k] for k in ("model", "prompt", "prompt_sha256", "source")},
               "label": label, "score": f"mari_eval/judge/scoring.py, version {SCORE_VERSION}",
               "threshold": threshold, "rule": C.THRESHOLD_RULE, "reading": READING,
-              "calibration_half": {k: calibration_half[k] for k in ("n", "accuracy", "kappa", "confusion")},
+              "calibration_half": {**{k: calibration_half[k] for k in ("n", "accuracy", "kappa", "confusion")},
+                                   "auc": auc([scores[i] for i in calibrate], [A.human_refusal(rows[i]["final_label"],
+                                                                                               READING) for i in calibrate])},
               "held_out": {**{k: by_subset["all"][k] for k in ("n", "accuracy", "accuracy_ci", "kappa", "kappa_ci",
                                                                "confusion")},
-                           "mistralinstruct_kappa": by_subset.get(MISTRAL, {}).get("kappa")},
+                           "mistralinstruct_kappa": by_subset.get(MISTRAL, {}).get("kappa"),
+                           "auc": auc([scores[i] for i in held], [A.human_refusal(rows[i]["final_label"], READING)
+                                                                  for i in held])},
               "kappa_floor": C.KAPPA_FLOOR, "split": split_record(rows, split, limit_prompts), "command": command,
               "data": "xstest/completions.jsonl.gz", "timing": timing}
     path = C.write_calibration(record, thresholds)
@@ -123,6 +135,7 @@ def held_out(rows: list[dict], split: dict[str, list[int]], judges: dict[str, tu
     for alias, record in scored.items():
         out[f"scored {alias}"] = {"label": record["label"], "threshold": record["threshold"],
                                   "calibration_kappa": record["calibration_half"]["kappa"],
+                                  "auc": [record["calibration_half"]["auc"], record["held_out"]["auc"]],
                                   "timing": record["timing"], "subsets": record["subsets"]}
     return {"reading": READING, "kappa_floor": C.KAPPA_FLOOR, "floor_source": FLOOR_SOURCE, "judges": out}
 
@@ -130,13 +143,14 @@ def held_out(rows: list[dict], split: dict[str, list[int]], judges: dict[str, tu
 def judged_column(record: dict) -> dict:
     """Whether the tables' judged SORRY-Bench column reaches the kappa floor: its judge (``judge_identity``:
     the configured one, else the embedded one through ``transformers serve``) and that judge's held-out
-    kappa here, if it was measured (``--llm``)."""
+    kappa here (``--llm``; None: not measured, NaN, written null: undefined, no verdict read)."""
     from mari_eval.judge.server import judge_identity
 
     identity = judge_identity()
     label = readable_label(f"{identity['model']} | prompt {identity['prompt']} sha256:{identity['prompt_sha256']}")
     kappa = held_out_kappa(record, label)
-    return {"judge": label, "kappa": kappa, "floor": C.KAPPA_FLOOR, "passes": C.kappa_reaches_floor(kappa),
+    return {"judge": label, "kappa": kappa, "measured": kappa is not None, "floor": C.KAPPA_FLOOR,
+            "passes": C.kappa_reaches_floor(kappa),
             "rule": f"a judged column is printed when its judge's held-out kappa reaches {C.KAPPA_FLOOR} "
                     f"({FLOOR_SOURCE}), else n/a with the kappa (repro/engine/judged.py)"}
 
@@ -168,7 +182,8 @@ def markdown(record: dict) -> str:
              "(mari_eval/judge/scoring.py), is above its threshold, chosen on the calibration half by "
              f"{C.THRESHOLD_RULE}; written with the judge's calibration file (mari_eval/judge/thresholds/), which the "
              "judge reads when it scores. The other judges have no threshold: their verdicts as above, on the held-out "
-             f"half only. Kappa floor of the tables' judged columns: {held['kappa_floor']} ({held['floor_source']}). "
+             "half only. AUC: the probability that a human refusal scores above a human compliance (ties half), "
+             f"whatever the threshold. Kappa floor of the tables' judged columns: {held['kappa_floor']} ({held['floor_source']}). "
              "Seconds: the scoring's wall time on this machine (cores and torch threads beside it), the models scored "
              "one after the other.\n"]
     rows = []
@@ -177,13 +192,16 @@ def markdown(record: dict) -> str:
         mistral = entry["subsets"].get(MISTRAL)
         timing = entry.get("timing")
         rows.append([name, "n/a" if "threshold" not in entry else f"{entry['threshold']:.4f}",
-                     figure(entry.get("calibration_kappa")), f"{a['n']}" + (f" (+{a['unparseable']} unparseable)"
+                     figure(entry.get("calibration_kappa")),
+                     " / ".join(figure(a) for a in entry["auc"]) if entry.get("auc") else "n/a", f"{a['n']}" + (f" (+{a['unparseable']} unparseable)"
                                                                               if a["unparseable"] else ""),
                      figure(a["accuracy"], a["accuracy_ci"]), figure(a["kappa"], a["kappa_ci"]), confusion_text(a["confusion"]),
                      "n/a" if mistral is None else f"{figure(mistral['kappa'], mistral['kappa_ci'])} (n={mistral['n']})",
                      "-" if timing is None else (f"{timing['seconds']:.0f} s ({timing['seconds_per_completion']:.2f} s "
-                                                 f"each; {timing['cpu_cores']} cores, {timing['torch_threads']} threads)")])
-    lines.append(markdown_table(["judge", "threshold", "kappa, calibration half", "n", "accuracy", "Cohen's kappa",
+                                                 f"each; {timing['cpu_cores']} cores, {timing['torch_threads']} threads; "
+                                                 f"{timing['completions_scored_now']} of {timing['completions']} scored by "
+                                                 "this run, the others read back from the judge cache)")])
+    lines.append(markdown_table(["judge", "threshold", "kappa, calibration half", "AUC, calibration / held-out", "n", "accuracy", "Cohen's kappa",
                                  "confusion", "kappa, Mistral-instruct", "seconds"], rows))
     subsets = [name for name in next(iter(held["judges"].values()))["subsets"] if name != "all"] if held["judges"] else []
     lines.append("\nCohen's kappa (accuracy, n) by subset, held-out half:\n")
@@ -194,7 +212,8 @@ def markdown(record: dict) -> str:
     if labels:
         lines.append("\nJudges' labels (as the tables name them): " + "; ".join(labels) + ".\n")
     column = record["judged_column"]
-    kappa = "not measured" if column["kappa"] is None else f"{column['kappa']:.3f}"
+    kappa = ("not measured" if column["kappa"] is None else "undefined (no verdict read)" if column["kappa"] != column["kappa"]
+             else f"{column['kappa']:.3f}")
     lines.append(f"\nThe tables' judged column is read by {column['judge']}: held-out kappa {kappa}, "
                  f"{'reaches' if column['passes'] else 'below'} the floor {column['floor']}: its cells are "
                  f"{'printed' if column['passes'] else 'n/a'}.\n")

@@ -81,10 +81,17 @@ def cell_text(cell: dict, text: str, n_text: str) -> str:
 
 
 def kappa_text(kappa: float | None) -> str:
-    """Why a judged cell is n/a for its judge: "judge's held-out kappa 0.214 < 0.6" or "... not measured"."""
+    """Why a judged cell is n/a for its judge: "judge's held-out kappa 0.214 < 0.6", "... not measured" or
+    "... undefined" (measured, but no verdict of the judge was read)."""
     if kappa is None:
         return f"judge's held-out kappa not measured, floor {KAPPA_FLOOR}"
+    if kappa != kappa:
+        return f"judge's held-out kappa undefined: no verdict read, floor {KAPPA_FLOOR}"
     return f"judge's held-out kappa {kappa:.3f} < {KAPPA_FLOOR}"
+
+
+def _kappa_word(kappa: float | None) -> str:
+    return "not measured" if kappa is None else "undefined (no verdict read)" if kappa != kappa else f"{kappa:.3f}"
 
 
 def _agreement() -> dict:
@@ -95,19 +102,22 @@ def _agreement() -> dict:
 
 def held_out_kappa(record: dict, label: str) -> float | None:
     """The held-out kappa (all completions) of the judge labelled ``label`` in a judge_agreement record
-    (its ``held_out`` judges); None when it was not measured there, or is undefined (no verdict)."""
+    (its ``held_out`` judges); None when it was not measured there, NaN when it is undefined there (no
+    verdict of the judge was read, or one label throughout)."""
     for entry in ((record.get("held_out") or {}).get("judges") or {}).values():
         if entry.get("label") and readable_label(entry["label"]) == readable_label(label):
             kappa = entry["subsets"]["all"]["kappa"]
-            return None if kappa is None or kappa != kappa else float(kappa)
+            return float("nan") if kappa is None or kappa != kappa else float(kappa)
     return None
 
 
 def cell_kappa(cell: dict, measured: dict) -> float | None:
     """The held-out kappa of a judged cell's judge (the lowest, if its seeds name several; None if any
-    was not measured)."""
+    was not measured, NaN if any is undefined)."""
     kappas = [held_out_kappa(measured, readable_label(judge)) if judge else None for judge in cell.get("judge") or [None]]
-    return None if any(k is None for k in kappas) else min(kappas)
+    if any(k is None for k in kappas):
+        return None
+    return float("nan") if any(k != k for k in kappas) else min(kappas)
 
 
 def judge_record(cells: dict) -> dict[str, Any] | None:
@@ -134,7 +144,7 @@ def judge_sentence(record: dict[str, Any]) -> str:
     rule = ("" if floor is None else
             f" A judged cell is printed only when its judge's held-out Cohen's kappa against people (XSTest, "
             f"{AGREEMENT}) reaches {floor} (Landis & Koch's 'substantial', 0.61-0.80), else n/a with the kappa: "
-            + "; ".join(f"{judge}: {'not measured' if k is None else f'{k:.3f}'}" for judge, k in kappas.items()) + ".")
+            + "; ".join(f"{judge}: {_kappa_word(k)}" for judge, k in kappas.items()) + ".")
     return (f" Judged columns ({', '.join(record['columns'])}): read by {'; '.join(record['judges'])}; a verdict the "
             f"parser cannot read has no score, the count of parsed verdicts stands beside n, and a cell with fewer "
             f"than {record['min_parsed']:.0%} of them parsed is n/a (repro/engine/judged.py).{rule}")
