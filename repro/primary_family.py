@@ -29,16 +29,17 @@ from pathlib import Path
 import numpy as np
 from scipy import optimize, stats
 
+from mari_eval.storage.numbers import NumberError, read_number
 from repro.analysis import intervals
 from repro.analysis.documents_check import checked_table
 from repro.analysis.documents_file import shown_path, table_argument
 from repro.analysis.report_page import write_readings
+from repro.analysis.summary import FAMILY_SPEC, judged_sorry
 from repro.analysis.tables import markdown_table, write_record
 from repro.engine.profiles import REPO
-from repro.seed_level import seed_level
+from repro.seed_level import seed_level, t_figures
 
-FAMILY_FILE = Path(__file__).with_name("primary_family.json")
-JUDGE_AGREEMENT = REPO / "results" / "judge_agreement.json"
+FAMILY_FILE = FAMILY_SPEC
 POWER = 0.8
 
 
@@ -69,11 +70,11 @@ class Family:
 
 def load_family(path: Path = FAMILY_FILE, sorry_column: str | None = None) -> Family:
     """The family of ``path``, its SORRY-Bench primary column resolved (``sorry_column``, else
-    ``sorry_primary``); refuses a file whose members do not add up to its stated size."""
+    ``summary.judged_sorry``); refuses a file whose members do not add up to its stated size."""
     spec = json.loads(path.read_text())
     method, reference, rows = spec["method"], spec["reference"], spec["rows"]
     primary = {attribute: entry["column"] for attribute, entry in spec["primary"].items()}
-    primary["sorry_bench"] = sorry_column or sorry_primary(spec)[0]
+    primary["sorry_bench"] = sorry_column or judged_sorry(spec)[0]
     members = [Member("effect", f"{method} - {against}: {column}", method, against, (column,))
                for against in [reference, *rows] for column in primary.values()]
     for name, cost in spec["costs"].items():
@@ -85,21 +86,6 @@ def load_family(path: Path = FAMILY_FILE, sorry_column: str | None = None) -> Fa
         raise ValueError(f"{path} states a family of {spec['size']} tests but names {len(members)}: correct 'size' "
                          "in the same commit that changes the members, and say why there")
     return Family(tuple(members), float(spec["alpha"]), method, reference, spec["primary"]["sorry_bench"]["fallback"])
-
-
-def sorry_primary(spec: dict, agreement: Path = JUDGE_AGREEMENT) -> tuple[str, str]:
-    """SORRY-Bench's primary column and why: the judged rate when results/judge_agreement.json names a
-    judge whose held-out kappa reaches its floor (``judged_column``: {"passes": true, ...}), else the
-    keyword rate."""
-    entry = spec["primary"]["sorry_bench"]
-    try:
-        judged = json.loads(agreement.read_text()).get("judged_column") or {}
-    except (OSError, ValueError):
-        judged = {}
-    if judged.get("passes"):
-        return entry["column"], f"judged: {judged.get('judge')} held-out kappa {judged.get('kappa')} >= {judged.get('floor')}"
-    return entry["fallback"], ("keyword judge: no LLM judge in results/judge_agreement.json reaches the kappa floor"
-                               + (f" ({judged.get('judge')}: kappa {judged.get('kappa')})" if judged else ""))
 
 
 def detectable(members: int, seeds: int, alpha: float = 0.05, power: float = POWER) -> tuple[float, float]:
@@ -141,12 +127,7 @@ def test_family(table: Path, family: Family) -> dict:
             entry = {"kind": member.kind, "label": member.label, "row": member.row, "against": member.against,
                      "columns": list(member.columns), "per_seed": per_seed, "mean": None, "t_ci": None, "t_p": None}
             if per_seed is not None:
-                count, mean, spread = len(per_seed), float(np.mean(per_seed)), float(np.std(per_seed, ddof=1))
-                entry.update(mean=mean, std=spread, seeds=count)
-                if spread > 1e-12 * max(1.0, abs(mean)):
-                    half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
-                    entry.update(t_ci=[mean - half, mean + half],
-                                 t_p=float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1)))
+                entry.update(t_figures(per_seed))
             results.append(entry)
         adjusted = intervals.holm([1.0 if r["t_p"] is None else r["t_p"] for r in results])
         for entry, p in zip(results, adjusted):
@@ -195,14 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="3,5", help="seed counts for --power (comma-separated)")
     args = parser.parse_args(argv)
     spec = json.loads(FAMILY_FILE.read_text())
-    column, reason = sorry_primary(spec)
+    column, reason = judged_sorry(spec)
     family = load_family(sorry_column=column)
     if args.power:
-        counts = []
-        for text in args.seeds.split(","):
-            if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 2:
-                parser.error(f"--seeds {args.seeds!r}: give seed counts of 2 or more, e.g. --seeds 3,5")
-            counts.append(int(text))
+        try:
+            counts = [read_number(text, "--seeds", integer=True, lo=2, example="--seeds 3,5") for text in args.seeds.split(",")]
+        except NumberError as e:
+            parser.error(str(e))
         print(power_text(family, counts))
         return 0
     if args.table is None:

@@ -58,6 +58,18 @@ def _paired(mine: dict, theirs: dict, clusters: dict | None) -> list[np.ndarray]
     return [np.array(v) for v in units.values()]
 
 
+def t_figures(per_seed: list[float]) -> dict:
+    """The seeds' differences as units: their mean, standard deviation and count, the t interval and the
+    two-sided one-sample t test of mean zero (S - 1 degrees of freedom); ``t_ci`` and ``t_p`` None where every
+    seed gave the same difference (t is D / 0, or 0 / 0: not a test)."""
+    mean, spread, count = float(np.mean(per_seed)), float(np.std(per_seed, ddof=1)), len(per_seed)
+    t_ci, p = None, None
+    if spread > 1e-12 * max(1.0, abs(mean)):  # not float noise between equal counts
+        half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
+        t_ci, p = [mean - half, mean + half], float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1))
+    return {"mean": mean, "std": spread, "seeds": count, "t_ci": t_ci, "t_p": p}
+
+
 def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATIONS, seed: int = intervals.SEED) -> dict | None:
     """The seed-level figures of ``row`` minus ``reference`` (cells as ``read_documents`` gives them);
     None when they share fewer than two seeds."""
@@ -70,11 +82,8 @@ def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATION
     if len(strata) < 2:
         return None
     per_seed = [float(np.concatenate(units).mean()) for units in strata]
-    mean, spread, count = float(np.mean(per_seed)), float(np.std(per_seed, ddof=1)), len(per_seed)
-    t_ci, p = None, None  # every seed gave the same difference: t is D / 0 (or 0 / 0), not a test; see below
-    if spread > 1e-12 * max(1.0, abs(mean)):  # not float noise between equal counts
-        half = stats.t.ppf(1 - (1 - intervals.LEVEL) / 2, count - 1) * spread / math.sqrt(count)
-        t_ci, p = [mean - half, mean + half], float(2 * stats.t.sf(abs(mean) / (spread / math.sqrt(count)), count - 1))
+    figures = t_figures(per_seed)
+    count = figures["seeds"]
     rng = np.random.default_rng(seed)
     draws = np.empty(iterations)
     sums = [np.array([u.sum() for u in units]) for units in strata]
@@ -87,8 +96,7 @@ def seed_level(row: dict, reference: dict, iterations: int = intervals.ITERATION
         draws[i] = np.mean(means)
     tail = (1 - intervals.LEVEL) / 2 * 100
     low, high = np.percentile(draws, [tail, 100 - tail])
-    return {"per_seed": per_seed, "mean": mean, "std": spread, "seeds": count,
-            "t_ci": t_ci, "t_p": p, "hierarchical_ci": [float(low), float(high)]}
+    return {"per_seed": per_seed, **figures, "hierarchical_ci": [float(low), float(high)]}
 
 
 def analyse(table: Path) -> dict:

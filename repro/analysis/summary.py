@@ -135,14 +135,24 @@ def family_spec() -> dict:
     return json.loads(FAMILY_SPEC.read_text())
 
 
+def judged_sorry(spec: dict) -> tuple[str, str]:
+    """The primary family's rule for SORRY-Bench's primary column, and why: the judged rate when
+    results/judge_agreement.json names a judge whose held-out kappa reaches its floor (``judged_column``:
+    {"passes": true, ...}), else the keyword rate. Read here and by repro/primary_family.py."""
+    entry = spec["primary"]["sorry_bench"]
+    judged = (_read(JUDGE_AGREEMENT) or {}).get("judged_column") or {}
+    if judged.get("passes"):
+        return entry["column"], f"judged: {judged.get('judge')} held-out kappa {judged.get('kappa')} >= {judged.get('floor')}"
+    return entry["fallback"], ("keyword judge: no LLM judge in results/judge_agreement.json reaches the kappa floor"
+                               + (f" ({judged.get('judge')}: kappa {judged.get('kappa')})" if judged else ""))
+
+
 def sorry_column(spec: dict, primary: dict | None) -> str:
-    """SORRY-Bench's primary column: as the table's primary-family file resolved it, else the judged rate when
-    results/judge_agreement.json says its judge passes, else the keyword rate (repro/primary_family.py)."""
+    """SORRY-Bench's primary column: as the table's primary-family file resolved it, else by the family's
+    rule (``judged_sorry``)."""
     if primary and primary.get("sorry_primary"):
         return primary["sorry_primary"]["column"]
-    entry = spec["primary"]["sorry_bench"]
-    judged = ((_read(JUDGE_AGREEMENT) or {}).get("judged_column") or {})
-    return entry["column"] if judged.get("passes") else entry["fallback"]
+    return judged_sorry(spec)[0]
 
 
 def _values_difference(rows: dict, row: str, against: str, columns: tuple[str, ...]) -> list[float] | None:
